@@ -1,0 +1,38 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all lint bench proto clean
+
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh
+	bash scripts/install-system-deps.sh
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m kvstore.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(VENV)/bin/kvstore bench api
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. kvstore/proto/kvstore.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info
