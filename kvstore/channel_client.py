@@ -1,0 +1,259 @@
+"""Client side of the transfer channel (format in ``kvstore.wire``).
+
+A ``ChannelConnection`` is one stream serving one request at a time; the
+``Client`` keeps a pool of them for concurrent callers. Values land directly
+in the caller's buffer (``recv_into`` over TCP, one memcpy from the mapped
+region over shared memory).
+"""
+
+from __future__ import annotations
+
+import mmap
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvstore import wire
+from kvstore.errors import InvalidArgument, KVStoreError, error_for_code
+from kvstore.wire import HEADER, Mode, Op
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+SHM_PUT_MIN_BYTES = 64 << 10
+"""Puts at least this large (per batch) go through reserve/commit in shared memory."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ChannelSession:
+    """What ``OpenChannel`` told the client; shared by all its connections."""
+
+    tcp_host: str
+    tcp_port: int
+    unix_path: str
+    token: bytes
+    region_bytes: int
+    region: mmap.mmap | None = field(default=None)
+
+    def close(self) -> None:
+        if self.region is not None:
+            try:
+                self.region.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with it
+            self.region = None
+
+
+def _as_bytes_view(value: object) -> memoryview:
+    try:
+        return memoryview(value).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        numpy = getattr(value, "numpy", None)  # a torch CPU tensor
+        if numpy is not None:
+            return memoryview(numpy()).cast("B")
+        raise InvalidArgument(f"value must be a bytes-like object, got {type(value).__name__}"
+                              ) from None
+
+
+def as_readable(value: object) -> memoryview:
+    """A flat byte view of a bytes-like value, numpy array or torch CPU tensor."""
+    view = _as_bytes_view(value)
+    if not view.contiguous:
+        raise InvalidArgument("value must be contiguous")
+    return view
+
+
+def as_writable(buf: object) -> memoryview:
+    view = _as_bytes_view(buf)
+    if view.readonly or not view.contiguous:
+        raise InvalidArgument("buffer must be writable and contiguous")
+    return view
+
+
+class ChannelConnection:
+    """One transfer-channel stream."""
+
+    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None) -> None:
+        self.session = session
+        self.mode = mode
+        if mode is Mode.SHM:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            path = session.unix_path
+            sock.settimeout(timeout)
+            sock.connect("\0" + path[1:] if path.startswith("@") else path)
+        else:
+            sock = socket.create_connection((session.tcp_host, session.tcp_port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        try:
+            self._hello(timeout)
+        except BaseException:
+            sock.close()
+            raise
+        # Blocking from here on: a transfer takes as long as its size needs.
+        sock.settimeout(None)
+        self._header = bytearray(HEADER.size)
+
+    def _hello(self, timeout: float | None) -> None:
+        self.sock.sendall(wire.HELLO.pack(wire.MAGIC, self.session.token, self.mode))
+        if self.mode is Mode.SHM:
+            msg, fds, _, _ = socket.recv_fds(self.sock, wire.HELLO_REPLY.size, 1)
+            try:
+                status, _region = wire.HELLO_REPLY.unpack(msg)
+                self._check_hello(status)
+                if self.session.region is None:
+                    self.session.region = mmap.mmap(fds[0], self.session.region_bytes,
+                                                    flags=mmap.MAP_SHARED)
+            finally:
+                for fd in fds:
+                    socket.close(fd)
+        else:
+            status, _region = wire.HELLO_REPLY.unpack(wire.recv_exact(self.sock,
+                                                                      wire.HELLO_REPLY.size))
+            self._check_hello(status)
+
+    @staticmethod
+    def _check_hello(status: int) -> None:
+        if status:
+            raise error_for_code(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
+                                 f"transfer channel refused (status {status})")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ---- framing -------------------------------------------------------------------------
+
+    def _send(self, op: Op, count: int, meta: bytes,
+              values: Sequence[memoryview] = ()) -> None:
+        wire.send_buffers(self.sock, [HEADER.pack(op, count, len(meta)), meta, *values])
+
+    def _response(self) -> tuple[int, bytes]:
+        wire.recv_exact_into(self.sock, memoryview(self._header))
+        status, count, meta_len = HEADER.unpack(self._header)
+        meta = wire.recv_exact(self.sock, meta_len)
+        if status:
+            raise error_for_code(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
+                                 meta.decode("utf-8", "replace"))
+        return count, meta
+
+    def _call(self, op: Op, count: int, meta: bytes,
+              values: Sequence[memoryview] = ()) -> tuple[int, bytes]:
+        self._send(op, count, meta, values)
+        return self._response()
+
+    # ---- ops -----------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+            ) -> list[bytes | int | None]:
+        """Values of ``keys``: into ``outs[i]`` (returns nbytes) or as new bytes."""
+        if self.mode is Mode.SHM:
+            return self._get_shm(keys, outs)
+        count, meta = self._call(Op.GET, len(keys), wire.pack_keys(keys))
+        lengths = wire.unpack_ids(meta, count)
+        results: list[bytes | int | None] = []
+        too_small: str | None = None
+        for i, n in enumerate(lengths):
+            if n == wire.MISS:
+                results.append(None)
+                continue
+            out = outs[i] if outs is not None else None
+            if out is None:
+                results.append(wire.recv_bytes(self.sock, n))
+            elif len(out) < n:
+                wire.discard(self.sock, n, memoryview(bytearray(min(n, 1 << 20))))
+                too_small = too_small or f"buffer of {len(out)} bytes for a {n}-byte value"
+                results.append(None)
+            else:
+                wire.recv_exact_into(self.sock, out[:n])
+                results.append(n)
+        if too_small:
+            raise InvalidArgument(too_small)
+        return results
+
+    def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+                 ) -> list[bytes | int | None]:
+        count, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
+        region = self.session.region
+        assert region is not None
+        results: list[bytes | int | None] = []
+        leases: list[int] = []
+        try:
+            for i, (lease, offset, n) in enumerate(wire.LEASE_ITEM.iter_unpack(meta)):
+                if lease == 0:
+                    results.append(None)
+                    continue
+                leases.append(lease)
+                out = outs[i] if outs is not None else None
+                if out is None:
+                    results.append(region[offset : offset + n])
+                elif len(out) < n:
+                    raise InvalidArgument(f"buffer of {len(out)} bytes for a {n}-byte value")
+                else:
+                    with memoryview(region) as rv:
+                        out[:n] = rv[offset : offset + n]
+                    results.append(n)
+        finally:
+            if leases:
+                self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+        return results
+
+    def put(self, keys: Sequence[bytes], values: Sequence[memoryview],
+            parents: Sequence[bytes | None], pin: bool) -> list[bool]:
+        sizes = [len(v) for v in values]
+        limit = self.session.region_bytes
+        for n in sizes:
+            if n == 0:
+                raise InvalidArgument("a block value must not be empty")
+            if n > limit:
+                raise error_for_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"value of {n} bytes exceeds the node's capacity of "
+                                     f"{limit} bytes")
+        meta = wire.pack_put_items(keys, sizes, parents, pin)
+        if self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES:
+            return self._put_shm(keys, values, meta)
+        count, reply = self._call(Op.PUT, len(keys), meta, values)
+        return [bool(b) for b in reply]
+
+    def _put_shm(self, keys: Sequence[bytes], values: Sequence[memoryview], meta: bytes
+                 ) -> list[bool]:
+        count, reply = self._call(Op.RESERVE, len(keys), meta)
+        region = self.session.region
+        assert region is not None
+        rids: list[int] = []
+        slots: list[int | None] = []
+        for rid, offset, state in wire.RESERVE_ITEM.iter_unpack(reply):
+            if state == wire.RESERVE_OK:
+                rids.append(rid)
+                slots.append(offset)
+            else:
+                slots.append(None)
+        if not rids:
+            return [False] * len(keys)
+        try:
+            with memoryview(region) as rv:
+                for offset, value in zip(slots, values, strict=True):
+                    if offset is not None:
+                        rv[offset : offset + len(value)] = value
+        except BaseException:
+            self._send(Op.ABORT, len(rids), wire.pack_ids(rids))
+            raise
+        _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
+        done = iter(committed)
+        return [False if offset is None else bool(next(done)) for offset in slots]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        _, meta = self._call(Op.EXISTS, len(keys), wire.pack_keys(keys))
+        return [bool(b) for b in meta]
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        count, _ = self._call(Op.PREFIX, len(keys), wire.pack_keys(keys))
+        return count
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        _, meta = self._call(Op.REMOVE, len(keys), wire.pack_keys(keys))
+        return [bool(b) for b in meta]
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError | EOFError) and not isinstance(exc, KVStoreError)

@@ -1,0 +1,343 @@
+"""Server side of the transfer channel (format in ``kvstore.wire``).
+
+One thread per connection: blocking ``recv_into``/``sendmsg`` release the GIL
+for the whole transfer, and a connection serves one request at a time, so the
+per-connection state (leases, reservations, scratch buffers) needs no lock.
+Everything a connection holds (read leases, shared-memory reservations) is
+released when it closes, however it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from kvstore import wire
+from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
+from kvstore.keys import BlockKey
+from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
+from kvstore.wire import HEADER, Mode, Op, ProtocolError
+
+log = logging.getLogger("kvstore.channel")
+
+_SCRATCH = 1 << 20
+
+
+class _Abandon(Exception):
+    """Reply with ``error`` and close: the rest of the request will not be read."""
+
+    def __init__(self, error: KVStoreError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Connection:
+    """One client stream."""
+
+    def __init__(self, node: Node, sock: socket.socket, mode: Mode) -> None:
+        self.node = node
+        self.sock = sock
+        self.mode = mode
+        self.leases = LeaseSet(node)
+        self.reservations = ReservationSet(node)
+        self.header = bytearray(HEADER.size)
+        self.scratch: memoryview | None = None
+        self.handlers: dict[Op, Callable[[int, bytes], None]] = {
+            Op.GET: self.on_get,
+            Op.PUT: self.on_put,
+            Op.EXISTS: self.on_exists,
+            Op.PREFIX: self.on_prefix,
+            Op.REMOVE: self.on_remove,
+        }
+        if mode is Mode.SHM:
+            self.handlers |= {
+                Op.LEASE: self.on_lease,
+                Op.RELEASE: self.on_release,
+                Op.RESERVE: self.on_reserve,
+                Op.COMMIT: self.on_commit,
+                Op.ABORT: self.on_abort,
+            }
+
+    def serve(self) -> None:
+        sock = self.sock
+        hview = memoryview(self.header)
+        try:
+            while True:
+                try:
+                    wire.recv_exact_into(sock, hview)
+                except wire.PeerClosed:
+                    return
+                op_code, count, meta_len = HEADER.unpack(self.header)
+                try:
+                    op = self.check_frame(op_code, count, meta_len)
+                except ProtocolError as exc:
+                    self.reply_error(InvalidArgument(str(exc)))
+                    return
+                meta = wire.recv_exact(sock, meta_len)
+                payload = self.payload_bytes(op, meta)
+                try:
+                    with self.node.request():
+                        payload = 0  # the handler consumes the payload from here on
+                        self.handlers[op](count, meta)
+                except _Abandon as abandon:
+                    self.reply_error(abandon.error)
+                    return
+                except KVStoreError as exc:
+                    if payload > self.node.region_bytes:
+                        self.reply_error(exc)
+                        return  # not worth draining: the stream is abandoned
+                    self.discard(payload)
+                    if op not in wire.NO_REPLY_OPS:
+                        self.reply_error(exc)
+        except (ConnectionError, TimeoutError):
+            return
+        except OSError as exc:
+            log.debug("channel connection ended: %s", exc)
+        finally:
+            self.leases.close()
+            self.reservations.close()
+
+    @staticmethod
+    def payload_bytes(op: Op, meta: bytes) -> int:
+        if op is not Op.PUT:
+            return 0
+        return sum(item[2] for item in wire.PUT_ITEM.iter_unpack(meta))
+
+    def check_frame(self, op_code: int, count: int, meta_len: int) -> Op:
+        try:
+            op = Op(op_code)
+        except ValueError:
+            raise ProtocolError(f"unknown op {op_code}") from None
+        if op not in self.handlers:
+            raise ProtocolError(f"op {op.name} is not available in {self.mode.name} mode")
+        if count > MAX_BATCH:
+            raise ProtocolError(f"at most {MAX_BATCH} items per request, got {count}")
+        expected = count * wire.meta_item_size(op)
+        if meta_len != expected or meta_len > wire.MAX_META:
+            raise ProtocolError(f"{op.name} with {count} items needs {expected} meta bytes, "
+                                f"got {meta_len}")
+        return op
+
+    def reply(self, count: int, meta: bytes, values: list[memoryview] | None = None) -> None:
+        frames: list[bytes | memoryview] = [HEADER.pack(0, count, len(meta)), meta]
+        if values:
+            frames.extend(values)
+        wire.send_buffers(self.sock, frames)
+
+    def reply_error(self, exc: KVStoreError) -> None:
+        status = exc.code.value[0]
+        self.sock.sendall(wire.error_frame(status, str(exc)))
+
+    # ---- ops -----------------------------------------------------------------------------
+
+    def on_get(self, count: int, meta: bytes) -> None:
+        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        with self.node.reading_many(keys) as views:
+            lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
+            self.reply(count, lengths, [v for v in views if v is not None])
+
+    def on_put(self, count: int, meta: bytes) -> None:
+        items = list(wire.PUT_ITEM.iter_unpack(meta))
+        limit = self.node.region_bytes
+        for item in items:
+            if item[2] > limit:
+                # Larger than the node could ever hold: refuse without reading it.
+                raise _Abandon(ResourceExhausted(
+                    f"value of {item[2]} bytes exceeds the node's capacity of {limit} bytes"))
+        results = bytearray(count)
+        failure: KVStoreError | None = None
+        for i, (key, parent, nbytes, flags) in enumerate(items):
+            if failure is not None:
+                self.discard(nbytes)
+                continue
+            try:
+                with self.node.put_slot(
+                    BlockKey(key), nbytes,
+                    parent=BlockKey(parent) if flags & wire.FLAG_PARENT else None,
+                    pin=bool(flags & wire.FLAG_PIN),
+                ) as slot:
+                    if slot is None:
+                        self.discard(nbytes)
+                        continue
+                    wire.recv_exact_into(self.sock, slot.view)
+                results[i] = slot.stored
+            except KVStoreError as exc:
+                # The client has sent the rest already: consume it to stay in frame.
+                failure = exc
+                self.discard(nbytes)
+        if failure is not None:
+            raise failure
+        self.reply(count, bytes(results))
+
+    def discard(self, nbytes: int) -> None:
+        if self.scratch is None:
+            self.scratch = memoryview(bytearray(_SCRATCH))
+        wire.discard(self.sock, nbytes, self.scratch)
+
+    def on_exists(self, count: int, meta: bytes) -> None:
+        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        self.reply(count, bytes(self.node.exists(keys)))
+
+    def on_prefix(self, count: int, meta: bytes) -> None:
+        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        self.reply(self.node.prefix_match(keys), b"")
+
+    def on_remove(self, count: int, meta: bytes) -> None:
+        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        self.reply(count, bytes(self.node.remove(k) for k in keys))
+
+    def on_lease(self, count: int, meta: bytes) -> None:
+        out = bytearray()
+        for key in wire.unpack_keys(meta, count):
+            got = self.leases.acquire(BlockKey(key))
+            if got is None:
+                out += wire.LEASE_ITEM.pack(0, 0, 0)
+            else:
+                lease_id, entry = got
+                out += wire.LEASE_ITEM.pack(lease_id, entry.extent.offset, entry.nbytes)
+        self.reply(count, bytes(out))
+
+    def on_release(self, count: int, meta: bytes) -> None:
+        for lease_id in wire.unpack_ids(meta, count):
+            self.leases.release(lease_id)
+
+    def on_reserve(self, count: int, meta: bytes) -> None:
+        out = bytearray()
+        made: list[int] = []
+        try:
+            for key, parent, nbytes, flags in wire.PUT_ITEM.iter_unpack(meta):
+                got = self.reservations.reserve(
+                    BlockKey(key), nbytes,
+                    parent=BlockKey(parent) if flags & wire.FLAG_PARENT else None,
+                    pin=bool(flags & wire.FLAG_PIN),
+                )
+                if got is None:
+                    out += wire.RESERVE_ITEM.pack(0, 0, wire.RESERVE_EXISTED)
+                else:
+                    rid, reservation = got
+                    made.append(rid)
+                    out += wire.RESERVE_ITEM.pack(rid, reservation.extent.offset,
+                                                  wire.RESERVE_OK)
+        except BaseException:
+            # The client learns only the error: nothing of this request stays reserved.
+            for rid in made:
+                self.reservations.abort(rid)
+            raise
+        self.reply(count, bytes(out))
+
+    def on_commit(self, count: int, meta: bytes) -> None:
+        results = bytes(self.reservations.commit(rid) for rid in wire.unpack_ids(meta, count))
+        self.reply(count, results)
+
+    def on_abort(self, count: int, meta: bytes) -> None:
+        for rid in wire.unpack_ids(meta, count):
+            self.reservations.abort(rid)
+
+
+class ChannelServer:
+    """Accepts transfer-channel connections on TCP and (same host) a Unix socket."""
+
+    def __init__(self, node: Node, *, host: str, port: int, token: bytes,
+                 unix_name: str | None) -> None:
+        self.node = node
+        self.token = token
+        self._tcp = socket.create_server((host, port), backlog=128)
+        self._unix: socket.socket | None = None
+        self.unix_path = ""
+        if unix_name is not None:
+            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._unix.bind("\0" + unix_name)  # abstract: nothing left on disk after a crash
+            self._unix.listen(128)
+            self.unix_path = "@" + unix_name
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()  # guarded by _lock
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+
+    @property
+    def tcp_address(self) -> tuple[str, int]:
+        host, port = self._tcp.getsockname()[:2]
+        return host, port
+
+    def start(self) -> None:
+        for listener in (self._tcp, self._unix):
+            if listener is not None:
+                t = threading.Thread(target=self._accept_loop, args=(listener,),
+                                     name="kvstore-channel-accept", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
+                             daemon=True).start()
+
+    def _handle(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                sock.close()
+                return
+            self._conns.add(sock)
+        try:
+            if sock.family == socket.AF_INET or sock.family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mode = self._handshake(sock)
+            if mode is not None:
+                _Connection(self.node, sock, mode).serve()
+        except (OSError, ConnectionError):
+            pass
+        except Exception:  # a bug must not take the node down with it
+            log.exception("channel connection failed")
+            with contextlib.suppress(OSError):
+                sock.sendall(wire.error_frame(InternalError.code.value[0], "internal error"))
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket) -> Mode | None:
+        sock.settimeout(10.0)  # a silent peer must not hold a thread forever
+        hello = wire.recv_exact(sock, wire.HELLO.size)
+        sock.settimeout(None)
+        magic, token, mode_code = wire.HELLO.unpack(hello)
+        if magic != wire.MAGIC or not hmac.compare_digest(token, self.token):
+            sock.sendall(wire.HELLO_REPLY.pack(16, 0))  # UNAUTHENTICATED
+            return None
+        try:
+            mode = Mode(mode_code)
+        except ValueError:
+            sock.sendall(wire.HELLO_REPLY.pack(3, 0))
+            return None
+        if mode is Mode.SHM and sock.family != socket.AF_UNIX:
+            sock.sendall(wire.HELLO_REPLY.pack(3, 0))  # shared memory only on this host
+            return None
+        reply = wire.HELLO_REPLY.pack(0, self.node.region_bytes)
+        if mode is Mode.SHM:
+            socket.send_fds(sock, [reply], [self.node.region_fd])
+        else:
+            sock.sendall(reply)
+        return mode
+
+    def stop(self) -> None:
+        """Stops accepting and ends every connection (their leases and reservations go too)."""
+        self._stopping.set()
+        for listener in (self._tcp, self._unix):
+            if listener is not None:
+                with contextlib.suppress(OSError):
+                    listener.shutdown(socket.SHUT_RDWR)
+                listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=5)

@@ -1,0 +1,239 @@
+"""``kvstore``: run a node, move blocks, read stats, run benchmarks.
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit,
+never a traceback: 1 for an operation that failed (or a miss), 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import parse_key
+from kvstore.sizes import format_size, parse_size
+
+DEFAULT_ADDR = "127.0.0.1:7600"
+
+
+class CliError(Exception):
+    """A failure to report in one line."""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore", description="A tiered KV-cache block store.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run a store node in the foreground")
+    s.add_argument("--config", help="TOML file with any of the options below")
+    s.add_argument("--listen", help="gRPC address HOST:PORT (default 127.0.0.1:7600)")
+    s.add_argument("--data-port", type=int, help="transfer channel TCP port (default: any free)")
+    s.add_argument("--dram-bytes", type=_size, help="DRAM tier size, e.g. 1GiB (default 1GiB)")
+    s.add_argument("--policy", choices=["lru", "lfu", "prefix"], help="eviction policy")
+    s.add_argument("--high-watermark", type=float, help="evict when use passes this fraction")
+    s.add_argument("--low-watermark", type=float, help="evict down to this fraction")
+    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
+                   help="do not touch the DRAM region's pages at start")
+    s.add_argument("--no-shm", dest="shm", action="store_const", const=False,
+                   help="do not offer same-host shared memory to clients")
+    s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
+    s.add_argument("--drain-timeout", type=float,
+                   help="seconds to let in-flight requests finish on SIGTERM (default 10)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    def client_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--addr", default=DEFAULT_ADDR, help=f"node address (default "
+                        f"{DEFAULT_ADDR})")
+        sp.add_argument("--transport", default="auto", choices=["auto", "grpc", "tcp", "shm"])
+        sp.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+
+    s = sub.add_parser("put", help="store a file's bytes under a key")
+    client_args(s)
+    s.add_argument("key", help="32 hex characters")
+    s.add_argument("file", help="file to store ('-' for stdin)")
+    s.add_argument("--parent", help="parent key in the prefix chain (hex)")
+    s.add_argument("--pin", action="store_true", help="never evict this block")
+
+    s = sub.add_parser("get", help="fetch a key's bytes")
+    client_args(s)
+    s.add_argument("key", help="32 hex characters")
+    s.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    s = sub.add_parser("rm", help="remove keys")
+    client_args(s)
+    s.add_argument("keys", nargs="+", help="32 hex characters each")
+
+    s = sub.add_parser("stat", help="capacity, use and counters per tier")
+    client_args(s)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    s = sub.add_parser("bench", help="benchmarks (not tests)")
+    s.add_argument("which", choices=["api"], help="api: put/get vs Redis and raw TCP")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (CliError, KVStoreError, ValueError) as exc:
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"kvstore {args.command}: error: {exc.strerror or exc}"
+              f"{': ' + exc.filename if getattr(exc, 'filename', None) else ''}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- serve ---------------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.node import Node, NodeSettings
+    from kvstore.server import NodeServer
+
+    overrides = {k: getattr(args, k) for k in (
+        "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
+        "prefault", "shm", "grpc_workers", "drain_timeout", "log_level")}
+    cfg = load_config(args.config, overrides)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, policy=cfg.policy,
+                             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                             prefault=cfg.prefault))
+    try:
+        server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
+                            grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm)
+    except BaseException:
+        node.close()
+        raise
+    server.start()
+    host, port = server.addresses.channel
+    print(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
+          f"dram {format_size(cfg.dram_bytes)}, policy {cfg.policy})", flush=True)
+    while not stop.wait(0.5):
+        pass
+    drained = server.stop(grace=cfg.drain_timeout)
+    node.close()
+    print("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
+          flush=True)
+    return 0
+
+
+# ---- client commands -----------------------------------------------------------------------
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvstore.client import Client
+
+    return Client(args.addr, transport=args.transport, timeout=args.timeout)
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    key = parse_key(args.key)
+    parent = parse_key(args.parent) if args.parent else None
+    if args.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        with open(args.file, "rb") as f:
+            data = f.read()
+    with _client(args) as c:
+        stored = c.put(key, data, parent=parent, pin=args.pin)
+    print(f"{'stored' if stored else 'exists'} {key.hex()} ({len(data)} bytes)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    key = parse_key(args.key)
+    with _client(args) as c:
+        value = c.get(key)
+    if value is None:
+        raise CliError(f"key {key.hex()} not found")
+    if args.output:
+        with open(args.output, "wb") as f:
+            f.write(value)
+    else:
+        sys.stdout.buffer.write(value)
+        sys.stdout.buffer.flush()
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    keys = [parse_key(k) for k in args.keys]
+    missing = 0
+    with _client(args) as c:
+        for key in keys:
+            removed = c.remove(key)
+            missing += not removed
+            print(f"{'removed' if removed else 'absent'} {key.hex()}")
+    return 1 if missing else 0
+
+
+STAT_COLUMNS = ("capacity", "used", "blocks", "hits", "misses", "evictions")
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        stats = c.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(format_stat_table(stats))
+    return 0
+
+
+def format_stat_table(stats: dict) -> str:
+    extra = sorted({k for t in stats["tiers"].values() for k in t}
+                   - set(STAT_COLUMNS) - {"name"})
+    cols = ["tier", *STAT_COLUMNS, *extra]
+    rows = []
+    for name, t in stats["tiers"].items():
+        row = [name]
+        for col in cols[1:]:
+            v = t.get(col, "")
+            row.append(format_size(v) if col in ("capacity", "used") else str(v))
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    node = ", ".join(f"{k}={v}" for k, v in sorted(stats["node"].items()))
+    return "\n".join([*lines, f"node: {node}"])
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "api":
+        try:
+            from benchmarks.api_bench import main as bench_main
+        except ImportError as exc:
+            raise CliError(f"the benchmarks need the bench extra (pip install "
+                           f"'kvstore[bench]'): {exc}") from None
+        return int(bench_main(args.args) or 0)
+    raise CliError(f"unknown benchmark {args.which}")
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "put": cmd_put,
+    "get": cmd_get,
+    "rm": cmd_rm,
+    "stat": cmd_stat,
+    "bench": cmd_bench,
+}

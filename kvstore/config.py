@@ -1,0 +1,79 @@
+"""Node configuration: defaults, a TOML file, then command-line flags, in that order."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.sizes import parse_size
+from tiers.policy import POLICIES
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeConfig:
+    """Every option of ``kvstore serve``; the TOML file uses the same names."""
+
+    listen: str = "127.0.0.1:7600"
+    data_port: int = 0  # 0: any free port, announced to clients over gRPC
+    dram_bytes: int = 1 << 30
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    prefault: bool = True
+    shm: bool = True
+    grpc_workers: int = 16
+    drain_timeout: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.dram_bytes <= 0:
+            raise ValueError("dram_bytes must be positive")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        if not 0 <= self.data_port < 65536:
+            raise ValueError(f"data_port out of range: {self.data_port}")
+        if self.grpc_workers < 1:
+            raise ValueError("grpc_workers must be >= 1")
+
+
+_SIZE_FIELDS = {"dram_bytes"}
+_FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _SIZE_FIELDS:
+        return parse_size(value)
+    kind = _FIELDS[name].type
+    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[kind]
+    if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
+        raise ValueError(f"config key {name!r} must be a {kind}, got {value!r}")
+    return float(value) if kind == "float" else value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> NodeConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (None values ignored)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config {path} is not valid TOML: {exc}") from None
+        for key, value in raw.items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise ValueError(f"unknown config key {key!r} in {path}; known: "
+                                 f"{', '.join(sorted(_FIELDS))}")
+            values[name] = _coerce(name, value)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value)
+    return NodeConfig(**values)

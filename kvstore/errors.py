@@ -1,0 +1,50 @@
+"""The exceptions kvstore raises, one per failure a caller can act on.
+
+Each carries the gRPC status code that expresses it on the wire; the server
+maps exceptions to codes and the client maps codes back, each at one place.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVStoreError(Exception):
+    """Base of every kvstore error."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    """A malformed key, value or request. Retrying it unchanged fails again."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(KVStoreError):
+    """The value does not fit: larger than the tier, or everything left is pinned or being read."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KVStoreError, ConnectionError):
+    """The node is draining, stopped or unreachable. Another node, or a later retry, may serve."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class InternalError(KVStoreError):
+    """A bug in the node; the message says where."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
+    cls.code: cls for cls in (InvalidArgument, ResourceExhausted, Unavailable, InternalError)
+}
+_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
+
+
+def error_for_code(code: grpc.StatusCode, message: str) -> KVStoreError:
+    """The exception for a status code received from a node."""
+    return _BY_CODE.get(code, KVStoreError)(message)

@@ -1,0 +1,105 @@
+"""Prefix-hash block keys.
+
+Specification (version 1). Any client, in any language, reproduces these bytes.
+
+* A *block* is ``block_tokens`` consecutive token ids of one sequence. Only full
+  blocks get a key; a partial last block gets none.
+* ``xxh3_128(b)`` is XXH3-128 with seed 0; its 16-byte digest is the canonical
+  big-endian form (what ``xxhash.xxh3_128(b).digest()`` returns).
+* The root of a chain is derived from the namespace (model name, dtype, layout,
+  tensor-parallel rank, in whatever spelling the deployment agrees on)::
+
+      root = xxh3_128(b"kvstore-prefix-v1\\x00" || utf8(namespace))
+
+* Block ``i`` (0-based) of a sequence has the key::
+
+      key_i = xxh3_128(key_{i-1} || u32le(t_{i*B}) || ... || u32le(t_{i*B+B-1}) || extra)
+
+  with ``key_{-1} = root``, ``B = block_tokens``, every token id encoded as an
+  unsigned 32-bit little-endian integer, and ``extra`` the same bytes for every
+  block of the chain (default empty; e.g. a LoRA id or multimodal hash).
+
+Because each key covers its whole prefix, two sequences that share their first
+``n`` full blocks share their first ``n`` keys, and a key never names two
+different contents: a block's bytes are immutable once stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+BlockKey = NewType("BlockKey", bytes)
+"""A 16-byte prefix-hash key of one block."""
+
+KEY_BYTES = 16
+_ROOT_DOMAIN = b"kvstore-prefix-v1\x00"
+_U32_MAX = 0xFFFFFFFF
+
+
+def namespace_root_key(namespace: str) -> BlockKey:
+    """The chain root for ``namespace``: the parent of every first block."""
+    return BlockKey(xxhash.xxh3_128_digest(_ROOT_DOMAIN + namespace.encode("utf-8")))
+
+
+def chained_block_key(parent: bytes, block_token_ids: bytes, extra: bytes = b"") -> BlockKey:
+    """The key of one block from its parent key and its token ids already encoded as u32le."""
+    return BlockKey(xxhash.xxh3_128_digest(parent + block_token_ids + extra))
+
+
+def encode_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as consecutive unsigned 32-bit little-endian integers.
+
+    Raises ValueError for ids outside ``[0, 2**32)``: truncating them would make
+    distinct prompts share keys.
+    """
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def block_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    block_tokens: int,
+    namespace: str,
+    *,
+    extra: bytes = b"",
+) -> list[BlockKey]:
+    """Keys of every full block of ``token_ids``, in order (see the module spec)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    encoded = encode_token_ids(token_ids)
+    stride = 4 * block_tokens
+    parent: bytes = namespace_root_key(namespace)
+    keys: list[BlockKey] = []
+    for start in range(0, len(encoded) - stride + 1, stride):
+        parent = chained_block_key(parent, encoded[start : start + stride], extra)
+        keys.append(BlockKey(parent))
+    return keys
+
+
+def parse_key(text: str) -> BlockKey:
+    """A key from its 32-character hex spelling (the CLI's form)."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError as exc:
+        raise ValueError(f"key must be {2 * KEY_BYTES} hex characters: {text!r}") from exc
+    return ensure_key(raw)
+
+
+def ensure_key(raw: bytes | bytearray | memoryview) -> BlockKey:
+    """``raw`` as a BlockKey, or ValueError if it is not exactly 16 bytes."""
+    b = bytes(raw)
+    if len(b) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(b)}")
+    return BlockKey(b)

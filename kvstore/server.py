@@ -1,0 +1,200 @@
+"""The store node's servers: the gRPC object API and the transfer channel, over one Node.
+
+Every RPC passes through ``_rpc``, the one place where kvstore exceptions become
+gRPC status codes; nothing a client sends can raise past it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore import wire
+from kvstore.channel_server import ChannelServer
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.node import Node, check_key, check_keys, check_parent
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvstore.server")
+
+MAX_MESSAGE_BYTES = 512 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+R = TypeVar("R")
+
+
+def host_id() -> str:
+    """Identifies this machine's running kernel: equal ids mean a shared memory is possible."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _rpc(method: Callable[..., R]) -> Callable[..., R]:
+    @functools.wraps(method)
+    def wrapper(self: KVStoreServicer, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            with self.node.request():
+                return method(self, request, context)
+        except KVStoreError as exc:
+            context.abort(exc.code, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception:
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, node: Node, channel_info: Callable[[str], pb.OpenChannelResponse]) -> None:
+        self.node = node
+        self._channel_info = channel_info
+
+    @_rpc
+    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        stored = self.node.put(check_key(request.key), memoryview(request.value),
+                               parent=check_parent(request.parent), pin=request.pin)
+        return pb.PutResponse(stored=stored)
+
+    @_rpc
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        value = self.node.get(check_key(request.key))
+        return pb.GetResponse(found=False) if value is None else pb.GetResponse(found=True,
+                                                                                 value=value)
+
+    @_rpc
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext
+               ) -> pb.RemoveResponse:
+        return pb.RemoveResponse(removed=self.node.remove(check_key(request.key)))
+
+    @_rpc
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext
+               ) -> pb.ExistsResponse:
+        return pb.ExistsResponse(exists=self.node.exists(check_keys(request.keys)))
+
+    @_rpc
+    def PrefixMatch(self, request: pb.PrefixMatchRequest, context: grpc.ServicerContext
+                    ) -> pb.PrefixMatchResponse:
+        return pb.PrefixMatchResponse(matched=self.node.prefix_match(check_keys(request.keys)))
+
+    @_rpc
+    def BatchPut(self, request: pb.BatchPutRequest, context: grpc.ServicerContext
+                 ) -> pb.BatchPutResponse:
+        items = [(check_key(i.key), check_parent(i.parent), i) for i in request.items]
+        check_keys([k for k, _, _ in items])
+        stored = [self.node.put(k, memoryview(i.value), parent=p, pin=i.pin) for k, p, i in items]
+        return pb.BatchPutResponse(stored=stored)
+
+    @_rpc
+    def BatchGet(self, request: pb.BatchGetRequest, context: grpc.ServicerContext
+                 ) -> pb.BatchGetResponse:
+        keys = check_keys(request.keys)
+        with self.node.reading_many(keys) as views:
+            items = [pb.GetResponse(found=False) if v is None else
+                     pb.GetResponse(found=True, value=bytes(v)) for v in views]
+        return pb.BatchGetResponse(items=items)
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self.node.stats()
+        tiers = [
+            pb.TierStats(name=name, counters={k: v for k, v in t.items() if isinstance(v, int)})
+            for name, t in stats["tiers"].items()
+        ]
+        node = {k: json.dumps(v) for k, v in stats["node"].items()}
+        return pb.StatsResponse(tiers=tiers, node=node)
+
+    @_rpc
+    def OpenChannel(self, request: pb.OpenChannelRequest, context: grpc.ServicerContext
+                    ) -> pb.OpenChannelResponse:
+        return self._channel_info(request.client_host_id)
+
+
+@dataclass(slots=True, kw_only=True)
+class ServerAddresses:
+    grpc: str
+    channel: tuple[str, int]
+    unix_path: str
+
+
+class NodeServer:
+    """A Node served over gRPC and the transfer channel; ``stop`` drains first."""
+
+    def __init__(self, node: Node, *, listen: str, data_port: int = 0, grpc_workers: int = 16,
+                 enable_shm: bool = True) -> None:
+        self.node = node
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"listen address must be HOST:PORT, got {listen!r}")
+        host = host.strip("[]")
+        self._token = secrets.token_bytes(wire.TOKEN_BYTES)
+        self._host_id = host_id()
+        unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
+        self.channel = ChannelServer(node, host=host, port=data_port, token=self._token,
+                                     unix_name=unix_name)
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
+                                                            thread_name_prefix="kvstore-grpc"),
+                                 options=GRPC_OPTIONS)
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node, self._open_channel),
+                                              self._grpc)
+        bound = self._grpc.add_insecure_port(f"{_bracket(host)}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {listen}")
+        self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
+                                         channel=self.channel.tcp_address,
+                                         unix_path=self.channel.unix_path)
+
+    def _open_channel(self, client_host_id: str) -> pb.OpenChannelResponse:
+        same_host = bool(client_host_id) and client_host_id == self._host_id
+        return pb.OpenChannelResponse(
+            protocol_version=wire.PROTOCOL_VERSION,
+            tcp_host="",  # empty: the host the client used for gRPC
+            tcp_port=self.channel.tcp_address[1],
+            unix_path=self.channel.unix_path if same_host else "",
+            token=self._token,
+            same_host=same_host,
+            region_bytes=self.node.region_bytes,
+        )
+
+    def start(self) -> None:
+        self._grpc.start()
+        self.channel.start()
+        log.info("serving gRPC on %s, channel on %s:%d%s", self.addresses.grpc,
+                 *self.addresses.channel,
+                 f", same-host {self.addresses.unix_path}" if self.addresses.unix_path else "")
+
+    def stop(self, grace: float = 10.0) -> bool:
+        """Refuses new requests, lets in-flight ones finish, then closes everything.
+
+        Returns True if every in-flight request finished within ``grace`` seconds.
+        """
+        drained = self.node.drain(grace)
+        self.channel.stop()
+        self._grpc.stop(grace=1.0).wait()
+        return drained
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._grpc.wait_for_termination(timeout)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+

@@ -1,0 +1,159 @@
+"""Extent allocator over one preallocated region.
+
+Why extents and not size classes: KV blocks of one deployment share a size (a
+model's block is fixed), but a node serves many models and the API accepts any
+size up to the tier. Size classes would waste up to half of every block whose
+size falls between classes; extents with coalescing waste only the alignment
+padding, and with uniform block sizes freed extents are reused exactly.
+
+Free extents are found by *segregated fit*: bin ``k`` holds the free extents
+whose length lies in ``[2**k, 2**(k+1))``. A request of ``n`` bytes is served
+from the lowest non-empty bin above ``floor(log2(n))`` (every extent there
+fits), or, failing that, by a first-fit scan of bin ``floor(log2(n))`` itself.
+Freed extents coalesce with free neighbours at once, so two adjacent free
+extents never coexist.
+
+The allocator is pure and single-owner: no I/O, no locks, no callbacks. Its
+owner serialises access. Broken invariants (double free, foreign extent) raise
+AllocatorError; they are never clamped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class AllocatorError(RuntimeError):
+    """An extent was freed twice or never came from this allocator."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """``length`` bytes at ``offset`` of a region; ``length`` is a multiple of the alignment."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class ExtentAllocator:
+    """Hands out aligned, non-overlapping extents of ``[0, capacity)``."""
+
+    __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_live",
+                 "_used")
+
+    def __init__(self, capacity: int, *, alignment: int = 64) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self._alignment = alignment
+        self._capacity = capacity - capacity % alignment
+        # Invariant: _free_by_start and _free_by_end describe the same free extents,
+        # and each free extent's start is in exactly one bin, by its length.
+        self._free_by_start: dict[int, int] = {}
+        self._free_by_end: dict[int, int] = {}
+        self._bins: list[set[int]] = [set() for _ in range(max(1, self._capacity.bit_length()))]
+        # offset -> length of every live allocation: the proof that a free is legitimate.
+        self._live: dict[int, int] = {}
+        self._used = 0
+        if self._capacity:
+            self._insert_free(0, self._capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def used(self) -> int:
+        """Bytes in live extents, alignment padding included."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity - self._used
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def rounded(self, nbytes: int) -> int:
+        """The extent length a request of ``nbytes`` takes."""
+        a = self._alignment
+        return (nbytes + a - 1) // a * a
+
+    def largest_free(self) -> int:
+        for k in range(len(self._bins) - 1, -1, -1):
+            if self._bins[k]:
+                return max(self._free_by_start[s] for s in self._bins[k])
+        return 0
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """An extent of at least ``nbytes``, or None if no free extent fits."""
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        need = self.rounded(nbytes)
+        if need > self._capacity:
+            return None
+        start = self._find_fit(need)
+        if start is None:
+            return None
+        length = self._remove_free(start)
+        if length > need:
+            self._insert_free(start + need, length - need)
+        self._live[start] = need
+        self._used += need
+        return Extent(start, need)
+
+    def free(self, extent: Extent) -> None:
+        """Returns ``extent`` to the free space, merging it with free neighbours."""
+        length = self._live.get(extent.offset)
+        if length is None or length != extent.length:
+            raise AllocatorError(f"free of an extent that is not live: {extent}")
+        del self._live[extent.offset]
+        self._used -= length
+        start, end = extent.offset, extent.end
+        if end in self._free_by_start:
+            end += self._remove_free(end)
+        left = self._free_by_end.get(start)
+        if left is not None:
+            self._remove_free(left)
+            start = left
+        self._insert_free(start, end - start)
+
+    def free_extents(self) -> list[Extent]:
+        """Every free extent, by offset (for tests and diagnostics)."""
+        return [Extent(s, n) for s, n in sorted(self._free_by_start.items())]
+
+    def live_extents(self) -> list[Extent]:
+        return [Extent(s, n) for s, n in sorted(self._live.items())]
+
+    def _find_fit(self, need: int) -> int | None:
+        k0 = need.bit_length() - 1
+        bins = self._bins
+        for k in range(k0 + 1, len(bins)):
+            if bins[k]:
+                # Lowest offset keeps allocations packed towards the region start.
+                return min(bins[k]) if len(bins[k]) <= 8 else next(iter(bins[k]))
+        for start in bins[k0]:
+            if self._free_by_start[start] >= need:
+                return start
+        return None
+
+    def _insert_free(self, start: int, length: int) -> None:
+        self._free_by_start[start] = length
+        self._free_by_end[start + length] = start
+        self._bins[length.bit_length() - 1].add(start)
+
+    def _remove_free(self, start: int) -> int:
+        length = self._free_by_start.pop(start)
+        del self._free_by_end[start + length]
+        self._bins[length.bit_length() - 1].discard(start)
+        return length

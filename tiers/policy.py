@@ -1,0 +1,187 @@
+"""Eviction: one mechanism, policies as priority functions over it.
+
+The mechanism (``EvictionQueue``) is a min-heap of ``(priority, seq, key)``
+with lazy invalidation: every push gets a fresh ``seq``, and a heap item is
+live only while the block's ``queue_seq`` still equals it. A policy is just
+
+* ``priority(block)``: lower is evicted first; computed when the block is pushed
+  (insert or access), so it may depend on policy state at that moment;
+* ``leaves_only``: whether a block that still has children in its prefix chain
+  is ineligible (it is pushed again when its last child goes);
+* ``on_evict(priority)``: a hook for policies with state (LFU's ageing).
+
+Ties in priority go to the block pushed earliest, so eviction order is exact
+and reproducible: tests assert it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Protocol
+
+from kvstore.keys import BlockKey
+
+
+class QueuedBlock(Protocol):
+    """What the mechanism and the policies read and write on a block's metadata."""
+
+    hits: int
+    last_access: int
+    queue_seq: int
+    queue_priority: float
+
+
+class EvictionPolicy(Protocol):
+    name: str
+    leaves_only: bool
+
+    def priority(self, block: QueuedBlock) -> float: ...
+
+    def on_evict(self, priority: float) -> None: ...
+
+
+class LRUPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+    leaves_only = False
+
+    def priority(self, block: QueuedBlock) -> float:
+        return block.last_access
+
+    def on_evict(self, priority: float) -> None:
+        pass
+
+
+class LFUPolicy:
+    """Least frequently used first, with dynamic ageing (LFU-DA).
+
+    A block's priority is ``age + hits`` at its last access, where ``age`` is the
+    priority of the last victim. Ageing lets blocks that were hot long ago leave
+    once newer blocks have been read as often, without a clock; ties go to the
+    least recently pushed block.
+    """
+
+    name = "lfu"
+    leaves_only = False
+
+    def __init__(self) -> None:
+        self.age = 0.0
+
+    def priority(self, block: QueuedBlock) -> float:
+        return self.age + block.hits
+
+    def on_evict(self, priority: float) -> None:
+        # Age only moves forward: a block deferred in an earlier round (it was being
+        # read) can leave later with a priority below the current age.
+        self.age = max(self.age, priority)
+
+
+class PrefixAwarePolicy:
+    """Least recently used leaf first: a block never leaves before its descendants.
+
+    A child without its parent can never be a prefix hit, so evicting the parent
+    first would strand every block below it.
+    """
+
+    name = "prefix"
+    leaves_only = True
+
+    def priority(self, block: QueuedBlock) -> float:
+        return block.last_access
+
+    def on_evict(self, priority: float) -> None:
+        pass
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "prefix": PrefixAwarePolicy,
+}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None
+
+
+class Eligibility(Enum):
+    EVICT = "evict"
+    DEFER = "defer"  # ineligible for now (being read); stays queued
+    DROP = "drop"  # ineligible until its owner pushes it again (pinned, or has children)
+
+
+class EvictionQueue:
+    """The shared mechanism: pops the lowest-priority eligible blocks."""
+
+    __slots__ = ("_heap", "_next_seq", "policy")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._heap: list[tuple[float, int, BlockKey]] = []
+        self._next_seq = 1
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, key: BlockKey, block: QueuedBlock) -> None:
+        """(Re)queues ``block`` at its current priority; earlier heap items for it go stale."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        prio = self.policy.priority(block)
+        block.queue_seq = seq
+        block.queue_priority = prio
+        heapq.heappush(self._heap, (prio, seq, key))
+
+    @staticmethod
+    def forget(block: QueuedBlock) -> None:
+        """Makes every heap item of ``block`` stale."""
+        block.queue_seq = 0
+
+    def pop_victim(
+        self,
+        blocks: Mapping[BlockKey, QueuedBlock],
+        eligibility: Callable[[QueuedBlock], Eligibility],
+        deferred: list[tuple[float, int, BlockKey]],
+    ) -> BlockKey | None:
+        """The next victim, or None when no queued block is eligible.
+
+        Deferred items are appended to ``deferred``; the caller must hand them to
+        ``restore`` when its eviction round ends, whatever happened.
+        """
+        heap = self._heap
+        while heap:
+            item = heapq.heappop(heap)
+            key = item[2]
+            block = blocks.get(key)
+            if block is None or block.queue_seq != item[1]:
+                continue
+            verdict = eligibility(block)
+            if verdict is Eligibility.EVICT:
+                block.queue_seq = 0
+                self.policy.on_evict(item[0])
+                return key
+            if verdict is Eligibility.DEFER:
+                deferred.append(item)
+            else:
+                block.queue_seq = 0
+        return None
+
+    def restore(self, deferred: list[tuple[float, int, BlockKey]]) -> None:
+        for item in deferred:
+            heapq.heappush(self._heap, item)
+        deferred.clear()
+
+    def compact(self, blocks: Mapping[BlockKey, QueuedBlock]) -> None:
+        """Drops stale heap items once they outnumber live ones (keeps memory O(blocks))."""
+        if len(self._heap) <= 2 * len(blocks) + 1024:
+            return
+        self._heap = [
+            (b.queue_priority, b.queue_seq, k) for k, b in blocks.items() if b.queue_seq
+        ]
+        heapq.heapify(self._heap)
