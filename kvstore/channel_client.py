@@ -8,6 +8,7 @@ region over shared memory).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import socket
 from collections.abc import Sequence
@@ -38,10 +39,9 @@ class ChannelSession:
 
     def close(self) -> None:
         if self.region is not None:
-            try:
+            # A caller may still hold a view; the mapping then goes with it.
+            with contextlib.suppress(BufferError):
                 self.region.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes with it
             self.region = None
 
 
@@ -173,7 +173,7 @@ class ChannelConnection:
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                  ) -> list[bytes | int | None]:
-        count, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
+        _, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
         region = self.session.region
         assert region is not None
         results: list[bytes | int | None] = []
@@ -212,12 +212,12 @@ class ChannelConnection:
         meta = wire.pack_put_items(keys, sizes, parents, pin)
         if self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES:
             return self._put_shm(keys, values, meta)
-        count, reply = self._call(Op.PUT, len(keys), meta, values)
+        _, reply = self._call(Op.PUT, len(keys), meta, values)
         return [bool(b) for b in reply]
 
     def _put_shm(self, keys: Sequence[bytes], values: Sequence[memoryview], meta: bytes
                  ) -> list[bool]:
-        count, reply = self._call(Op.RESERVE, len(keys), meta)
+        _, reply = self._call(Op.RESERVE, len(keys), meta)
         region = self.session.region
         assert region is not None
         rids: list[int] = []

@@ -14,7 +14,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from ``text``; binary suffixes (KiB, MiB, GiB, TiB; K/M/G/T alike), decimal KB/MB/GB/TB.
+    """Bytes from ``text``: binary KiB/MiB/GiB/TiB (or K/M/G/T), decimal KB/MB/GB/TB.
 
     Raises ValueError with the accepted forms for anything else.
     """

@@ -8,6 +8,7 @@ for DMA; without a GPU (as here) they are plain shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -77,10 +78,8 @@ class DramTier:
 
     def close(self) -> None:
         self._view.release()
-        try:
+        # A view may still be exported (a server thread mid-send during shutdown);
+        # the mapping then goes when the last view does.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            # A view is still exported (a server thread mid-send during shutdown);
-            # the mapping goes when the last view does.
-            pass
         os.close(self._fd)

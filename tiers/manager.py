@@ -258,7 +258,7 @@ class TierManager:
         return Eligibility.EVICT
 
     def _evict_until(self, done, *, strict: bool) -> None:
-        """Evicts victims in policy order until ``done()``; OutOfSpace if ``strict`` and it never is."""
+        """Evicts in policy order until ``done()``; OutOfSpace if ``strict`` and it never is."""
         s = self._s
         deferred: list = []
         try:

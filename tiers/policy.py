@@ -107,7 +107,8 @@ def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None
+        known = sorted(POLICIES)
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {known}") from None
 
 
 class Eligibility(Enum):
