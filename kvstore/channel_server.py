@@ -46,7 +46,7 @@ class _Connection:
         self.reservations = ReservationSet(node)
         self.header = bytearray(HEADER.size)
         self.scratch: memoryview | None = None
-        self.handlers: dict[Op, Callable[[int, bytes], None]] = {
+        self.handlers: dict[int, Callable[[int, bytes], None]] = {
             Op.GET: self.on_get,
             Op.PUT: self.on_put,
             Op.EXISTS: self.on_exists,
@@ -108,12 +108,11 @@ class _Connection:
         return sum(item[2] for item in wire.PUT_ITEM.iter_unpack(meta))
 
     def check_frame(self, op_code: int, count: int, meta_len: int) -> Op:
-        try:
-            op = Op(op_code)
-        except ValueError:
-            raise ProtocolError(f"unknown op {op_code}") from None
-        if op not in self.handlers:
-            raise ProtocolError(f"op {op.name} is not available in {self.mode.name} mode")
+        if op_code not in self.handlers:
+            known = op_code in Op._value2member_map_
+            raise ProtocolError(f"op {Op(op_code).name} is not available in {self.mode.name} mode"
+                                if known else f"unknown op {op_code}")
+        op = Op(op_code)
         if count > MAX_BATCH:
             raise ProtocolError(f"at most {MAX_BATCH} items per request, got {count}")
         expected = count * wire.meta_item_size(op)
@@ -135,10 +134,14 @@ class _Connection:
     # ---- ops -----------------------------------------------------------------------------
 
     def on_get(self, count: int, meta: bytes) -> None:
-        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
-        with self.node.reading_many(keys) as views:
-            lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
-            self.reply(count, lengths, [v for v in views if v is not None])
+        node = self.node
+        entries = node.acquire_reads(wire.unpack_keys(meta, count))
+        try:
+            views = [node.read_view(e) for e in entries if e is not None]
+            lengths = wire.pack_ids([wire.MISS if e is None else e.nbytes for e in entries])
+            self.reply(count, lengths, views)
+        finally:
+            node.release_reads(entries)
 
     def on_put(self, count: int, meta: bytes) -> None:
         items = list(wire.PUT_ITEM.iter_unpack(meta))

@@ -58,6 +58,21 @@ def check_parent(parent: object) -> BlockKey | None:
     return check_key(parent, "parent key")
 
 
+class _RequestScope:
+    """Reusable, stateless context manager (cheaper per request than a generator)."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def __enter__(self) -> None:
+        self._node._enter_request()
+
+    def __exit__(self, *exc: object) -> None:
+        self._node._exit_request()
+
+
 class PutSlot:
     """Reserved space for one put: fill ``view``, and the scope's exit commits it."""
 
@@ -88,23 +103,25 @@ class Node:
         # guarded by _admission:
         self._draining = False
         self._in_flight = 0
+        self._request_scope = _RequestScope(self)
 
     # ---- admission -----------------------------------------------------------------------
 
-    @contextmanager
-    def request(self) -> Iterator[None]:
-        """Scope of one client request; refused with Unavailable once draining."""
+    def request(self) -> _RequestScope:
+        """Scope of one client request; entering it raises Unavailable once draining."""
+        return self._request_scope
+
+    def _enter_request(self) -> None:
         with self._admission:
             if self._draining:
                 raise Unavailable("node is draining")
             self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._admission:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._admission.notify_all()
+
+    def _exit_request(self) -> None:
+        with self._admission:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._admission.notify_all()
 
     @property
     def draining(self) -> bool:

@@ -1,0 +1,103 @@
+"""Shared fixtures: real node processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+               ) -> None:
+    """Polls ``predicate`` (for effects in another process, where no barrier reaches)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeProcess:
+    """A ``kvstore serve`` process started for a test."""
+
+    addr: str
+    proc: subprocess.Popen
+    log: Path
+    args: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0
+               ) -> NodeProcess:
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    log = tmp_path / f"node-{port}.log"
+    args = [sys.executable, "-m", "kvstore", "serve", "--listen", addr, "--dram-bytes", dram,
+            "--no-prefault", *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    node = NodeProcess(addr=addr, proc=proc, log=log, args=args)
+    deadline = time.monotonic() + ready_timeout
+    while "kvstore: serving on" not in node.output():
+        if proc.poll() is not None:
+            raise RuntimeError(f"node exited with {proc.returncode}:\n{node.output()}")
+        if time.monotonic() > deadline:
+            node.stop(signal.SIGKILL)
+            raise RuntimeError(f"node not ready in {ready_timeout}s:\n{node.output()}")
+        time.sleep(0.02)
+    return node
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[NodeProcess]:
+    """A fresh node (64 MiB DRAM, LRU) for one test; must exit 0 on SIGTERM."""
+    n = start_node(tmp_path)
+    try:
+        yield n
+    finally:
+        code = n.stop()
+    assert code == 0, n.output()
+
+
+@pytest.fixture(scope="module")
+def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node for a whole module (256 MiB), for tests that only add distinct keys."""
+    n = start_node(tmp_path_factory.mktemp("shared"), dram="256MiB")
+    try:
+        yield n
+    finally:
+        code = n.stop()
+    assert code == 0, n.output()
+
+
+TRANSPORTS = ["grpc", "tcp", "shm"]
