@@ -144,7 +144,11 @@ class Node:
             raise InvalidArgument("a block cannot be its own parent")
         try:
             with self._lock:
-                return self._manager.reserve(key, nbytes, parent=parent, pin=pin)
+                reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
+                # Nothing outside the node needs to hear of evictions yet (no lower
+                # tier, no replicas): drop the events so they cannot pile up.
+                self._manager.drain_evicted()
+                return reservation
         except (BlockTooLarge, OutOfSpace) as exc:
             raise ResourceExhausted(str(exc)) from None
 

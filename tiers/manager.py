@@ -23,6 +23,7 @@ added with the tier hierarchy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.keys import BlockKey
@@ -88,6 +89,7 @@ class _State:
     blocks: dict[BlockKey, BlockEntry] = field(default_factory=dict)
     orphans: dict[BlockKey, int] = field(default_factory=dict)
     tick: int = 0
+    evicted: list[BlockKey] = field(default_factory=list)  # events for the owner to drain
 
 
 class TierManager:
@@ -144,9 +146,11 @@ class TierManager:
             raise BlockTooLarge(f"block of {nbytes} bytes exceeds {tier.name} tier capacity "
                                 f"{tier.capacity}")
         high = self.watermarks.high * tier.capacity
+        # The parent of the block being written stays: evicting it would strand its child.
+        protect = parent
         if tier.used + nbytes > high:
             low = self.watermarks.low * tier.capacity
-            self._evict_until(lambda: tier.used + nbytes <= low, strict=False)
+            self._evict_until(lambda: tier.used + nbytes <= low, strict=False, protect=protect)
         extent = tier.allocate(nbytes)
         if extent is None:
             # Fragmentation or reservations in flight: keep evicting until it fits.
@@ -158,7 +162,7 @@ class TierManager:
                     holder.append(got)
                 return got is not None
 
-            self._evict_until(fits, strict=True)
+            self._evict_until(fits, strict=True, protect=protect)
             extent = holder[0]
         return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
 
@@ -257,13 +261,23 @@ class TierManager:
             return Eligibility.DEFER
         return Eligibility.EVICT
 
-    def _evict_until(self, done, *, strict: bool) -> None:
-        """Evicts in policy order until ``done()``; OutOfSpace if ``strict`` and it never is."""
+    def _evict_until(self, done: Callable[[], bool], *, strict: bool,
+                     protect: BlockKey | None = None) -> None:
+        """Evicts in policy order until ``done()``; OutOfSpace if ``strict`` and it never is.
+
+        ``protect`` is deferred for this round like a block being read.
+        """
         s = self._s
         deferred: list = []
+
+        def eligibility(entry: BlockEntry) -> Eligibility:
+            if entry.key == protect and not entry.pinned:
+                return Eligibility.DEFER
+            return self._eligibility(entry)
+
         try:
             while not done():
-                key = self._queue.pop_victim(s.blocks, self._eligibility, deferred)
+                key = self._queue.pop_victim(s.blocks, eligibility, deferred)
                 if key is None:
                     if strict:
                         raise OutOfSpace(
@@ -272,6 +286,7 @@ class TierManager:
                     return
                 self._unlink(s.blocks[key])
                 self.counters.evictions += 1
+                s.evicted.append(key)
         finally:
             self._queue.restore(deferred)
             self._queue.compact(s.blocks)
@@ -298,6 +313,16 @@ class TierManager:
         if p.children == 0 and self.policy.leaves_only and not p.pinned and not p.queue_seq:
             # It became a leaf: eligible again, at the priority of its last access.
             self._queue.push(p.key, p)
+
+    def drain_evicted(self) -> list[BlockKey]:
+        """Keys evicted since the last call, in eviction order."""
+        out, self._s.evicted = self._s.evicted, []
+        return out
+
+    def children_of(self, key: BlockKey) -> int:
+        """Indexed blocks whose parent is ``key`` (whether or not ``key`` is stored)."""
+        entry = self._s.blocks.get(key)
+        return entry.children if entry is not None else self._s.orphans.get(key, 0)
 
     # ---- stats ---------------------------------------------------------------------------
 

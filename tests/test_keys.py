@@ -1,0 +1,108 @@
+"""Prefix-hash keys: pinned vectors, the prefix property, and input validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.keys import (
+    KEY_BYTES,
+    block_keys,
+    encode_token_ids,
+    ensure_key,
+    namespace_root_key,
+    parse_key,
+)
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "block_keys.json").read_text())
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"],
+                         ids=lambda c: f"{c['namespace']}-{c['block_tokens']}")
+def test_vectors_pin_exact_bytes(case: dict) -> None:
+    keys = block_keys(case["token_ids"], case["block_tokens"], case["namespace"],
+                      extra=bytes.fromhex(case["extra_hex"]))
+    assert [k.hex() for k in keys] == case["keys_hex"]
+
+
+def test_root_key_vector() -> None:
+    assert namespace_root_key("llama3-8b/bf16/tp0").hex() == VECTORS["root_llama3-8b/bf16/tp0"]
+
+
+def test_partial_last_block_gets_no_key() -> None:
+    assert len(block_keys(list(range(9)), 4, "ns")) == 2
+    assert block_keys(list(range(3)), 4, "ns") == []
+    assert block_keys(list(range(8)), 4, "ns") == block_keys(list(range(11)), 4, "ns")
+
+
+def test_same_across_processes() -> None:
+    code = ("from kvstore.keys import block_keys;"
+            "print(','.join(k.hex() for k in block_keys(list(range(64)), 16, 'x')))")
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=Path(__file__).parent.parent
+                       ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {",".join(k.hex() for k in block_keys(list(range(64)), 16, "x"))}
+
+
+def test_accepts_numpy_and_lists_alike() -> None:
+    toks = list(range(1000, 1064))
+    assert block_keys(np.array(toks, dtype=np.int64), 16, "a") == block_keys(toks, 16, "a")
+    assert block_keys(np.array(toks, dtype=np.uint32), 16, "a") == block_keys(toks, 16, "a")
+
+
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
+
+
+@given(prefix=tokens, a=tokens, b=tokens, block=st.integers(1, 8))
+def test_shared_full_blocks_share_keys(prefix: list[int], a: list[int], b: list[int],
+                                       block: int) -> None:
+    ka = block_keys(prefix + a, block, "ns")
+    kb = block_keys(prefix + b, block, "ns")
+    shared = len(prefix) // block
+    assert ka[:shared] == kb[:shared]
+    # Beyond the common token prefix keys match exactly when the blocks' tokens do.
+    seq_a, seq_b = prefix + a, prefix + b
+    for i in range(shared, min(len(ka), len(kb))):
+        same_tokens = seq_a[: (i + 1) * block] == seq_b[: (i + 1) * block]
+        assert (ka[i] == kb[i]) == same_tokens
+    assert all(len(k) == KEY_BYTES for k in ka)
+
+
+@given(toks=tokens.filter(lambda t: len(t) >= 4))
+def test_namespace_and_extra_separate_chains(toks: list[int]) -> None:
+    base = block_keys(toks, 4, "model-a")
+    assert set(base).isdisjoint(block_keys(toks, 4, "model-b"))
+    assert set(base).isdisjoint(block_keys(toks, 4, "model-a", extra=b"lora-1"))
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], [[1, 2]]])
+def test_rejects_token_ids_outside_u32(bad: list) -> None:
+    with pytest.raises(ValueError):
+        encode_token_ids(bad)
+
+
+def test_rejects_nonpositive_block_tokens() -> None:
+    with pytest.raises(ValueError, match="block_tokens"):
+        block_keys([1, 2], 0, "ns")
+
+
+def test_parse_key_round_trip_and_errors() -> None:
+    key = block_keys([1, 2, 3, 4], 4, "ns")[0]
+    assert parse_key(key.hex()) == key
+    assert parse_key(key.hex().upper()) == key
+    with pytest.raises(ValueError, match="hex"):
+        parse_key("zz" * 16)
+    with pytest.raises(ValueError, match="16 bytes"):
+        parse_key("ab" * 15)
+    with pytest.raises(ValueError, match="16 bytes"):
+        ensure_key(b"x" * 17)
