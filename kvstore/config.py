@@ -51,7 +51,9 @@ def _coerce(name: str, value: Any) -> Any:
     kind = _FIELDS[name].type
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[kind]
     if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
-        raise ValueError(f"config key {name!r} must be a {kind}, got {value!r}")
+        spelled = {"int": "an integer", "float": "a number", "bool": "true or false",
+                   "str": "a string"}[kind]
+        raise ValueError(f"config key {name!r} must be {spelled}, got {value!r}")
     return float(value) if kind == "float" else value
 
 
