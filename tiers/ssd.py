@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import mmap
 import os
@@ -311,11 +312,12 @@ class _PythonBackend:
 def _load_uring() -> tuple[ModuleType | None, str | None]:
     """The native module, or None and why not."""
     try:
-        from tiers import _uring  # type: ignore[attr-defined]
+        # import_module honours sys.modules (a None entry there disables the backend).
+        module = importlib.import_module("tiers._uring")
     except ImportError as exc:
         return None, (f"native module tiers._uring not importable ({exc}); "
                       "build it with: python -m cffi_build.uring_build")
-    return _uring, None
+    return module, None
 
 
 class _UringBackend:
@@ -517,8 +519,18 @@ class SsdTier:
         if self.is_block_device and index_path is None:
             raise ValueError("a block device needs an explicit index_path")
         created = st is None
+        if st is not None and not self.is_block_device and st.st_size > capacity:
+            # Never shrink: a larger file is another configuration's data; truncating
+            # it would destroy blocks.
+            raise SsdFormatError(
+                f"{self._path} is {st.st_size} bytes, larger than capacity {capacity}; "
+                "refusing to truncate it")
+        # Validate the index before touching the data file, so a mismatched
+        # configuration changes nothing on disk.
+        self._index_path = index_path if index_path is not None else self._path + ".index"
+        write_meta = self._open_index(capacity, created)
 
-        # Size the region first, with a plain descriptor.
+        # Size the region with a plain descriptor.
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             if self.is_block_device:
@@ -528,12 +540,6 @@ class SsdTier:
                         f"capacity {capacity} exceeds the size of {self._path} ({device_size})")
             else:
                 size = os.fstat(fd).st_size
-                if size > capacity:
-                    # Never shrink: a larger file is someone else's data or another
-                    # configuration's index; truncating it would destroy blocks.
-                    raise SsdFormatError(
-                        f"{self._path} is {size} bytes, larger than capacity {capacity}; "
-                        "refusing to truncate it")
                 if size < capacity:
                     os.ftruncate(fd, capacity)
                     if preallocate:
@@ -548,7 +554,13 @@ class SsdTier:
                     _fsync_dir(os.path.dirname(os.path.abspath(self._path)))
         finally:
             os.close(fd)
-        self._file_size = capacity
+        if write_meta:
+            # Only once the region exists: an index's format record promises a data
+            # file of this size.
+            meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "alignment": ALIGNMENT,
+                    "capacity": capacity, "block_device": self.is_block_device}
+            assert self._db is not None
+            self._db.put(_META_KEY, json.dumps(meta, sort_keys=True).encode(), self._sync_write)
 
         self.o_direct = False
         self.o_direct_fallback: str | None = "disabled by the direct=False flag"
@@ -561,8 +573,6 @@ class SsdTier:
         self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
 
         self._allocator = _SsdAllocator(capacity, alignment=ALIGNMENT)
-        self._index_path = index_path if index_path is not None else self._path + ".index"
-        self._open_index(capacity, created)
 
         self.io_backend, self.io_backend_reason = self._pick_backend(io, queue_depth)
 
@@ -600,7 +610,8 @@ class SsdTier:
             self._arenas.release(arena)
         return fd, True, None
 
-    def _open_index(self, capacity: int, data_created: bool) -> None:
+    def _open_index(self, capacity: int, data_missing: bool) -> bool:
+        """Opens and validates the index; True if its format record is still to be written."""
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
         self._db = rocksdict.Rdict(self._index_path, opts)
@@ -611,9 +622,6 @@ class SsdTier:
         if raw is None:
             if has_blocks:
                 raise SsdFormatError(f"index {self._index_path} has blocks but no format record")
-            meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "alignment": ALIGNMENT,
-                    "capacity": capacity, "block_device": self.is_block_device}
-            self._db.put(_META_KEY, json.dumps(meta, sort_keys=True).encode(), self._sync_write)
         else:
             try:
                 meta = json.loads(bytes(raw))
@@ -633,7 +641,7 @@ class SsdTier:
                     f"index {self._index_path} was written for a data file of "
                     f"{meta.get('capacity')} bytes, but {self._path} is opened with capacity "
                     f"{capacity}; refusing to mix them")
-        if has_blocks and data_created:
+        if has_blocks and data_missing:
             raise SsdFormatError(
                 f"index {self._index_path} names blocks but the data file {self._path} "
                 "did not exist; refusing to serve from an empty file")
@@ -641,6 +649,7 @@ class SsdTier:
         # allocation could land on one of them.
         self._needs_recover = has_blocks
         self._recovered = False
+        return raw is None
 
     def _first_block_key(self) -> bytes | None:
         assert self._db is not None
@@ -675,6 +684,11 @@ class SsdTier:
     @property
     def used(self) -> int:
         return self._allocator.used
+
+    def largest_free(self) -> int:
+        """The largest value (rounded to the alignment) a write could place now."""
+        with self._lock:
+            return self._allocator.largest_free()
 
     @property
     def path(self) -> str:

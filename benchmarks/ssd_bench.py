@@ -1,0 +1,346 @@
+"""SSD tier throughput against the raw O_DIRECT limit of the same file.
+
+For each block size it measures, in one run and on one file:
+
+* tier sequential ``write_blocks`` (batched, durable: data fdatasync + synced index
+  batch per call) and ``read_blocks_into`` (checksum verified);
+* the raw limit: a plain loop of aligned ``O_DIRECT`` ``pwrite`` (one fdatasync at
+  the end) and ``preadv`` over the same offsets, one request at a time;
+
+and then 64 KiB random reads at queue depth 32: the tier reading batches of 32
+random blocks, against 32 threads issuing raw ``preadv`` back to back.
+
+Latencies: the tier's are per call (one batch); the raw ones are per request.
+
+    python -m benchmarks.ssd_bench --path /var/tmp/kvstore-ssd-bench.img
+
+Put the file on a real disk, not tmpfs. The file and its ``.index`` directory are
+overwritten. Prints a table and writes ``benchmarks/results/ssd_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import random
+import shutil
+import stat
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tiers.ssd import ALIGNMENT, SsdLocation, SsdTier
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ssd_bench.json"
+KiB, MiB, GB = 1 << 10, 1 << 20, 1e9
+RANDOM_BLOCK = 64 * KiB
+RANDOM_QD = 32
+
+
+def _pct(samples: Sequence[float], q: float) -> float:
+    """The q-quantile (nearest rank) of samples, in milliseconds."""
+    if not samples:
+        return float("nan")
+    s = sorted(samples)
+    return 1e3 * s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _aligned(n: int, fill: bool) -> mmap.mmap:
+    m = mmap.mmap(-1, n)  # page-aligned: the tier writes it in place under O_DIRECT
+    if fill:
+        m[:] = os.urandom(n)
+    return m
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def _prepare(path: Path) -> None:
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        raise SystemExit(f"{path} is not a regular file; this benchmark overwrites its path")
+    path.unlink(missing_ok=True)
+    shutil.rmtree(str(path) + ".index", ignore_errors=True)
+
+
+def _tier_sequential(tier: SsdTier, size: int, n: int, batch: int,
+                     src: mmap.mmap) -> dict[str, float]:
+    view = memoryview(src)
+    locs: list[SsdLocation] = []
+    wlat: list[float] = []
+    t_start = time.perf_counter()
+    for start in range(0, n, batch):
+        items = [(_key(i), None, view) for i in range(start, min(n, start + batch))]
+        t0 = time.perf_counter()
+        got = tier.write_blocks(items)  # type: ignore[arg-type]
+        wlat.append(time.perf_counter() - t0)
+        if any(loc is None for loc in got):
+            raise RuntimeError("tier full during the benchmark: raise capacity")
+        locs.extend(loc for loc in got if loc is not None)
+    t_write = time.perf_counter() - t_start
+
+    outs = [_aligned(size, fill=False) for _ in range(batch)]
+    out_views = [memoryview(o) for o in outs]
+    rlat: list[float] = []
+    t_start = time.perf_counter()
+    for start in range(0, n, batch):
+        chunk = locs[start:start + batch]
+        t0 = time.perf_counter()
+        ok = tier.read_blocks_into(chunk, out_views[: len(chunk)])
+        rlat.append(time.perf_counter() - t0)
+        if not all(ok):
+            raise RuntimeError("checksum failure during the benchmark")
+    t_read = time.perf_counter() - t_start
+    if bytes(out_views[0]) != bytes(view):
+        raise RuntimeError("tier read back different bytes")
+    for v in out_views:
+        v.release()
+    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
+    view.release()
+    total = n * size
+    return {
+        "tier_write_gbps": total / t_write / GB,
+        "tier_read_gbps": total / t_read / GB,
+        "tier_write_call_ms_p50": _pct(wlat, 0.5),
+        "tier_write_call_ms_p99": _pct(wlat, 0.99),
+        "tier_read_call_ms_p50": _pct(rlat, 0.5),
+        "tier_read_call_ms_p99": _pct(rlat, 0.99),
+    }
+
+
+def _raw_sequential(path: Path, size: int, n: int, src: mmap.mmap) -> dict[str, float]:
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        wlat: list[float] = []
+        t_start = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            if os.pwrite(fd, src, i * size) != size:
+                raise RuntimeError("short raw write")
+            wlat.append(time.perf_counter() - t0)
+        os.fdatasync(fd)
+        t_write = time.perf_counter() - t_start
+        dst = _aligned(size, fill=False)
+        rlat: list[float] = []
+        t_start = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            if os.preadv(fd, [dst], i * size) != size:
+                raise RuntimeError("short raw read")
+            rlat.append(time.perf_counter() - t0)
+        t_read = time.perf_counter() - t_start
+        dst.close()
+    finally:
+        os.close(fd)
+    total = n * size
+    return {
+        "raw_write_gbps": total / t_write / GB,
+        "raw_read_gbps": total / t_read / GB,
+        "raw_write_op_ms_p50": _pct(wlat, 0.5),
+        "raw_write_op_ms_p99": _pct(wlat, 0.99),
+        "raw_read_op_ms_p50": _pct(rlat, 0.5),
+        "raw_read_op_ms_p99": _pct(rlat, 0.99),
+    }
+
+
+def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
+                  seed: int) -> dict[str, float]:
+    nblocks = region // RANDOM_BLOCK
+    src = _aligned(RANDOM_BLOCK, fill=True)
+    view = memoryview(src)
+    locs: list[SsdLocation] = []
+    for start in range(0, nblocks, 256):
+        got = tier.write_blocks([(_key(i), None, view)
+                                 for i in range(start, min(nblocks, start + 256))])
+        locs.extend(loc for loc in got if loc is not None)
+    rng = random.Random(seed)
+    picks = [rng.randrange(len(locs)) for _ in range(ops)]
+
+    # Tier: batches of RANDOM_QD random blocks per read_blocks_into call.
+    outs = [_aligned(RANDOM_BLOCK, fill=False) for _ in range(RANDOM_QD)]
+    out_views = [memoryview(o) for o in outs]
+    tlat: list[float] = []
+    t_start = time.perf_counter()
+    for start in range(0, ops, RANDOM_QD):
+        chunk = [locs[p] for p in picks[start:start + RANDOM_QD]]
+        t0 = time.perf_counter()
+        ok = tier.read_blocks_into(chunk, out_views[: len(chunk)])
+        tlat.append(time.perf_counter() - t0)
+        if not all(ok):
+            raise RuntimeError("checksum failure during the benchmark")
+    t_tier = time.perf_counter() - t_start
+
+    # Raw: RANDOM_QD threads, each issuing preadv back to back (always QD in flight).
+    offsets = [locs[p].extent.offset for p in picks]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    rlat: list[float] = []
+    lat_lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        buf = _aligned(RANDOM_BLOCK, fill=False)
+        mine: list[float] = []
+        for off in offsets[w::RANDOM_QD]:
+            t0 = time.perf_counter()
+            if os.preadv(fd, [buf], off) != RANDOM_BLOCK:
+                raise RuntimeError("short raw read")
+            mine.append(time.perf_counter() - t0)
+        buf.close()
+        with lat_lock:
+            rlat.extend(mine)
+
+    try:
+        t_start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=RANDOM_QD) as pool:
+            for f in [pool.submit(worker, w) for w in range(RANDOM_QD)]:
+                f.result()
+        t_raw = time.perf_counter() - t_start
+    finally:
+        os.close(fd)
+    for v in out_views:
+        v.release()
+    view.release()
+    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
+    total = ops * RANDOM_BLOCK
+    tier_gbps, raw_gbps = total / t_tier / GB, total / t_raw / GB
+    return {
+        "block_size": RANDOM_BLOCK,
+        "queue_depth": RANDOM_QD,
+        "ops": ops,
+        "tier_gbps": tier_gbps,
+        "tier_iops": ops / t_tier,
+        "tier_call_ms_p50": _pct(tlat, 0.5),
+        "tier_call_ms_p99": _pct(tlat, 0.99),
+        "raw_gbps": raw_gbps,
+        "raw_iops": ops / t_raw,
+        "raw_op_ms_p50": _pct(rlat, 0.5),
+        "raw_op_ms_p99": _pct(rlat, 0.99),
+        "ratio": tier_gbps / raw_gbps,
+    }
+
+
+def run_ssd_bench(
+    path: str | os.PathLike[str],
+    sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
+    total_bytes: int = 256 << 20,
+    io: str = "auto",
+    *,
+    queue_depth: int = 32,
+    max_batch_bytes: int = 64 << 20,
+    random_ops: int = 8192,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Runs the benchmark on ``path`` (overwritten) and returns the figures.
+
+    Each block size moves ``total_bytes`` (at least one block) each way; the tier
+    writes batches of up to ``queue_depth`` blocks and ``max_batch_bytes``.
+    """
+    p = Path(path)
+    _prepare(p)
+    largest = max(sizes)
+    capacity = -(-(max(total_bytes, largest) + largest) // ALIGNMENT) * ALIGNMENT
+    tier = SsdTier(p, capacity, io=io, queue_depth=queue_depth)
+    try:
+        tier.recover()
+        rows = []
+        for size in sizes:
+            n = max(1, total_bytes // size)
+            batch = max(1, min(queue_depth, max_batch_bytes // size, n))
+            src = _aligned(size, fill=True)
+            row: dict[str, Any] = {"block_size": size, "blocks": n, "batch_blocks": batch}
+            row.update(_tier_sequential(tier, size, n, batch, src))
+            row.update(_raw_sequential(p, size, n, src))
+            src.close()
+            row["write_ratio"] = row["tier_write_gbps"] / row["raw_write_gbps"]
+            row["read_ratio"] = row["tier_read_gbps"] / row["raw_read_gbps"]
+            rows.append(row)
+        rand = _random_reads(tier, p, min(total_bytes, capacity - largest), random_ops, seed)
+        stats = tier.stats()
+    finally:
+        tier.close()
+    _prepare(p)  # leave no large file behind
+    return {
+        "benchmark": "ssd_tier",
+        "config": {
+            "path": str(p),
+            "capacity": capacity,
+            "total_bytes_per_size": total_bytes,
+            "io_backend": stats["io_backend"],
+            "io_backend_reason": stats["io_backend_reason"],
+            "o_direct": stats["o_direct"],
+            "queue_depth": queue_depth,
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "note": ("tier latencies are per call (one batch); raw latencies per request. "
+                     "raw sequential is one request at a time (QD1); raw random is "
+                     f"{RANDOM_QD} threads back to back."),
+        },
+        "sequential": rows,
+        "random_read": rand,
+        "tier_stats": stats,
+    }
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def print_table(res: dict[str, Any]) -> None:
+    cfg = res["config"]
+    print(f"SSD tier bench: {cfg['path']}  backend={cfg['io_backend']} "
+          f"o_direct={cfg['o_direct']} qd={cfg['queue_depth']} kernel={cfg['kernel']}")
+    hdr = (f"{'block':>8} {'batch':>5} | {'tier W':>7} {'raw W':>7} {'W ratio':>7} | "
+           f"{'tier R':>7} {'raw R':>7} {'R ratio':>7} | {'tierW p50/p99 ms':>17} "
+           f"{'tierR p50/p99 ms':>17} {'rawR p50/p99 ms':>16}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in res["sequential"]:
+        print(f"{_fmt_size(r['block_size']):>8} {r['batch_blocks']:>5} | "
+              f"{r['tier_write_gbps']:7.2f} {r['raw_write_gbps']:7.2f} {r['write_ratio']:7.2f} | "
+              f"{r['tier_read_gbps']:7.2f} {r['raw_read_gbps']:7.2f} {r['read_ratio']:7.2f} | "
+              f"{r['tier_write_call_ms_p50']:8.2f}/{r['tier_write_call_ms_p99']:<8.2f} "
+              f"{r['tier_read_call_ms_p50']:8.2f}/{r['tier_read_call_ms_p99']:<8.2f} "
+              f"{r['raw_read_op_ms_p50']:7.2f}/{r['raw_read_op_ms_p99']:<8.2f}")
+    print("(GB/s; tier latencies per batch call, raw per request)")
+    rr = res["random_read"]
+    print(f"random 64 KiB reads, QD{rr['queue_depth']}, {rr['ops']} ops: "
+          f"tier {rr['tier_gbps']:.2f} GB/s ({rr['tier_iops']:.0f} IOPS, per-32 call p50 "
+          f"{rr['tier_call_ms_p50']:.2f} ms p99 {rr['tier_call_ms_p99']:.2f} ms) | raw "
+          f"{rr['raw_gbps']:.2f} GB/s ({rr['raw_iops']:.0f} IOPS, per-op p50 "
+          f"{rr['raw_op_ms_p50']:.2f} ms p99 {rr['raw_op_ms_p99']:.2f} ms) | "
+          f"ratio {rr['ratio']:.2f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--path", default="/var/tmp/kvstore-ssd-bench.img")
+    ap.add_argument("--sizes", default="64K,1M,4M,16M",
+                    help="comma-separated block sizes with K/M suffix")
+    ap.add_argument("--total-mib", type=int, default=256, help="MiB moved per size, each way")
+    ap.add_argument("--io", default="auto", choices=["auto", "uring", "python"])
+    ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--random-ops", type=int, default=8192)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    units = {"K": KiB, "M": MiB}
+    sizes = [int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
+             for s in args.sizes.split(",")]
+    res = run_ssd_bench(args.path, sizes, args.total_mib * MiB, args.io,
+                        queue_depth=args.queue_depth, random_ops=args.random_ops)
+    print_table(res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""cffi (API mode) build of ``tiers._uring``: batched io_uring block I/O for the SSD tier.
+
+Run from the repository root::
+
+    python -m cffi_build.uring_build
+
+It compiles ``cffi_build/uring_io.c`` against liburing and places the extension
+next to ``tiers/ssd.py`` (``tiers/_uring*.so``). The native module is optional:
+``tiers/ssd.py`` falls back to a pure-Python thread-pool backend, so when
+liburing or a C compiler is missing this script warns and exits 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from cffi import FFI
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+_C_SOURCE = _HERE / "uring_io.c"
+
+# The declarations Python sees. ``struct iovec`` is declared with "..." so cffi
+# takes its real layout from <sys/uio.h> at compile time.
+CDEF = """
+struct iovec { void *iov_base; size_t iov_len; ...; };
+struct kv_ring;
+int kv_ring_open(unsigned depth, struct kv_ring **out);
+void kv_ring_close(struct kv_ring *r);
+int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
+                const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
+                int64_t *results);
+"""
+
+_PREAMBLE = """
+#include <stdint.h>
+#include <sys/uio.h>
+struct kv_ring;
+int kv_ring_open(unsigned depth, struct kv_ring **out);
+void kv_ring_close(struct kv_ring *r);
+int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
+                const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
+                int64_t *results);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "tiers._uring",
+    _PREAMBLE,
+    sources=[str(_C_SOURCE)],
+    libraries=["uring"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+)
+
+
+def _have_liburing() -> str | None:
+    """None if the build can be attempted, else why not."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None and shutil.which("gcc") is None:
+        return f"no C compiler ({cc!r} not found)"
+    include_dirs = ["/usr/include", "/usr/local/include"]
+    if not any((Path(d) / "liburing.h").exists() for d in include_dirs):
+        return "liburing.h not found (install liburing-dev)"
+    return None
+
+
+def build(dest_dir: Path = _ROOT / "tiers") -> Path | None:
+    """Builds the extension into ``dest_dir``; returns its path, or None (with a warning)."""
+    reason = _have_liburing()
+    if reason is not None:
+        print(f"warning: not building tiers._uring: {reason}", file=sys.stderr)
+        return None
+    # Compile in a scratch directory so the generated .c/.o files stay out of the tree.
+    with tempfile.TemporaryDirectory(prefix="kvstore-uring-build-") as tmp:
+        try:
+            built = Path(ffibuilder.compile(tmpdir=tmp, verbose=False))
+        except Exception as exc:  # cffi raises distutils/setuptools errors of varying types
+            print(f"warning: not building tiers._uring: {exc}", file=sys.stderr)
+            return None
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        target = dest_dir / built.name
+        # Replace atomically so a process that already mapped the old .so keeps a valid file.
+        tmp_target = target.with_name(target.name + ".tmp")
+        shutil.copyfile(built, tmp_target)
+        tmp_target.replace(target)
+    return target
+
+
+def main() -> int:
+    target = build()
+    if target is not None:
+        print(f"built {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
