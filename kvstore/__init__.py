@@ -1,8 +1,36 @@
-"""kvstore: a tiered KV-cache block store for LLM serving."""
+"""kvstore: a tiered KV-cache block store for LLM serving.
 
-from kvstore.client import Client
-from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+``Client`` and the errors load on first use, so the ``tiers`` package can use
+``kvstore.keys`` without importing the network stack (and without a cycle).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvstore.keys import BlockKey, block_keys, namespace_root_key
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+    from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+
+_LAZY = {
+    "Client": "kvstore.client",
+    "InvalidArgument": "kvstore.errors",
+    "KVStoreError": "kvstore.errors",
+    "ResourceExhausted": "kvstore.errors",
+    "Unavailable": "kvstore.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BlockKey",
