@@ -93,7 +93,7 @@ class ChannelConnection:
             raise
         # Blocking from here on: a transfer takes as long as its size needs.
         sock.settimeout(None)
-        self._header = bytearray(HEADER.size)
+        self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:
         self.sock.sendall(wire.HELLO.pack(wire.MAGIC, self.session.token, self.mode))
@@ -126,12 +126,16 @@ class ChannelConnection:
 
     def _send(self, op: Op, count: int, meta: bytes,
               values: Sequence[memoryview] = ()) -> None:
-        wire.send_buffers(self.sock, [HEADER.pack(op, count, len(meta)), meta, *values])
+        head = HEADER.pack(op, count, len(meta)) + meta
+        if values:
+            wire.send_buffers(self.sock, [head, *values])
+        else:
+            self.sock.sendall(head)
 
     def _response(self) -> tuple[int, bytes]:
-        wire.recv_exact_into(self.sock, memoryview(self._header))
+        wire.recv_exact_into(self.sock, self._header)
         status, count, meta_len = HEADER.unpack(self._header)
-        meta = wire.recv_exact(self.sock, meta_len)
+        meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
         if status:
             raise error_for_code(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
                                  meta.decode("utf-8", "replace"))

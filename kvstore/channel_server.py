@@ -44,7 +44,7 @@ class _Connection:
         self.mode = mode
         self.leases = LeaseSet(node)
         self.reservations = ReservationSet(node)
-        self.header = bytearray(HEADER.size)
+        self.reader = wire.StreamReader(sock)
         self.scratch: memoryview | None = None
         self.handlers: dict[int, Callable[[int, bytes], None]] = {
             Op.GET: self.on_get,
@@ -63,21 +63,19 @@ class _Connection:
             }
 
     def serve(self) -> None:
-        sock = self.sock
-        hview = memoryview(self.header)
+        reader = self.reader
         try:
             while True:
                 try:
-                    wire.recv_exact_into(sock, hview)
+                    op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
                 except wire.PeerClosed:
                     return
-                op_code, count, meta_len = HEADER.unpack(self.header)
                 try:
                     op = self.check_frame(op_code, count, meta_len)
                 except ProtocolError as exc:
                     self.reply_error(InvalidArgument(str(exc)))
                     return
-                meta = wire.recv_exact(sock, meta_len)
+                meta = reader.read(meta_len)
                 payload = self.payload_bytes(op, meta)
                 try:
                     with self.node.request():
@@ -166,7 +164,7 @@ class _Connection:
                     if slot is None:
                         self.discard(nbytes)
                         continue
-                    wire.recv_exact_into(self.sock, slot.view)
+                    self.reader.read_into(slot.view)
                 results[i] = slot.stored
             except KVStoreError as exc:
                 # The client has sent the rest already: consume it to stay in frame.
@@ -179,7 +177,7 @@ class _Connection:
     def discard(self, nbytes: int) -> None:
         if self.scratch is None:
             self.scratch = memoryview(bytearray(_SCRATCH))
-        wire.discard(self.sock, nbytes, self.scratch)
+        self.reader.discard(nbytes, self.scratch)
 
     def on_exists(self, count: int, meta: bytes) -> None:
         keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]

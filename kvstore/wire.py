@@ -149,9 +149,79 @@ def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
 _IOV_MAX = 1024
 
 
+class StreamReader:
+    """Reads frame headers and metadata through a buffer, large payloads straight through.
+
+    One ``recv`` usually brings a whole request header with its metadata (and any
+    fire-and-forget frames the peer sent before it), saving a syscall per frame;
+    payload bytes already buffered are copied out first, the rest is received
+    directly into the destination.
+    """
+
+    __slots__ = ("_buf", "_end", "_sock", "_start", "_view")
+
+    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+        self._sock = sock
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def read(self, n: int) -> bytes:
+        """Exactly ``n`` bytes; PeerClosed if the stream ends cleanly before the first byte."""
+        start, end = self._start, self._end
+        if end - start >= n:
+            self._start = start + n
+            return bytes(self._view[start : start + n])
+        if n > len(self._buf):
+            head = bytes(self._view[start:end])
+            self._start = self._end = 0
+            return head + recv_exact(self._sock, n - len(head))
+        if start:
+            self._view[: end - start] = self._view[start:end]
+            end -= start
+            self._start = 0
+        while end < n:
+            r = self._sock.recv_into(self._view[end:])
+            if r == 0:
+                if end == 0:
+                    raise PeerClosed("peer closed the stream")
+                raise ConnectionError(f"stream ended after {end} of {n} bytes")
+            end += r
+        self._end = end
+        self._start = n
+        return bytes(self._view[:n])
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fills ``dest``: buffered bytes first, then straight from the socket."""
+        start = self._start
+        k = min(self._end - start, len(dest))
+        if k:
+            dest[:k] = self._view[start : start + k]
+            self._start = start + k
+        if k < len(dest):
+            recv_exact_into(self._sock, dest[k:])
+
+    def discard(self, n: int, scratch: memoryview) -> None:
+        k = min(self._end - self._start, n)
+        self._start += k
+        if n > k:
+            discard(self._sock, n - k, scratch)
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Sends every buffer in order with as few syscalls as the kernel allows."""
-    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    """Sends every buffer in order with as few syscalls as the kernel allows.
+
+    Buffers must be bytes-like with one-byte items (``len`` is their size).
+    """
+    if len(buffers) <= _IOV_MAX:
+        total = sum(map(len, buffers))
+        sent = sock.sendmsg(buffers)
+        if sent == total:
+            return
+        pending = _after(buffers, sent)
+    else:
+        pending = [memoryview(b).cast("B") for b in buffers if len(b)]
     while pending:
         sent = sock.sendmsg(pending[:_IOV_MAX])
         while sent:
@@ -162,6 +232,19 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
             else:
                 pending[0] = head[sent:]
                 sent = 0
+
+
+def _after(buffers: Sequence[bytes | memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``buffers`` after the first ``sent`` bytes went out."""
+    out: list[memoryview] = []
+    for b in buffers:
+        n = len(b)
+        if sent >= n:
+            sent -= n
+            continue
+        out.append(memoryview(b).cast("B")[sent:])
+        sent = 0
+    return out
 
 
 def header(op_or_status: int, count: int, meta_len: int) -> bytes:
