@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-all lint bench proto clean
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,torch]'
+	$(PY) -m cffi_build.uring_build
 	touch $(STAMP)
 
 setup: $(STAMP)
