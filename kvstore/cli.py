@@ -20,6 +20,8 @@ from kvstore.keys import parse_key
 from kvstore.sizes import format_size, parse_size
 
 DEFAULT_ADDR = "127.0.0.1:7600"
+BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench"}
+"""``kvstore bench NAME`` runs ``main(argv)`` of these modules."""
 
 
 class CliError(Exception):
@@ -81,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     s = sub.add_parser("bench", help="benchmarks (not tests)")
-    s.add_argument("which", choices=["api"], help="api: put/get vs Redis and raw TCP")
+    s.add_argument("which", choices=sorted(BENCHMARKS),
+                   help="api: put/get vs Redis and raw TCP; tiers: each tier vs its limit")
     s.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
     return p
 
@@ -219,14 +222,14 @@ def format_stat_table(stats: dict) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.which == "api":
-        try:
-            from benchmarks.api_bench import main as bench_main
-        except ImportError as exc:
-            raise CliError(f"the benchmarks need the bench extra (pip install "
-                           f"'kvstore[bench]'): {exc}") from None
-        return int(bench_main(args.args) or 0)
-    raise CliError(f"unknown benchmark {args.which}")
+    import importlib
+
+    try:
+        module = importlib.import_module(BENCHMARKS[args.which])
+    except ImportError as exc:
+        raise CliError(f"the benchmarks need the bench extra (pip install "
+                       f"'kvstore[bench]'): {exc}") from None
+    return int(module.main(args.args) or 0)
 
 
 COMMANDS = {
