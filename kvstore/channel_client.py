@@ -153,6 +153,10 @@ class ChannelConnection:
         """Values of ``keys``: into ``outs[i]`` (returns nbytes) or as new bytes."""
         if self.mode is Mode.SHM:
             return self._get_shm(keys, outs)
+        return self._get_stream(keys, outs)
+
+    def _get_stream(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+                    ) -> list[bytes | int | None]:
         count, meta = self._call(Op.GET, len(keys), wire.pack_keys(keys))
         lengths = wire.unpack_ids(meta, count)
         results: list[bytes | int | None] = []
@@ -182,10 +186,13 @@ class ChannelConnection:
         assert region is not None
         results: list[bytes | int | None] = []
         leases: list[int] = []
+        unmapped: list[int] = []
         try:
             for i, (lease, offset, n) in enumerate(wire.LEASE_ITEM.iter_unpack(meta)):
                 if lease == 0:
                     results.append(None)
+                    if n:
+                        unmapped.append(i)
                     continue
                 leases.append(lease)
                 out = outs[i] if outs is not None else None
@@ -200,6 +207,12 @@ class ChannelConnection:
         finally:
             if leases:
                 self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+        if unmapped:
+            # Blocks in HBM or on SSD come through the stream instead.
+            fetched = self._get_stream([keys[i] for i in unmapped],
+                                       None if outs is None else [outs[i] for i in unmapped])
+            for i, r in zip(unmapped, fetched, strict=True):
+                results[i] = r
         return results
 
     def put(self, keys: Sequence[bytes], values: Sequence[memoryview],

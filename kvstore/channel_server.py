@@ -135,9 +135,9 @@ class _Connection:
         node = self.node
         entries = node.acquire_reads(wire.unpack_keys(meta, count))
         try:
-            views = [node.read_view(e) for e in entries if e is not None]
-            lengths = wire.pack_ids([wire.MISS if e is None else e.nbytes for e in entries])
-            self.reply(count, lengths, views)
+            views = [None if e is None else node.block_view(e) for e in entries]
+            lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
+            self.reply(count, lengths, [v for v in views if v is not None])
         finally:
             node.release_reads(entries)
 
@@ -199,7 +199,12 @@ class _Connection:
                 out += wire.LEASE_ITEM.pack(0, 0, 0)
             else:
                 lease_id, entry = got
-                out += wire.LEASE_ITEM.pack(lease_id, entry.extent.offset, entry.nbytes)
+                if self.node.is_mapped(entry):
+                    out += wire.LEASE_ITEM.pack(lease_id, entry.extent.offset, entry.nbytes)
+                else:
+                    # Not in shared memory (HBM or SSD): the client fetches it with GET.
+                    self.leases.release(lease_id)
+                    out += wire.LEASE_ITEM.pack(0, 0, entry.nbytes)
         self.reply(count, bytes(out))
 
     def on_release(self, count: int, meta: bytes) -> None:

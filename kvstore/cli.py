@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", help="gRPC address HOST:PORT (default 127.0.0.1:7600)")
     s.add_argument("--data-port", type=int, help="transfer channel TCP port (default: any free)")
     s.add_argument("--dram-bytes", type=_size, help="DRAM tier size, e.g. 1GiB (default 1GiB)")
+    s.add_argument("--hbm-bytes", type=_size, help="HBM tier size on a torch device")
+    s.add_argument("--hbm-device", help="torch device of the HBM tier (default: cuda if present)")
+    s.add_argument("--ssd-path", help="SSD tier file or block device (default: none)")
+    s.add_argument("--ssd-bytes", type=_size, help="SSD tier size, e.g. 1TiB")
+    s.add_argument("--ssd-io", choices=["auto", "uring", "python"],
+                   help="SSD I/O: io_uring or a thread pool (default auto)")
     s.add_argument("--policy", choices=["lru", "lfu", "prefix"], help="eviction policy")
     s.add_argument("--high-watermark", type=float, help="evict when use passes this fraction")
     s.add_argument("--low-watermark", type=float, help="evict down to this fraction")
@@ -113,7 +119,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in (
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
-        "prefault", "shm", "grpc_workers", "drain_timeout", "log_level")}
+        "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
+        "hbm_device", "ssd_path", "ssd_bytes", "ssd_io")}
     cfg = load_config(args.config, overrides)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -122,7 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, policy=cfg.policy,
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                             prefault=cfg.prefault))
+                             prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
+                             hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
+                             ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io))
     try:
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm)
@@ -131,8 +140,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     server.start()
     host, port = server.addresses.channel
+    tiers = [f"dram {format_size(cfg.dram_bytes)}"]
+    info = node.stats()["node"]
+    if cfg.hbm_bytes:
+        tiers.insert(0, f"hbm {format_size(cfg.hbm_bytes)} on {info.get('hbm_device')}")
+    if cfg.ssd_path:
+        tiers.append(f"ssd {format_size(cfg.ssd_bytes)} at {cfg.ssd_path} "
+                     f"({info.get('ssd_io')} I/O, {info.get('recovered_blocks', 0)} blocks "
+                     f"recovered)")
     print(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
-          f"dram {format_size(cfg.dram_bytes)}, policy {cfg.policy})", flush=True)
+          f"{', '.join(tiers)}, policy {cfg.policy})", flush=True)
     while not stop.wait(0.5):
         pass
     drained = server.stop(grace=cfg.drain_timeout)
@@ -190,7 +207,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
-STAT_COLUMNS = ("capacity", "used", "blocks", "hits", "misses", "evictions")
+STAT_COLUMNS = ("capacity", "used", "blocks", "hits", "misses", "evictions", "demotions",
+                "promotions", "checksum_failures")
 
 
 def cmd_stat(args: argparse.Namespace) -> int:

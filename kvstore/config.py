@@ -27,6 +27,11 @@ class NodeConfig:
     grpc_workers: int = 16
     drain_timeout: float = 10.0
     log_level: str = "info"
+    hbm_bytes: int = 0  # 0: no HBM tier
+    hbm_device: str = ""  # "": CUDA when present, else the CPU (and stat says so)
+    ssd_path: str = ""  # "": no SSD tier
+    ssd_bytes: int = 0
+    ssd_io: str = "auto"  # "auto" | "uring" | "python"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -39,9 +44,15 @@ class NodeConfig:
             raise ValueError(f"data_port out of range: {self.data_port}")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
+        if self.ssd_path and self.ssd_bytes <= 0:
+            raise ValueError("ssd_path needs ssd_bytes (the SSD tier's size)")
+        if self.ssd_bytes and not self.ssd_path:
+            raise ValueError("ssd_bytes needs ssd_path (a file or block device)")
+        if self.ssd_io not in ("auto", "uring", "python"):
+            raise ValueError(f"ssd_io must be auto, uring or python, got {self.ssd_io!r}")
 
 
-_SIZE_FIELDS = {"dram_bytes"}
+_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 

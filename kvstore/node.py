@@ -13,18 +13,25 @@ block and no leaked space.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, BlockKey
+from tiers.base import Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
-from tiers.manager import BlockEntry, Reservation, TierManager, Watermarks
+from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
+from tiers.mover import TierMover
 from tiers.policy import make_policy
+
+log = logging.getLogger("kvstore.node")
+_ROOM_ATTEMPTS = 8
 
 MAX_BATCH = 65536
 """Most keys one request may name; larger batches are split by the client."""
@@ -37,6 +44,11 @@ class NodeSettings:
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     prefault: bool = True
+    hbm_bytes: int = 0  # 0: no HBM tier
+    hbm_device: str | None = None  # None: CUDA if present, else CPU
+    ssd_path: str | None = None  # None: no SSD tier
+    ssd_bytes: int = 0
+    ssd_io: str = "auto"
 
 
 def check_key(key: object, what: str = "key") -> BlockKey:
@@ -91,19 +103,72 @@ class Node:
         self.settings = settings
         self._clock = clock
         self._started = clock()
-        self._tier = DramTier(settings.dram_bytes, prefault=settings.prefault)
+        self._info: dict[str, str | int | bool] = {}
+        tiers, durable = self._open_tiers(settings)
+        self._tiers = tiers
+        self._tier = next(t for t in tiers if isinstance(t, DramTier))
         self._lock = threading.Lock()
         # guarded by _lock:
         self._manager = TierManager(
-            self._tier,
+            tiers,
             make_policy(settings.policy),
             watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
+            durable=durable,
         )
+        self._recover()
+        self._mover: TierMover | None = None
+        if len(tiers) > 1:
+            self._mover = TierMover(self._manager, self._lock)
+            self._mover.start()
         self._admission = threading.Condition(threading.Lock())
         # guarded by _admission:
         self._draining = False
         self._in_flight = 0
         self._request_scope = _RequestScope(self)
+
+    def _open_tiers(self, s: NodeSettings) -> tuple[list[Tier], list[bool]]:
+        tiers: list[Tier] = []
+        durable: list[bool] = []
+        try:
+            if s.hbm_bytes:
+                from tiers.hbm import HbmTier
+
+                hbm = HbmTier(s.hbm_bytes, device=s.hbm_device)
+                self._info["hbm_device"] = hbm.device
+                log.info("HBM tier: %d bytes on device %s%s", s.hbm_bytes, hbm.device,
+                         "" if hbm.on_gpu else " (no GPU: the HBM code path runs on the CPU)")
+                tiers.append(hbm)
+                durable.append(False)
+            tiers.append(DramTier(s.dram_bytes, prefault=s.prefault))
+            durable.append(False)
+            if s.ssd_path:
+                from tiers.ssd import SsdTier
+
+                ssd = SsdTier(s.ssd_path, s.ssd_bytes, io=s.ssd_io)
+                self._info["ssd_io"] = ssd.io_backend
+                tiers.append(ssd)
+                durable.append(True)
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        return tiers, durable
+
+    def _recover(self) -> None:
+        """Indexes every block the SSD tier kept across a restart (its index, no data scan)."""
+        for level, lv in enumerate(self._manager.levels):
+            if lv.durable:
+                records = lv.tier.recover()  # type: ignore[attr-defined]
+                for r in records:
+                    self._manager.adopt(r.key, r.parent, r.location.nbytes, level=level,
+                                        location=r.location)
+                self._info["recovered_blocks"] = len(records)
+                log.info("recovered %d blocks from the %s tier", len(records), lv.tier.name)
+
+    def _delete_durable(self, garbage: Sequence[object]) -> None:
+        """Deletes durable copies released by the manager (I/O: never under ``_lock``)."""
+        if garbage and self._mover is not None:
+            self._mover.delete_durable(garbage)  # type: ignore[arg-type]
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -142,15 +207,28 @@ class Node:
             raise InvalidArgument("a block value must not be empty")
         if parent == key:
             raise InvalidArgument("a block cannot be its own parent")
-        try:
-            with self._lock:
-                reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
-                # Nothing outside the node needs to hear of evictions yet (no lower
-                # tier, no replicas): drop the events so they cannot pile up.
-                self._manager.drain_evicted()
+        for _ in range(_ROOM_ATTEMPTS):
+            try:
+                with self._lock:
+                    reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
+                    # Nothing outside the node needs to hear of evictions yet (no
+                    # replicas): drop the events so they cannot pile up.
+                    self._manager.drain_evicted()
+                    over = bool(self._mover) and bool(self._manager.over_high())
+                if over and self._mover is not None:
+                    self._mover.nudge()
                 return reservation
-        except (BlockTooLarge, OutOfSpace) as exc:
-            raise ResourceExhausted(str(exc)) from None
+            except NeedsRoom as need:
+                # The background mover fell behind: demote here, outside the lock.
+                assert self._mover is not None
+                with self._lock:
+                    want = self._manager.target_bytes(need.level, need.nbytes)
+                if not self._mover.make_room(need.level, max(want, need.nbytes)):
+                    break
+            except (BlockTooLarge, OutOfSpace) as exc:
+                raise ResourceExhausted(str(exc)) from None
+        raise ResourceExhausted("no room: every block that could move is pinned, being read "
+                                "or already moving")
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
                 pin: bool = False) -> Reservation | None:
@@ -211,7 +289,33 @@ class Node:
 
     def release_read(self, entry: BlockEntry) -> None:
         with self._lock:
-            self._manager.release_read(entry)
+            gone = self._manager.release_read(entry)
+        if gone is not None:
+            self._delete_durable([gone])
+
+    def block_view(self, entry: BlockEntry) -> memoryview | None:
+        """The bytes of a leased block: in place for a mapped tier, else read into a buffer.
+
+        None if the copy failed its checksum: the block is then reported corrupt
+        (counted, and dropped from the index) and must be treated as a miss.
+        """
+        m = self._manager
+        if m.is_mapped(entry):
+            return m.read_view(entry)
+        level = m.level_of(entry)
+        buf = memoryview(bytearray(entry.nbytes))
+        if level.durable:
+            tier: Any = level.tier
+            if not tier.read_blocks_into([entry.location], [buf])[0]:
+                with self._lock:
+                    m.report_corrupt(entry)
+                return None
+        else:
+            level.tier.read_into(entry.extent, entry.nbytes, buf)  # type: ignore[arg-type]
+        return buf
+
+    def is_mapped(self, entry: BlockEntry) -> bool:
+        return self._manager.is_mapped(entry)
 
     def acquire_reads(self, keys: Sequence[BlockKey]) -> list[BlockEntry | None]:
         """Read leases on several keys under one lock acquisition."""
@@ -220,10 +324,14 @@ class Node:
             return [acquire(k) for k in keys]
 
     def release_reads(self, entries: Sequence[BlockEntry | None]) -> None:
+        garbage = []
         with self._lock:
             for entry in entries:
                 if entry is not None:
-                    self._manager.release_read(entry)
+                    gone = self._manager.release_read(entry)
+                    if gone is not None:
+                        garbage.append(gone)
+        self._delete_durable(garbage)
 
     def read_view(self, entry: BlockEntry) -> memoryview:
         return self._manager.read_view(entry)
@@ -233,7 +341,7 @@ class Node:
         """Views of several blocks (None per miss), valid inside the scope."""
         entries = self.acquire_reads(keys)
         try:
-            yield [None if e is None else self._manager.read_view(e) for e in entries]
+            yield [None if e is None else self.block_view(e) for e in entries]
         finally:
             self.release_reads(entries)
 
@@ -244,11 +352,10 @@ class Node:
         if entry is None:
             yield None
             return
-        view = self._manager.read_view(entry)
         try:
+            view = self.block_view(entry)
             yield view
         finally:
-            view.release()
             self.release_read(entry)
 
     def get(self, key: BlockKey) -> bytes | None:
@@ -268,11 +375,22 @@ class Node:
 
     def remove(self, key: BlockKey) -> bool:
         with self._lock:
-            return self._manager.remove(key)
+            gone = self._manager.remove(key)
+        if gone is not True and gone is not False:
+            self._delete_durable([gone])
+            return True
+        return bool(gone)
 
     def stats(self) -> dict:
         with self._lock:
-            tier = self._manager.tier_stats()
+            m = self._manager
+            tiers = [m.level_stats(i) for i in range(len(m.levels))]
+            pending = m.pending_promotions()
+        for t, lv in zip(tiers, m.levels, strict=True):
+            extra = getattr(lv.tier, "stats", None)
+            if lv.durable and extra is not None:
+                t["checksum_failures"] = int(t["checksum_failures"]) + int(
+                    extra().get("checksum_failures", 0))
         with self._admission:
             draining, in_flight = self._draining, self._in_flight
         return {
@@ -281,8 +399,10 @@ class Node:
                 "uptime_s": round(self._clock() - self._started, 3),
                 "draining": draining,
                 "in_flight": in_flight,
+                "pending_promotions": pending,
+                **self._info,
             },
-            "tiers": {str(tier["name"]): tier},
+            "tiers": {str(t["name"]): t for t in tiers},
         }
 
     # ---- shared memory -------------------------------------------------------------------
@@ -297,7 +417,10 @@ class Node:
         return self._tier.region_bytes
 
     def close(self) -> None:
-        self._tier.close()
+        if self._mover is not None:
+            self._mover.stop()
+        for t in self._tiers:
+            t.close()
 
 
 class LeaseSet:

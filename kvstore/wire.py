@@ -30,7 +30,9 @@ Per-op meta:
     EXISTS   req  count x key(16)               resp count x u8
     PREFIX   req  count x key(16)               resp count = matched, no meta
     REMOVE   req  count x key(16)               resp count x u8 (1 removed)
-    LEASE    req  count x key(16)               resp count x LEASE_ITEM (lease 0 = miss)
+    LEASE    req  count x key(16)               resp count x LEASE_ITEM (lease 0: a miss if
+                                                nbytes is 0, else stored outside shared
+                                                memory: fetch it with GET)
     RELEASE  req  count x u64 lease id          no response
     RESERVE  req  count x PUT_ITEM              resp count x RESERVE_ITEM
     COMMIT   req  count x u64 reservation id    resp count x u8 (0 existed, 1 stored)

@@ -1,36 +1,65 @@
-"""TierManager: which block lives where, and what leaves when space runs out.
+"""TierManager: which block lives in which tier, and what moves when space runs out.
 
 The manager is pure and single-owner, like an allocator: no I/O, no locks, no
 threads. Its owner (the node) calls it under one lock and does every byte copy
-outside that lock, holding either a *reservation* (space being filled by a
-put) or a *read lease* (a block being read). That split is what lets readers
-and writers move bytes in parallel while the index stays consistent.
+outside that lock, holding a *reservation* (space being filled by a put) or a
+*read lease* (a block being read or moved). That split lets readers, writers
+and the tier mover move bytes in parallel while the index stays consistent.
+
+Tiers are ordered fastest first (e.g. HBM, DRAM, SSD). New blocks land in the
+*landing* tier (DRAM: the tier network transfers read and write in place).
+
+Moves between tiers are two-phase (``plan_moves`` / ``plan_promotions``, copy,
+``finish_moves``), run by ``tiers.mover.TierMover`` off the request path:
+
+1. plan, under the owner's lock: pick victims by policy, mark them ``moving``,
+   take a read lease on each (so their bytes cannot be freed while copied), and
+   reserve destination space where the destination is memory;
+2. copy, without the lock;
+3. finish, under the lock: a move takes effect only if the block is still
+   indexed and the mover is its only reader; otherwise it is undone (the
+   destination copy is returned for deletion) and the block stays where it was.
+
+Demotion sends a tier's victims to the next tier; the last tier drops them.
+Promotion rule: a block read twice since it entered a tier below the top is
+queued to move one tier up; promotions only use free space below the
+destination's high watermark (they never evict).
 
 Invariants, checked by tests:
 
-* a key is in ``_blocks`` only after its put committed, so no reader sees a
+* a key is in the index only after its put committed, so no reader sees a
   partial block; an aborted reservation returns its extent at once;
-* a block with readers is never freed: eviction skips it, and ``remove``
-  unlinks it from the index but frees its extent only when the last lease ends;
-* pinned blocks are never evicted (only removed explicitly);
+* a block with readers is never freed nor moved: eviction defers it, ``remove``
+  unlinks it but frees its space when the last lease ends;
+* pinned blocks are never evicted or demoted (only removed explicitly);
 * for every key ``P``: ``_blocks[P].children`` (or ``_orphans[P]`` while ``P``
-  is absent) equals the number of indexed blocks whose parent is ``P``. The
-  prefix-aware policy evicts only blocks with no children.
-
-This version manages one tier, the landing tier; demotion to lower tiers is
-added with the tier hierarchy.
+  is absent) equals the number of indexed blocks whose parent is ``P``; the
+  prefix-aware policy evicts only blocks with no children;
+* each indexed block is queued (if eligible) in its own tier's queue only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.keys import BlockKey
 from tiers.allocator import Extent
-from tiers.base import MappedTier
-from tiers.errors import BlockTooLarge, OutOfSpace
-from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue
+from tiers.base import Tier
+from tiers.errors import BlockTooLarge, OutOfSpace, TierError
+from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
+
+PROMOTE_AFTER_HITS = 2
+
+
+class NeedsRoom(TierError):
+    """The landing tier is full and its victims must be demoted first (I/O, outside the lock)."""
+
+    def __init__(self, level: int, nbytes: int) -> None:
+        super().__init__(f"tier {level} needs {nbytes} bytes moved out first")
+        self.level = level
+        self.nbytes = nbytes
 
 
 @dataclass(slots=True, kw_only=True)
@@ -40,15 +69,24 @@ class BlockEntry:
     key: BlockKey
     parent: BlockKey | None
     nbytes: int
-    extent: Extent
+    level: int = 0  # index of the tier holding it
+    extent: Extent | None = None  # memory tiers
+    location: Any = None  # durable tiers: the tier's own location record
     pinned: bool = False
     readers: int = 0
     unlinked: bool = False  # removed from the index; freed when readers reaches 0
+    moving: bool = False
     children: int = 0
     hits: int = 0
+    tier_hits: int = 0  # hits since it entered its current tier
     last_access: int = 0
     queue_seq: int = 0
     queue_priority: float = 0.0
+
+    # Back-compat name for single-tier callers.
+    @property
+    def tier(self) -> int:
+        return self.level
 
 
 @dataclass(slots=True, kw_only=True)
@@ -67,6 +105,9 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    checksum_failures: int = 0
     puts: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -74,7 +115,7 @@ class TierCounters:
 
 @dataclass(slots=True, kw_only=True)
 class Watermarks:
-    """Fractions of capacity: past ``high`` after an allocation, evict down to ``low``."""
+    """Fractions of capacity: past ``high``, move out (or evict) down to ``low``."""
 
     high: float = 0.95
     low: float = 0.90
@@ -85,25 +126,82 @@ class Watermarks:
 
 
 @dataclass(slots=True, kw_only=True)
+class Level:
+    """One tier of the hierarchy with its own queue and counters."""
+
+    tier: Tier
+    queue: EvictionQueue
+    counters: TierCounters = field(default_factory=TierCounters)
+    blocks: int = 0
+    durable: bool = False  # blocks carry a ``location`` and survive restarts
+
+    @property
+    def mapped(self) -> bool:
+        return hasattr(self.tier, "view")
+
+
+@dataclass(slots=True, kw_only=True)
+class Move:
+    """One planned move of ``entry`` from ``src`` to ``dst`` (None: drop it)."""
+
+    entry: BlockEntry
+    src: int
+    dst: int | None
+    dst_extent: Extent | None = None  # reserved when ``dst`` is a memory tier
+    dst_location: Any = None  # filled by the mover when ``dst`` is durable
+    copied: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
 class _State:
     blocks: dict[BlockKey, BlockEntry] = field(default_factory=dict)
     orphans: dict[BlockKey, int] = field(default_factory=dict)
     tick: int = 0
     evicted: list[BlockKey] = field(default_factory=list)  # events for the owner to drain
+    promote: dict[BlockKey, None] = field(default_factory=dict)  # ordered set
 
 
 class TierManager:
-    """Index, two-phase puts, read leases and eviction over the landing tier."""
+    """Index, two-phase puts, read leases, eviction and moves over ordered tiers."""
 
     def __init__(
-        self, tier: MappedTier, policy: EvictionPolicy, *, watermarks: Watermarks | None = None
+        self,
+        tiers: Tier | Sequence[Tier],
+        policy: EvictionPolicy,
+        *,
+        watermarks: Watermarks | None = None,
+        landing: int | None = None,
+        durable: Sequence[bool] | None = None,
     ) -> None:
-        self.tier = tier
+        tier_list = [tiers] if not isinstance(tiers, Sequence) else list(tiers)
+        if not tier_list:
+            raise ValueError("a TierManager needs at least one tier")
+        flags = list(durable) if durable is not None else [False] * len(tier_list)
         self.policy = policy
         self.watermarks = watermarks or Watermarks()
-        self.counters = TierCounters()
-        self._queue = EvictionQueue(policy)
+        # The first tier uses the given policy object (tests inspect its state);
+        # the others get fresh instances of the same policy.
+        self.levels = [
+            Level(tier=t, queue=EvictionQueue(policy if i == 0 else make_policy(policy.name)),
+                  durable=flags[i])
+            for i, t in enumerate(tier_list)
+        ]
+        if landing is None:
+            landing = next((i for i, lv in enumerate(self.levels) if lv.tier.name == "dram"), 0)
+        if not self.levels[landing].mapped:
+            raise ValueError("the landing tier must be addressable memory")
+        self.landing = landing
         self._s = _State()
+
+    # ---- single-tier compatibility ---------------------------------------------------------
+
+    @property
+    def tier(self) -> Tier:
+        return self.levels[self.landing].tier
+
+    @property
+    def counters(self) -> TierCounters:
+        return self.levels[self.landing].counters
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -126,31 +224,53 @@ class TierManager:
             n += 1
         return n
 
+    def is_mapped(self, entry: BlockEntry) -> bool:
+        return self.levels[entry.level].mapped
+
+    def level_of(self, entry: BlockEntry) -> Level:
+        return self.levels[entry.level]
+
+    def _has_lower(self, level: int) -> bool:
+        return level + 1 < len(self.levels)
+
+    def _needs_mover(self, level: int) -> bool:
+        """Whether making room in ``level`` takes I/O (a lower tier or a durable tier)."""
+        return self._has_lower(level) or self.levels[level].durable
+
     # ---- puts ----------------------------------------------------------------------------
 
     def reserve(
         self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None, pin: bool = False
     ) -> Reservation | None:
-        """Space for a new block, or None if ``key`` is already stored.
+        """Space in the landing tier for a new block, or None if ``key`` is already stored.
 
-        Evicts by policy when the allocation would pass the high watermark.
-        Raises BlockTooLarge if no amount of eviction could fit it, OutOfSpace if
-        everything evictable is gone and it still does not fit.
+        With no tier below it, evicts by policy when the allocation would pass the
+        high watermark. With one, raises NeedsRoom when nothing fits: the owner
+        then demotes outside its lock (``TierMover.make_room``) and retries.
+        Raises BlockTooLarge if it could never fit, OutOfSpace if everything left
+        is pinned, being read or being written.
         """
         if nbytes <= 0:
             raise ValueError(f"block size must be positive, got {nbytes}")
         if key in self._s.blocks:
             return None
-        tier = self.tier
+        level = self.landing
+        tier = self.levels[level].tier
         if nbytes > tier.capacity:
             raise BlockTooLarge(f"block of {nbytes} bytes exceeds {tier.name} tier capacity "
                                 f"{tier.capacity}")
-        high = self.watermarks.high * tier.capacity
+        if self._needs_mover(level):
+            extent = tier.allocate(nbytes)
+            if extent is None:
+                raise NeedsRoom(level, nbytes)
+            return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
         # The parent of the block being written stays: evicting it would strand its child.
         protect = parent
+        high = self.watermarks.high * tier.capacity
         if tier.used + nbytes > high:
             low = self.watermarks.low * tier.capacity
-            self._evict_until(lambda: tier.used + nbytes <= low, strict=False, protect=protect)
+            self._evict_until(level, lambda: tier.used + nbytes <= low, strict=False,
+                              protect=protect)
         extent = tier.allocate(nbytes)
         if extent is None:
             # Fragmentation or reservations in flight: keep evicting until it fits.
@@ -162,41 +282,60 @@ class TierManager:
                     holder.append(got)
                 return got is not None
 
-            self._evict_until(fits, strict=True, protect=protect)
+            self._evict_until(level, fits, strict=True, protect=protect)
             extent = holder[0]
         return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         """Where the put's bytes go; valid until commit or abort."""
-        return self.tier.view(reservation.extent, reservation.nbytes)
+        return self.levels[self.landing].tier.view(reservation.extent,  # type: ignore[attr-defined]
+                                                   reservation.nbytes)
 
     def commit(self, reservation: Reservation) -> bool:
         """Publishes the block; False (and the space returned) if another put of the key won."""
         s = self._s
+        level = self.levels[self.landing]
         if reservation.key in s.blocks:
-            self.tier.free(reservation.extent)
+            level.tier.free(reservation.extent)
             return False
         s.tick += 1
         entry = BlockEntry(
             key=reservation.key,
             parent=reservation.parent,
             nbytes=reservation.nbytes,
+            level=self.landing,
             extent=reservation.extent,
             pinned=reservation.pin,
             last_access=s.tick,
             children=s.orphans.pop(reservation.key, 0),
         )
-        s.blocks[entry.key] = entry
-        if entry.parent is not None:
-            self._add_child(entry.parent)
-        if not entry.pinned:
-            self._queue.push(entry.key, entry)
-        self.counters.puts += 1
-        self.counters.bytes_in += entry.nbytes
+        self._index(entry)
+        level.counters.puts += 1
+        level.counters.bytes_in += entry.nbytes
         return True
 
     def abort(self, reservation: Reservation) -> None:
-        self.tier.free(reservation.extent)
+        self.levels[self.landing].tier.free(reservation.extent)
+
+    def adopt(self, key: BlockKey, parent: BlockKey | None, nbytes: int, *, level: int,
+              location: Any) -> bool:
+        """Indexes a block already stored in a durable tier (restart recovery)."""
+        s = self._s
+        if key in s.blocks:
+            return False
+        s.tick += 1
+        entry = BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, location=location,
+                           last_access=s.tick, children=s.orphans.pop(key, 0))
+        self._index(entry)
+        return True
+
+    def _index(self, entry: BlockEntry) -> None:
+        self._s.blocks[entry.key] = entry
+        self.levels[entry.level].blocks += 1
+        if entry.parent is not None:
+            self._add_child(entry.parent)
+        if not entry.pinned:
+            self.levels[entry.level].queue.push(entry.key, entry)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -208,40 +347,57 @@ class TierManager:
         s = self._s
         entry = s.blocks.get(key)
         if entry is None:
-            self.counters.misses += 1
+            self.levels[self.landing].counters.misses += 1
             return None
         entry.readers += 1
         entry.hits += 1
+        entry.tier_hits += 1
         s.tick += 1
         entry.last_access = s.tick
-        if entry.queue_seq or not (entry.pinned or self._held_by_children(entry)):
-            self._queue.push(key, entry)
-        self.counters.hits += 1
-        self.counters.bytes_out += entry.nbytes
+        level = self.levels[entry.level]
+        if not (entry.pinned or entry.moving or self._held_by_children(entry)):
+            level.queue.push(key, entry)
+        if entry.level > 0 and entry.tier_hits >= PROMOTE_AFTER_HITS and not entry.moving:
+            s.promote[key] = None
+        level.counters.hits += 1
+        level.counters.bytes_out += entry.nbytes
         return entry
 
     def read_view(self, entry: BlockEntry) -> memoryview:
-        return self.tier.view(entry.extent, entry.nbytes)
+        """The bytes of a block in a memory-mapped tier (see ``is_mapped``)."""
+        tier = self.levels[entry.level].tier
+        return tier.view(entry.extent, entry.nbytes)  # type: ignore[attr-defined]
 
-    def release_read(self, entry: BlockEntry) -> None:
+    def release_read(self, entry: BlockEntry) -> Any:
+        """Ends a lease. Returns a durable location to delete (outside the lock), or None."""
         if entry.readers <= 0:
             raise RuntimeError(f"release of a read lease not held: {entry.key.hex()}")
         entry.readers -= 1
         if entry.readers == 0 and entry.unlinked:
-            self.tier.free(entry.extent)
+            return self._free_space(entry)
+        return None
+
+    def report_corrupt(self, entry: BlockEntry) -> None:
+        """A read found the block torn or corrupted: it leaves the index (freed on release)."""
+        self.levels[entry.level].counters.checksum_failures += 1
+        if not entry.unlinked:
+            self._unlink(entry)
 
     # ---- removal and eviction ------------------------------------------------------------
 
-    def remove(self, key: BlockKey) -> bool:
+    def remove(self, key: BlockKey) -> Any:
+        """Unlinks ``key``. False if absent; True, or a durable location to delete, if removed."""
         entry = self._s.blocks.get(key)
         if entry is None:
             return False
-        self._unlink(entry)
-        return True
+        gone = self._unlink(entry)
+        return True if gone is None else gone
 
-    def _unlink(self, entry: BlockEntry) -> None:
+    def _unlink(self, entry: BlockEntry) -> Any:
         s = self._s
         del s.blocks[entry.key]
+        self.levels[entry.level].blocks -= 1
+        s.promote.pop(entry.key, None)
         EvictionQueue.forget(entry)
         if entry.children:
             s.orphans[entry.key] = s.orphans.get(entry.key, 0) + entry.children
@@ -249,25 +405,33 @@ class TierManager:
             self._drop_child(entry.parent)
         entry.unlinked = True
         if entry.readers == 0:
-            self.tier.free(entry.extent)
+            return self._free_space(entry)
+        return None
+
+    def _free_space(self, entry: BlockEntry) -> Any:
+        """Frees a memory extent now; returns a durable location for the owner to delete."""
+        if entry.extent is not None:
+            self.levels[entry.level].tier.free(entry.extent)
+            entry.extent = None
+            return None
+        location, entry.location = entry.location, None
+        return (entry.key, location) if location is not None else None
 
     def _held_by_children(self, entry: BlockEntry) -> bool:
         return self.policy.leaves_only and entry.children > 0
 
     def _eligibility(self, entry: BlockEntry) -> Eligibility:
-        if entry.pinned or self._held_by_children(entry):
+        if entry.pinned or entry.moving or self._held_by_children(entry):
             return Eligibility.DROP
         if entry.readers:
             return Eligibility.DEFER
         return Eligibility.EVICT
 
-    def _evict_until(self, done: Callable[[], bool], *, strict: bool,
+    def _evict_until(self, level: int, done: Callable[[], bool], *, strict: bool,
                      protect: BlockKey | None = None) -> None:
-        """Evicts in policy order until ``done()``; OutOfSpace if ``strict`` and it never is.
-
-        ``protect`` is deferred for this round like a block being read.
-        """
+        """Drops victims of a memory-only last tier until ``done()`` (no I/O involved)."""
         s = self._s
+        lv = self.levels[level]
         deferred: list = []
 
         def eligibility(entry: BlockEntry) -> Eligibility:
@@ -277,19 +441,148 @@ class TierManager:
 
         try:
             while not done():
-                key = self._queue.pop_victim(s.blocks, eligibility, deferred)
+                key = lv.queue.pop_victim(s.blocks, eligibility, deferred)
                 if key is None:
                     if strict:
                         raise OutOfSpace(
-                            f"{self.tier.name} tier full: {self.tier.used} of "
-                            f"{self.tier.capacity} bytes are pinned, being read or being written")
+                            f"{lv.tier.name} tier full: {lv.tier.used} of "
+                            f"{lv.tier.capacity} bytes are pinned, being read or being written")
                     return
                 self._unlink(s.blocks[key])
-                self.counters.evictions += 1
+                lv.counters.evictions += 1
                 s.evicted.append(key)
         finally:
-            self._queue.restore(deferred)
-            self._queue.compact(s.blocks)
+            lv.queue.restore(deferred)
+            lv.queue.compact(s.blocks)
+
+    # ---- moves between tiers -------------------------------------------------------------
+
+    def over_high(self) -> list[int]:
+        """Levels past their high watermark that the mover should drain."""
+        hw = self.watermarks.high
+        return [i for i, lv in enumerate(self.levels)
+                if self._needs_mover(i) and lv.tier.used > hw * lv.tier.capacity]
+
+    def target_bytes(self, level: int, extra: int = 0) -> int:
+        """Bytes to move out of ``level`` to get (``extra`` included) under its low watermark."""
+        tier = self.levels[level].tier
+        return max(0, int(tier.used + extra - self.watermarks.low * tier.capacity))
+
+    def plan_moves(self, level: int, nbytes: int) -> list[Move]:
+        """Victims of ``level`` worth ``nbytes``, leased and marked moving (phase 1)."""
+        s = self._s
+        lv = self.levels[level]
+        dst = level + 1 if self._has_lower(level) else None
+        dst_tier = self.levels[dst].tier if dst is not None else None
+        dst_memory = dst is not None and not self.levels[dst].durable
+        moves: list[Move] = []
+        deferred: list = []
+        planned = 0
+        try:
+            while planned < nbytes:
+                key = lv.queue.pop_victim(s.blocks, self._eligibility, deferred)
+                if key is None:
+                    break
+                entry = s.blocks[key]
+                move = Move(entry=entry, src=level, dst=dst)
+                if dst_memory:
+                    assert dst_tier is not None
+                    move.dst_extent = dst_tier.allocate(entry.nbytes)
+                    if move.dst_extent is None:
+                        lv.queue.push(key, entry)  # the tier below is full: try later
+                        break
+                entry.moving = True
+                entry.readers += 1
+                moves.append(move)
+                planned += entry.nbytes
+        finally:
+            lv.queue.restore(deferred)
+        return moves
+
+    def plan_promotions(self, limit: int) -> list[Move]:
+        """Up to ``limit`` queued promotions into free space below the destination's high mark."""
+        s = self._s
+        moves: list[Move] = []
+        while s.promote and len(moves) < limit:
+            key = next(iter(s.promote))
+            del s.promote[key]
+            entry = s.blocks.get(key)
+            if entry is None or entry.moving or entry.level == 0:
+                continue
+            dst = entry.level - 1
+            dlv = self.levels[dst]
+            if dlv.durable:
+                continue
+            if dlv.tier.used + entry.nbytes > self.watermarks.high * dlv.tier.capacity:
+                continue  # promotions never evict
+            extent = dlv.tier.allocate(entry.nbytes)
+            if extent is None:
+                continue
+            entry.moving = True
+            entry.readers += 1
+            EvictionQueue.forget(entry)
+            moves.append(Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent))
+        return moves
+
+    def finish_moves(self, moves: Sequence[Move]) -> list[Any]:
+        """Applies the copied moves (phase 3); returns durable locations to delete."""
+        s = self._s
+        to_delete: list[Any] = []
+        for m in moves:
+            e = m.entry
+            e.moving = False
+            e.readers -= 1
+            src = self.levels[m.src]
+            ok = m.copied and not e.unlinked and e.readers == 0
+            if m.dst is None:
+                # A drop from the last tier: unlink (space freed now or on last release).
+                if not e.unlinked:
+                    if e.readers == 0:
+                        gone = self._unlink(e)
+                        if gone is not None:
+                            to_delete.append(gone)
+                        src.counters.evictions += 1
+                        s.evicted.append(e.key)
+                    else:
+                        src.queue.push(e.key, e)
+                elif e.readers == 0:
+                    gone = self._free_space(e)
+                    if gone is not None:
+                        to_delete.append(gone)
+                continue
+            dst = self.levels[m.dst]
+            if not ok:
+                # Undo: drop the copy, keep (or finish freeing) the block at its source.
+                if m.dst_extent is not None:
+                    dst.tier.free(m.dst_extent)
+                if m.dst_location is not None:
+                    to_delete.append((e.key, m.dst_location))
+                if e.unlinked:
+                    if e.readers == 0:
+                        gone = self._free_space(e)
+                        if gone is not None:
+                            to_delete.append(gone)
+                elif not (e.pinned or self._held_by_children(e)):
+                    src.queue.push(e.key, e)
+                continue
+            old = self._free_space(e)
+            if old is not None:
+                to_delete.append(old)
+            src.blocks -= 1
+            dst.blocks += 1
+            e.level = m.dst
+            e.extent = m.dst_extent
+            e.location = m.dst_location
+            e.tier_hits = 0
+            if m.dst < m.src:
+                dst.counters.promotions += 1
+            else:
+                src.counters.demotions += 1
+            if not (e.pinned or self._held_by_children(e)):
+                dst.queue.push(e.key, e)
+        return to_delete
+
+    # ---- prefix chains -------------------------------------------------------------------
 
     def _add_child(self, parent: BlockKey) -> None:
         s = self._s
@@ -310,12 +603,13 @@ class TierManager:
                 del s.orphans[parent]
             return
         p.children -= 1
-        if p.children == 0 and self.policy.leaves_only and not p.pinned and not p.queue_seq:
+        if (p.children == 0 and self.policy.leaves_only and not p.pinned and not p.moving
+                and not p.queue_seq):
             # It became a leaf: eligible again, at the priority of its last access.
-            self._queue.push(p.key, p)
+            self.levels[p.level].queue.push(p.key, p)
 
     def drain_evicted(self) -> list[BlockKey]:
-        """Keys evicted since the last call, in eviction order."""
+        """Keys evicted (dropped from the last tier) since the last call, in order."""
         out, self._s.evicted = self._s.evicted, []
         return out
 
@@ -324,19 +618,30 @@ class TierManager:
         entry = self._s.blocks.get(key)
         return entry.children if entry is not None else self._s.orphans.get(key, 0)
 
+    def pending_promotions(self) -> int:
+        return len(self._s.promote)
+
     # ---- stats ---------------------------------------------------------------------------
 
-    def tier_stats(self) -> dict[str, int | str]:
-        c = self.counters
+    def level_stats(self, level: int) -> dict[str, int | str]:
+        lv = self.levels[level]
+        c = lv.counters
         return {
-            "name": self.tier.name,
-            "capacity": self.tier.capacity,
-            "used": self.tier.used,
-            "blocks": len(self._s.blocks),
+            "name": lv.tier.name,
+            "capacity": lv.tier.capacity,
+            "used": lv.tier.used,
+            "blocks": lv.blocks,
             "hits": c.hits,
             "misses": c.misses,
             "evictions": c.evictions,
+            "demotions": c.demotions,
+            "promotions": c.promotions,
+            "checksum_failures": c.checksum_failures,
             "puts": c.puts,
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
         }
+
+    def tier_stats(self) -> dict[str, int | str]:
+        """Stats of the landing tier (single-tier callers)."""
+        return self.level_stats(self.landing)
