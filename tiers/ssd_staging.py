@@ -1,0 +1,200 @@
+"""O_DIRECT staging: batched reads and writes of arbitrary caller buffers at aligned offsets.
+
+O_DIRECT needs aligned buffers, offsets and lengths. A page-aligned caller buffer is
+transferred in place and only its partial last page goes through a bounce buffer; an
+unaligned one is bounced whole. Invariants: a write's padding is zeros, never stale
+scratch bytes of another block; a read's bounced bytes reach the caller only after
+the block verified against its checksum. A batch is split into chunks so that the
+bounce memory of one chunk stays bounded (``_MAX_BOUNCE_PER_CHUNK``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from tiers.ssd_io import Backend, _address, _ArenaPool, _Op, _round_up
+from tiers.ssd_types import ALIGNMENT
+
+# A batch is split into chunks whose bounce buffers stay under this, so a batch
+# of large unaligned values cannot make the tier map gigabytes of scratch memory.
+_MAX_BOUNCE_PER_CHUNK = 64 << 20
+_ZEROS = bytes(ALIGNMENT)
+
+
+@dataclass(slots=True, kw_only=True)
+class _ReadFixup:
+    """How to finish one read after the I/O: verify, then copy bounce bytes to the caller."""
+
+    out: memoryview  # the caller's buffer, first nbytes
+    head: int  # bytes read straight into out[:head]
+    bounce: memoryview | None  # holds out[head:nbytes] when not None
+    checksum: int
+
+
+@dataclass(slots=True, kw_only=True)
+class _Chunk:
+    """Items of a batch that share one bounce arena."""
+
+    items: list[int] = field(default_factory=list)
+    bounce_bytes: int = 0
+
+
+def _write_bounce_need(mv: memoryview, direct: bool) -> int:
+    n = len(mv)
+    if not direct or n == 0:
+        return 0
+    if _address(mv) % ALIGNMENT == 0:
+        return ALIGNMENT if n % ALIGNMENT else 0
+    return _round_up(n)
+
+
+def _read_bounce_need(out: memoryview, nbytes: int, direct: bool) -> int:
+    if not direct or nbytes == 0:
+        return 0
+    if _address(out) % ALIGNMENT == 0:
+        return ALIGNMENT if nbytes % ALIGNMENT else 0
+    return _round_up(nbytes)
+
+
+def _chunks(needs: Sequence[int]) -> list[_Chunk]:
+    chunks = [_Chunk()]
+    for i, need in enumerate(needs):
+        c = chunks[-1]
+        if c.items and c.bounce_bytes + need > _MAX_BOUNCE_PER_CHUNK:
+            c = _Chunk()
+            chunks.append(c)
+        c.items.append(i)
+        c.bounce_bytes += need
+    return chunks
+
+
+
+def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
+                views: Sequence[memoryview], offsets: Sequence[int]) -> list[int]:
+    """Writes each view at its offset; per-view bytes transferred or -errno.
+
+    Under O_DIRECT each transfer is padded to the alignment; an aligned caller
+    buffer is written in place and only its partial last page is bounced.
+    """
+    results = [0] * len(views)
+    for chunk in _chunks([_write_bounce_need(mv, direct) for mv in views]):
+        arena = arenas.acquire(chunk.bounce_bytes) if chunk.bounce_bytes else None
+        try:
+            ops: list[_Op] = []
+            op_items: list[int] = []
+            with (memoryview(arena) if arena is not None else memoryview(b"")) as scratch:
+                pos = 0
+                for i in chunk.items:
+                    mv, n = views[i], len(views[i])
+                    if n == 0:
+                        continue
+                    if not direct:
+                        bufs = [mv]
+                    elif _address(mv) % ALIGNMENT == 0:
+                        head = n - n % ALIGNMENT
+                        bufs = [mv[:head]] if head else []
+                        if n % ALIGNMENT:
+                            tail = scratch[pos:pos + ALIGNMENT]
+                            pos += ALIGNMENT
+                            tail[: n - head] = mv[head:]
+                            # Pad with zeros, not stale scratch bytes of another block.
+                            tail[n - head:] = _ZEROS[: ALIGNMENT - (n - head)]
+                            bufs.append(tail)
+                    else:
+                        padded = _round_up(n)
+                        slot = scratch[pos:pos + padded]
+                        pos += padded
+                        slot[:n] = mv
+                        slot[n:] = _ZEROS[: padded - n]
+                        bufs = [slot]
+                    ops.append(_Op(is_write=True, offset=offsets[i], bufs=bufs,
+                                   nbytes=sum(len(b) for b in bufs)))
+                    op_items.append(i)
+                for i, r in zip(op_items, backend.run(ops), strict=True):
+                    results[i] = r
+                del ops
+        finally:
+            if arena is not None:
+                arenas.release(arena)
+    return results
+
+
+def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
+               views: Sequence[memoryview], offsets: Sequence[int],
+               checksums: Sequence[int] | None, failed: Callable[[str], None]) -> list[bool]:
+    """Reads ``len(view)`` bytes at each offset into each view; per-view success.
+
+    With checksums, a block is good only if its bytes hash to its checksum;
+    bounced bytes reach the caller only after they verified. Each failure is
+    reported as it is found, by ``failed("io_errors")`` or
+    ``failed("checksum_failures")``.
+    """
+    ok = [False] * len(views)
+    for chunk in _chunks([_read_bounce_need(mv, len(mv), direct) for mv in views]):
+        arena = arenas.acquire(chunk.bounce_bytes) if chunk.bounce_bytes else None
+        try:
+            with (memoryview(arena) if arena is not None else memoryview(b"")) as scratch:
+                ops: list[_Op] = []
+                fixups: list[tuple[int, _ReadFixup, int]] = []
+                pos = 0
+                for i in chunk.items:
+                    mv, n = views[i], len(views[i])
+                    want = checksums[i] if checksums is not None else 0
+                    if n == 0:
+                        ok[i] = checksums is None or want == xxhash.xxh3_64_intdigest(b"")
+                        continue
+                    bounce: memoryview | None = None
+                    if not direct:
+                        head, bufs = n, [mv]
+                    elif _address(mv) % ALIGNMENT == 0:
+                        head = n - n % ALIGNMENT
+                        bufs = [mv[:head]] if head else []
+                        if n % ALIGNMENT:
+                            bounce = scratch[pos:pos + ALIGNMENT]
+                            pos += ALIGNMENT
+                            bufs.append(bounce)
+                    else:
+                        head = 0
+                        bounce = scratch[pos:pos + _round_up(n)]
+                        pos += _round_up(n)
+                        bufs = [bounce]
+                    total = sum(len(b) for b in bufs)
+                    ops.append(_Op(is_write=False, offset=offsets[i], bufs=bufs,
+                                   nbytes=total))
+                    fixups.append((i, _ReadFixup(out=mv, head=head, bounce=bounce,
+                                                 checksum=want), total))
+                results = backend.run(ops)
+                del ops
+                for (i, fx, total), r in zip(fixups, results, strict=True):
+                    ok[i] = _finish_read(fx, r, total, checksums is not None, failed)
+                del fixups
+        finally:
+            if arena is not None:
+                arenas.release(arena)
+    return ok
+
+
+def _finish_read(fx: _ReadFixup, result: int, total: int, verify: bool,
+                 failed: Callable[[str], None]) -> bool:
+    if result != total:
+        failed("io_errors")
+        return False
+    n = len(fx.out)
+    tail = n - fx.head
+    if verify:
+        h = xxhash.xxh3_64()
+        if fx.head:
+            h.update(fx.out[: fx.head])
+        if tail:
+            assert fx.bounce is not None
+            h.update(fx.bounce[:tail])
+        if h.intdigest() != fx.checksum:
+            failed("checksum_failures")
+            return False
+    if tail and fx.bounce is not None:
+        fx.out[fx.head:] = fx.bounce[:tail]
+    return True
+
