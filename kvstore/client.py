@@ -309,6 +309,15 @@ class Client:
                 break
         return matched
 
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier holding each key (``"hbm"``, ``"dram"``, ``"ssd"``), None if absent."""
+        ks = [check_key(k) for k in keys]
+        out: list[str | None] = []
+        for lo in range(0, len(ks), MAX_BATCH):
+            reply = self._grpc("Locate", pb.LocateRequest(keys=ks[lo : lo + MAX_BATCH]))
+            out += [t or None for t in reply.tiers]
+        return out
+
     def remove(self, key: bytes) -> bool:
         """Removes ``key``: True if it was stored."""
         k = check_key(key)

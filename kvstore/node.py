@@ -369,6 +369,16 @@ class Node:
             m = self._manager
             return [k in m for k in keys]
 
+    def locate(self, keys: Sequence[BlockKey]) -> list[str | None]:
+        """The name of the tier holding each key (None if absent); not counted as a read."""
+        with self._lock:
+            m = self._manager
+            out: list[str | None] = []
+            for k in keys:
+                e = m.entry(k)
+                out.append(None if e is None else m.levels[e.level].tier.name)
+            return out
+
     def prefix_match(self, keys: list[BlockKey]) -> int:
         with self._lock:
             return self._manager.prefix_length(keys)
@@ -386,11 +396,6 @@ class Node:
             m = self._manager
             tiers = [m.level_stats(i) for i in range(len(m.levels))]
             pending = m.pending_promotions()
-        for t, lv in zip(tiers, m.levels, strict=True):
-            extra = getattr(lv.tier, "stats", None)
-            if lv.durable and extra is not None:
-                t["checksum_failures"] = int(t["checksum_failures"]) + int(
-                    extra().get("checksum_failures", 0))
         with self._admission:
             draining, in_flight = self._draining, self._in_flight
         return {

@@ -123,6 +123,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(tiers=tiers, node=node)
 
     @_rpc
+    def Locate(self, request: pb.LocateRequest, context: grpc.ServicerContext
+               ) -> pb.LocateResponse:
+        tiers = self.node.locate(check_keys(request.keys))
+        return pb.LocateResponse(tiers=[t or "" for t in tiers])
+
+    @_rpc
     def OpenChannel(self, request: pb.OpenChannelRequest, context: grpc.ServicerContext
                     ) -> pb.OpenChannelResponse:
         return self._channel_info(request.client_host_id)

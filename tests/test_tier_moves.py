@@ -144,7 +144,8 @@ def test_second_hit_in_a_lower_tier_promotes() -> None:
     assert m.pending_promotions() == 0
     touch(m, "a")
     assert m.pending_promotions() == 1
-    moves = m.plan_promotions(8)
+    moves, blocked = m.plan_promotions(8)
+    assert blocked is None
     assert [(name(mv.entry.key), mv.src, mv.dst) for mv in moves] == [("a", 1, 0)]
     for mv in moves:
         mv.copied = True
@@ -154,7 +155,7 @@ def test_second_hit_in_a_lower_tier_promotes() -> None:
     assert m.entry(k("a")).tier_hits == 0  # counting starts again in the new tier
 
 
-def test_promotions_never_evict() -> None:
+def test_a_promotion_without_room_asks_for_a_demotion_first() -> None:
     m = two_levels(top=2)
     m.watermarks = Watermarks(high=0.5, low=0.5)
     put(m, "a")
@@ -162,8 +163,11 @@ def test_promotions_never_evict() -> None:
     demote(m, 0, 1)  # a goes down; the top tier is at 50%
     touch(m, "a")
     touch(m, "a")
-    assert m.plan_promotions(8) == []  # would pass the high watermark
-    assert m.entry(k("a")).level == 1
+    assert m.plan_promotions(8) == ([], (0, B))  # b must move down first
+    assert m.pending_promotions() == 1  # a stays queued
+    assert demote(m, 0, 1) == ["b"]
+    moves, blocked = m.plan_promotions(8)
+    assert blocked is None and [name(mv.entry.key) for mv in moves] == ["a"]
 
 
 def test_drops_from_a_durable_last_tier_return_locations() -> None:

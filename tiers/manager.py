@@ -22,8 +22,9 @@ Moves between tiers are two-phase (``plan_moves`` / ``plan_promotions``, copy,
 
 Demotion sends a tier's victims to the next tier; the last tier drops them.
 Promotion rule: a block read twice since it entered a tier below the top is
-queued to move one tier up; promotions only use free space below the
-destination's high watermark (they never evict).
+queued to move one tier up. When the destination has no room below its high
+watermark, the mover first demotes the destination's coldest blocks (a block
+read twice is hotter than the tail of the tier above), then promotes.
 
 Invariants, checked by tests:
 
@@ -499,30 +500,37 @@ class TierManager:
             lv.queue.restore(deferred)
         return moves
 
-    def plan_promotions(self, limit: int) -> list[Move]:
-        """Up to ``limit`` queued promotions into free space below the destination's high mark."""
+    def plan_promotions(self, limit: int) -> tuple[list[Move], tuple[int, int] | None]:
+        """Up to ``limit`` queued promotions, in queue order, into room below the
+        destination's high watermark.
+
+        Stops at the first one that does not fit and returns ``(level, bytes)``
+        the mover must first demote out of that level; that block stays queued.
+        """
         s = self._s
         moves: list[Move] = []
         while s.promote and len(moves) < limit:
             key = next(iter(s.promote))
-            del s.promote[key]
             entry = s.blocks.get(key)
             if entry is None or entry.moving or entry.level == 0:
+                del s.promote[key]
                 continue
             dst = entry.level - 1
             dlv = self.levels[dst]
             if dlv.durable:
+                del s.promote[key]
                 continue
-            if dlv.tier.used + entry.nbytes > self.watermarks.high * dlv.tier.capacity:
-                continue  # promotions never evict
-            extent = dlv.tier.allocate(entry.nbytes)
+            extent = None
+            if dlv.tier.used + entry.nbytes <= self.watermarks.high * dlv.tier.capacity:
+                extent = dlv.tier.allocate(entry.nbytes)
             if extent is None:
-                continue
+                return moves, (dst, self.target_bytes(dst, entry.nbytes))
+            del s.promote[key]
             entry.moving = True
             entry.readers += 1
             EvictionQueue.forget(entry)
             moves.append(Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent))
-        return moves
+        return moves, None
 
     def finish_moves(self, moves: Sequence[Move]) -> list[Any]:
         """Applies the copied moves (phase 3); returns durable locations to delete."""

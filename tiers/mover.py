@@ -73,10 +73,13 @@ class TierMover:
                 need = self._m.target_bytes(level)
             moved |= self.make_room(level, need)
         with self._lock:
-            promotions = self._m.plan_promotions(self._promotion_batch)
+            promotions, blocked = self._m.plan_promotions(self._promotion_batch)
         if promotions:
             self._execute(promotions)
             moved = True
+        if blocked is not None:
+            # Room for the next promotion; it goes in the following round.
+            moved |= self.make_room(*blocked)
         return moved
 
     # ---- rounds --------------------------------------------------------------------------

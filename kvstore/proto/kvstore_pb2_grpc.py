@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.OpenChannelRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.OpenChannelResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvstore.v1.KVStore/Locate',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -138,6 +143,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Which tier holds each key ("" if absent); does not count as a read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +197,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.OpenChannel,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.OpenChannelRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.OpenChannelResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +447,33 @@ class KVStore:
             '/kvstore.v1.KVStore/OpenChannel',
             kvstore_dot_proto_dot_kvstore__pb2.OpenChannelRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.OpenChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Locate',
+            kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
