@@ -1,0 +1,706 @@
+"""``kvstore bench api``: single-client put/get against Redis and the loopback limit.
+
+One run starts its own peers on free loopback ports (a kvstore node, a
+redis-server, a raw-TCP peer process) and measures, per value size (64 KiB,
+1 MiB, 4 MiB, 16 MiB) and for a batch get of 64 x 64 KiB:
+
+* kvstore over each transport: ``tcp`` (the remote path), ``shm`` (same host),
+  ``grpc`` (for information): ``put``, ``get`` (returns new bytes) and
+  ``get_into`` (into a preallocated buffer); batches with ``get_batch`` and
+  ``get_batch_into``;
+* Redis through redis-py with hiredis: SET, GET; batches as pipelined GETs and MGET;
+* raw TCP: the same bytes with ``sendmsg``/``recv_into`` on preallocated
+  buffers, the most any Python data path over loopback could reach;
+* memcpy: the same bytes copied into a preallocated buffer, the same-host limit.
+
+Hygiene: every cell is warmed up, then all cells of a size run in rounds, in a
+fresh random order each round, each round bounded by time and op count; a
+cell's ops/s is the median over rounds, and a ratio is the median of the
+per-round ratios (cells of a round ran seconds apart, so drift cancels). Puts
+use fresh keys (a put of a stored key is a no-op) and the keys are removed after
+each round, untimed. The garbage collector is off while timing.
+
+Prints the table and the targets (pass/miss), writes ``api_bench.json`` and
+``api_bench.png`` under ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import os
+import platform
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import peers
+from benchmarks.stats import (
+    CellStats,
+    Panel,
+    format_table,
+    paired_median_ratio,
+    plot_panels,
+    size_label,
+    verdict,
+    write_json,
+)
+
+SIZES: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
+BATCH_COUNT = 64
+BATCH_ITEM = 64 << 10
+BATCH = "batch"  # the group name of the batch cells
+KV_TRANSPORTS: tuple[str, ...] = ("tcp", "shm", "grpc")
+KV_DRAM = "2GiB"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    rounds: int
+    cell_seconds: float  # time bound of one cell in one round
+    min_ops: int  # per round, even past the time bound (slow cells still get samples)
+    max_ops: int  # per round, whichever bound comes first
+    max_round_bytes: int  # bounds the data a put round leaves in a store before cleanup
+    warmup_ops: int
+
+    def op_limit(self, nbytes: int) -> int:
+        return min(self.max_ops, max(self.min_ops, self.max_round_bytes // max(1, nbytes)))
+
+
+# ~66 cells: the full run is ~2 minutes, --quick ~20 s on 2 cores.
+FULL = Settings(rounds=5, cell_seconds=0.25, min_ops=3, max_ops=5000,
+                max_round_bytes=768 << 20, warmup_ops=3)
+QUICK = Settings(rounds=3, cell_seconds=0.05, min_ops=2, max_ops=1000,
+                 max_round_bytes=256 << 20, warmup_ops=1)
+
+
+def _noop(_n: int) -> None:
+    return None
+
+
+@dataclass(slots=True)
+class Cell:
+    """One system doing one operation on one size; ``run(i)`` is the i-th op of a round."""
+
+    system: str
+    op: str
+    group: str  # str(size), or BATCH
+    nbytes: int  # bytes moved by one op
+    run: Callable[[int], None]
+    begin: Callable[[int], None] = _noop  # untimed, before a round of at most n ops
+    end: Callable[[int], None] = _noop  # untimed, after a round that did n ops
+    stats: CellStats = field(init=False)
+    error: str | None = None  # set when an op failed: the cell is dropped from later rounds
+
+    def __post_init__(self) -> None:
+        self.stats = CellStats(self.nbytes)
+
+    @property
+    def id(self) -> str:
+        return f"{self.system}/{self.op}/{self.group}"
+
+
+def run_round(cell: Cell, s: Settings, *, record: bool = True, ops: int | None = None
+              ) -> list[float]:
+    """Runs ops until the time bound (after ``min_ops``) or the op limit; per-op seconds."""
+    limit = ops if ops is not None else s.op_limit(cell.nbytes)
+    lat: list[float] = []
+    cell.begin(limit)
+    clock = time.perf_counter
+    try:
+        deadline = clock() + s.cell_seconds
+        for i in range(limit):
+            t0 = clock()
+            cell.run(i)
+            t1 = clock()
+            lat.append(t1 - t0)
+            if t1 >= deadline and i + 1 >= s.min_ops:
+                break
+    finally:
+        cell.end(len(lat))
+    if record:
+        cell.stats.add_round(lat)
+    return lat
+
+
+class BenchError(RuntimeError):
+    """A cell returned a wrong answer: the figures would be meaningless."""
+
+
+# ---- data per size -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Data:
+    """Values to read (stored under ``keys`` in every store) and preallocated buffers."""
+
+    size: int
+    keys: list[bytes]
+    values: list[bytes]  # distinct random values: no cell reads one hot buffer only
+    dst: bytearray  # receive buffer for get_into / recv_into / memcpy
+    dsts: list[bytearray]  # one per key, for the batch cells
+
+    @classmethod
+    def make(cls, size: int, count: int, *, batch: bool = False) -> Data:
+        values = [os.urandom(size) for _ in range(count)]
+        # Written-to buffers: untouched ones would take page faults in the first ops.
+        dst = bytearray(values[0])
+        dsts = [bytearray(v) for v in values] if batch else []
+        return cls(size, [os.urandom(16) for _ in range(count)], values, dst, dsts)
+
+
+def _key_count(size: int) -> int:
+    # Enough distinct values that reads are not all from one cache-hot buffer, few
+    # enough that a size costs at most ~64 MiB per store.
+    return max(2, min(16, (64 << 20) // size))
+
+
+def _fresh_keys(holder: list[bytes], n: int) -> None:
+    holder[:] = [os.urandom(16) for _ in range(n)]
+
+
+# ---- cells per system ----------------------------------------------------------------------
+
+
+def kvstore_cells(client: Any, system: str, d: Data) -> list[Cell]:
+    size, keys, values, n = d.size, d.keys, d.values, len(d.keys)
+    dst = d.dst
+    fresh: list[bytes] = []
+
+    def put(i: int) -> None:
+        if not client.put(fresh[i], values[i % n]):
+            raise BenchError(f"{system}: put of a fresh key reported an existing key")
+
+    def put_end(count: int) -> None:
+        for k in fresh[:count]:
+            client.remove(k)
+
+    def get(i: int) -> None:
+        v = client.get(keys[i % n])
+        if v is None or len(v) != size:
+            raise BenchError(f"{system}: get returned {None if v is None else len(v)} bytes")
+
+    def get_into(i: int) -> None:
+        if client.get_into(keys[i % n], dst) != size:
+            raise BenchError(f"{system}: get_into returned a wrong length")
+
+    g = str(size)
+    return [Cell(system, "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end),
+            Cell(system, "get", g, size, get), Cell(system, "get_into", g, size, get_into)]
+
+
+def kvstore_batch_cells(client: Any, system: str, d: Data) -> list[Cell]:
+    keys, dsts, total = d.keys, d.dsts, d.size * len(d.keys)
+
+    def get_batch(_i: int) -> None:
+        vs = client.get_batch(keys)
+        if len(vs) != len(keys) or any(v is None for v in vs):
+            raise BenchError(f"{system}: get_batch missed stored keys")
+
+    def get_batch_into(_i: int) -> None:
+        ns = client.get_batch_into(keys, dsts)
+        if any(x != d.size for x in ns):
+            raise BenchError(f"{system}: get_batch_into returned wrong lengths")
+
+    return [Cell(system, "get_batch", BATCH, total, get_batch),
+            Cell(system, "get_batch_into", BATCH, total, get_batch_into)]
+
+
+def redis_cells(r: Any, d: Data) -> list[Cell]:
+    size, keys, values, n = d.size, d.keys, d.values, len(d.keys)
+    fresh: list[bytes] = []
+
+    def put(i: int) -> None:
+        r.set(fresh[i], values[i % n])
+
+    def put_end(count: int) -> None:
+        for lo in range(0, count, 512):
+            r.delete(*fresh[lo : min(count, lo + 512)])
+
+    def get(i: int) -> None:
+        v = r.get(keys[i % n])
+        if v is None or len(v) != size:
+            raise BenchError(f"redis: GET returned {None if v is None else len(v)} bytes")
+
+    g = str(size)
+    return [Cell("redis", "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end),
+            Cell("redis", "get", g, size, get)]
+
+
+def redis_batch_cells(r: Any, d: Data) -> list[Cell]:
+    keys, total = d.keys, d.size * len(d.keys)
+
+    def pipelined(_i: int) -> None:
+        p = r.pipeline(transaction=False)
+        for k in keys:
+            p.get(k)
+        if any(v is None for v in p.execute()):
+            raise BenchError("redis: pipelined GET missed stored keys")
+
+    def mget(_i: int) -> None:
+        if any(v is None for v in r.mget(keys)):
+            raise BenchError("redis: MGET missed stored keys")
+
+    return [Cell("redis", "pipeline_get", BATCH, total, pipelined),
+            Cell("redis", "mget", BATCH, total, mget)]
+
+
+def raw_cells(cl: peers.RawTcpClient, d: Data) -> list[Cell]:
+    size, n = d.size, len(d.values)
+    srcs = [memoryview(v) for v in d.values]
+    dst = memoryview(d.dst)
+
+    # Slots i % n: the peer touches as many distinct buffers as the stores do.
+    def put(i: int) -> None:
+        cl.put(srcs[i % n], i % n)
+
+    def get(i: int) -> None:
+        cl.get_into(dst, size, i % n)
+
+    g = str(size)
+    return [Cell("raw-tcp", "put", g, size, put), Cell("raw-tcp", "get_into", g, size, get)]
+
+
+def raw_batch_cells(cl: peers.RawTcpClient, d: Data) -> list[Cell]:
+    views = [memoryview(b) for b in d.dsts]
+
+    def get_many(_i: int) -> None:
+        cl.get_many_into(views, d.size)
+
+    # One request, one scattered reply: how a store answers a batch, at the limit.
+    return [Cell("raw-tcp", "get_batch_into", BATCH, d.size * len(views), get_many)]
+
+
+def memcpy_cells(d: Data) -> list[Cell]:
+    srcs = [memoryview(v) for v in d.values]
+    dst = memoryview(d.dst)
+    n = len(srcs)
+
+    def copy(i: int) -> None:
+        dst[:] = srcs[i % n]  # memoryview slice assignment is one memcpy
+
+    return [Cell("memcpy", "copy", str(d.size), d.size, copy)]
+
+
+def memcpy_batch_cells(d: Data) -> list[Cell]:
+    pairs = [(memoryview(b), memoryview(v)) for b, v in zip(d.dsts, d.values, strict=True)]
+
+    def copy(_i: int) -> None:
+        for dst, src in pairs:
+            dst[:] = src
+
+    return [Cell("memcpy", "copy", BATCH, d.size * len(pairs), copy)]
+
+
+# ---- the systems under test ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Systems:
+    """Peers and one client per system; a system that could not start is in ``errors``."""
+
+    kv: dict[str, Any] = field(default_factory=dict)  # transport -> kvstore Client
+    redis: Any = None
+    raw: peers.RawTcpClient | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def preload(self, d: Data) -> None:
+        """Stores ``d``'s values under its keys in each store, and in the raw peer's slots."""
+        if self.kv:
+            c = next(iter(self.kv.values()))
+            c.put_batch(d.keys, d.values)
+        if self.redis is not None:
+            p = self.redis.pipeline(transaction=False)
+            for k, v in zip(d.keys, d.values, strict=True):
+                p.set(k, v)
+            p.execute()
+        if self.raw is not None:
+            # Slot i holds value i, and the peer's buffers are grown before timing.
+            for i, v in enumerate(d.values):
+                self.raw.put(memoryview(v), i)
+
+    def unload(self, d: Data) -> None:
+        if self.kv:
+            c = next(iter(self.kv.values()))
+            for k in d.keys:
+                c.remove(k)
+        if self.redis is not None:
+            self.redis.delete(*d.keys)
+
+    def cells(self, d: Data, *, batch: bool) -> list[Cell]:
+        out: list[Cell] = []
+        for t, c in self.kv.items():
+            sysname = f"kvstore-{t}"
+            out += kvstore_batch_cells(c, sysname, d) if batch else kvstore_cells(c, sysname, d)
+        if self.redis is not None:
+            out += redis_batch_cells(self.redis, d) if batch else redis_cells(self.redis, d)
+        if self.raw is not None:
+            out += raw_batch_cells(self.raw, d) if batch else raw_cells(self.raw, d)
+        out += memcpy_batch_cells(d) if batch else memcpy_cells(d)
+        return out
+
+
+@contextlib.contextmanager
+def start_systems(transports: Sequence[str], *, use_redis: bool = True,
+                  use_raw: bool = True) -> Iterator[Systems]:
+    """Starts the peers and connects; everything is stopped (by PID) on the way out."""
+    sy = Systems()
+    with contextlib.ExitStack() as stack:
+        if transports:
+            try:
+                node = stack.enter_context(peers.start_kvstore(dram_bytes=KV_DRAM))
+                sy.info["kvstore"] = {"pid": node.pid, "addr": node.addr, "dram": KV_DRAM}
+                from kvstore.client import Client
+            except Exception as exc:
+                sy.errors["kvstore"] = f"{type(exc).__name__}: {exc}"
+            else:
+                for t in transports:  # one transport that cannot connect spares the others
+                    try:
+                        c = stack.enter_context(Client(node.addr, transport=t))
+                        if c.transport != t:
+                            raise RuntimeError(f"asked for transport {t}, got {c.transport}")
+                        sy.kv[t] = c
+                    except Exception as exc:
+                        sy.errors[f"kvstore-{t}"] = f"{type(exc).__name__}: {exc}"
+        if use_redis:
+            try:
+                import redis
+                from redis.utils import HIREDIS_AVAILABLE
+
+                rp = stack.enter_context(peers.start_redis())
+                r = redis.Redis(host=rp.host, port=rp.port, socket_timeout=60)
+                stack.callback(r.close)
+                version = r.info("server").get("redis_version")
+                sy.redis = r
+                sy.info["redis"] = {"pid": rp.pid, "addr": rp.addr, "server": version,
+                                    "redis_py": redis.__version__,
+                                    "hiredis": bool(HIREDIS_AVAILABLE)}
+                if not HIREDIS_AVAILABLE:
+                    print("warning: hiredis is not installed: Redis figures use the pure-Python "
+                          "parser", file=sys.stderr)
+            except Exception as exc:
+                sy.errors["redis"] = f"{type(exc).__name__}: {exc}"
+                sy.redis = None
+        if use_raw:
+            try:
+                pp = stack.enter_context(peers.start_raw_tcp_peer())
+                sy.raw = stack.enter_context(peers.RawTcpClient(pp.host, pp.port))
+                sy.info["raw-tcp"] = {"pid": pp.pid, "addr": pp.addr}
+            except Exception as exc:
+                sy.errors["raw-tcp"] = f"{type(exc).__name__}: {exc}"
+                sy.raw = None
+        yield sy
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def measure_group(cells: list[Cell], s: Settings, rng: random.Random, label: str) -> None:
+    """Warms every cell up, then runs ``s.rounds`` rounds of all cells in a random order.
+
+    A cell whose op fails (an error, or a wrong answer) is reported and left out of
+    the remaining rounds, so one broken path does not cost the other figures.
+    """
+    for c in cells:
+        _guarded(c, functools.partial(run_round, c, s, record=False, ops=s.warmup_ops))
+    for r in range(s.rounds):
+        order = [c for c in cells if c.error is None]
+        rng.shuffle(order)  # no cell always runs right after the same neighbour
+        t0 = time.monotonic()
+        for c in order:
+            gc.collect()
+            _guarded(c, functools.partial(run_round, c, s))
+        print(f"  {label}: round {r + 1}/{s.rounds} ({time.monotonic() - t0:.1f} s)",
+              file=sys.stderr, flush=True)
+
+
+def _guarded(cell: Cell, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception as exc:
+        cell.error = f"{type(exc).__name__}: {exc}"
+        cell.stats = CellStats(cell.nbytes)  # figures of a broken path are not reported
+        print(f"warning: {cell.id} failed and is left out: {cell.error}", file=sys.stderr)
+
+
+# Which baseline each kvstore op is held against: (redis op, raw op, memcpy op).
+BASELINES: dict[str, tuple[str, str, str]] = {
+    "put": ("put", "put", "copy"),
+    "get": ("get", "get_into", "copy"),
+    "get_into": ("get", "get_into", "copy"),
+    "get_batch": ("pipeline_get", "get_batch_into", "copy"),
+    "get_batch_into": ("pipeline_get", "get_batch_into", "copy"),
+    "pipeline_get": ("", "get_batch_into", "copy"),
+    "mget": ("", "get_batch_into", "copy"),
+    "copy": ("", "", ""),
+}
+
+
+def _ratio(cells: dict[str, Cell], num: str, den: str) -> float | None:
+    a, b = cells.get(num), cells.get(den)
+    if a is None or b is None or a.error or b.error:
+        return None
+    return paired_median_ratio(a.stats.round_ops_per_s(), b.stats.round_ops_per_s())
+
+
+def baseline_ids(cell: Cell) -> dict[str, str | None]:
+    redis_op, raw_op, memcpy_op = BASELINES.get(cell.op, ("", "", ""))
+    # Redis and raw rows also get "x raw"/"x memcpy", but not a ratio to themselves.
+    return {
+        "redis": (f"redis/{redis_op}/{cell.group}"
+                  if redis_op and cell.system != "redis" else None),
+        "raw": (f"raw-tcp/{raw_op}/{cell.group}"
+                if raw_op and cell.system not in ("raw-tcp",) else None),
+        "memcpy": (f"memcpy/{memcpy_op}/{cell.group}"
+                   if memcpy_op and cell.system != "memcpy" else None),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    label: str
+    num: str  # cell id
+    den: str  # cell id
+    need: float
+
+
+def targets_for(sizes: Sequence[int]) -> list[Target]:
+    """The issue's targets, each a median paired ratio against a baseline cell."""
+    out: list[Target] = []
+    for size in sizes:
+        g, sl = str(size), size_label(size)
+        if size >= 1 << 20:
+            for op in ("put", "get", "get_into"):
+                raw_op = "put" if op == "put" else "get_into"
+                out.append(Target(f"remote {op} {sl} vs raw TCP", f"kvstore-tcp/{op}/{g}",
+                                  f"raw-tcp/{raw_op}/{g}", 0.8))
+            for op in ("put", "get", "get_into"):
+                redis_op = "put" if op == "put" else "get"
+                out.append(Target(f"remote {op} {sl} vs Redis", f"kvstore-tcp/{op}/{g}",
+                                  f"redis/{redis_op}/{g}", 1.5))
+        if size == 64 << 10:
+            for op in ("get", "get_into"):
+                out.append(Target(f"remote {op} {sl} vs Redis GET", f"kvstore-tcp/{op}/{g}",
+                                  f"redis/get/{g}", 1.0))
+    batch = f"{BATCH_COUNT} x {size_label(BATCH_ITEM)}"
+    for op in ("get_batch", "get_batch_into"):
+        for rop, rname in (("pipeline_get", "pipelined GETs"), ("mget", "MGET")):
+            out.append(Target(f"remote {op} {batch} vs Redis {rname}",
+                              f"kvstore-tcp/{op}/{BATCH}", f"redis/{rop}/{BATCH}", 1.0))
+    if 4 << 20 in sizes:
+        g = str(4 << 20)
+        out.append(Target("same-host get_into 4 MiB vs memcpy", f"kvstore-shm/get_into/{g}",
+                          f"memcpy/copy/{g}", 0.5))
+    return out
+
+
+def run_api_bench(*, quick: bool = False, out_dir: str | os.PathLike[str] = "benchmarks/results",
+                  sizes: Sequence[int] = SIZES, transports: Sequence[str] = KV_TRANSPORTS,
+                  use_redis: bool = True, use_raw: bool = True, batch: bool = True,
+                  settings: Settings | None = None, seed: int = 1) -> dict[str, Any]:
+    """Runs the benchmark, prints the tables, writes api_bench.json/.png; returns the results."""
+    s = settings or (QUICK if quick else FULL)
+    rng = random.Random(seed)
+    t_start = time.monotonic()
+    groups: list[tuple[str, list[Cell]]] = []
+    with start_systems(transports, use_redis=use_redis, use_raw=use_raw) as sy:
+        for name, err in sy.errors.items():
+            print(f"warning: {name} is left out: {err}", file=sys.stderr)
+        was_enabled = gc.isenabled()
+        gc.disable()  # a collection inside a timed op is noise, not the system's cost
+        try:
+            plan = [(size, False) for size in sizes] + ([(BATCH_ITEM, True)] if batch else [])
+            for size, is_batch in plan:
+                d = (Data.make(BATCH_ITEM, BATCH_COUNT, batch=True) if is_batch
+                     else Data.make(size, _key_count(size)))
+                sy.preload(d)
+                try:
+                    cells = sy.cells(d, batch=is_batch)
+                    label = (f"batch {BATCH_COUNT} x {size_label(BATCH_ITEM)}" if is_batch
+                             else size_label(size))
+                    measure_group(cells, s, rng, label)
+                    groups.append((BATCH if is_batch else str(size), cells))
+                finally:
+                    sy.unload(d)
+                del d
+        finally:
+            if was_enabled:
+                gc.enable()
+        info, errors = dict(sy.info), dict(sy.errors)
+    elapsed = time.monotonic() - t_start
+    res = build_results(groups, sizes, s, quick=quick, info=info, errors=errors,
+                        elapsed=elapsed)
+    print(format_results(res))
+    out = Path(out_dir)
+    jpath = write_json(out / "api_bench.json", res)
+    ppath = plot_results(res, out / "api_bench.png")
+    print(f"\nwrote {jpath} and {ppath} ({elapsed:.0f} s)")
+    return res
+
+
+def build_results(groups: Sequence[tuple[str, list[Cell]]], sizes: Sequence[int],
+                  s: Settings, *, quick: bool, info: dict[str, Any], errors: dict[str, str],
+                  elapsed: float) -> dict[str, Any]:
+    by_id = {c.id: c for _, cells in groups for c in cells}
+    rows = []
+    for group, cells in groups:
+        for c in cells:
+            bl = baseline_ids(c)
+            rows.append({
+                "id": c.id, "system": c.system, "op": c.op, "group": group,
+                "nbytes": c.nbytes,
+                "items": BATCH_COUNT if group == BATCH else 1,
+                **c.stats.summary(),
+                "error": c.error,
+                "x_redis": _ratio(by_id, c.id, bl["redis"]) if bl["redis"] else None,
+                "x_raw": _ratio(by_id, c.id, bl["raw"]) if bl["raw"] else None,
+                "x_memcpy": _ratio(by_id, c.id, bl["memcpy"]) if bl["memcpy"] else None,
+            })
+    targets = []
+    for t in targets_for(sizes):
+        r = _ratio(by_id, t.num, t.den)
+        targets.append({"target": t.label, "cell": t.num, "baseline": t.den, "need": t.need,
+                        "ratio": r, "verdict": verdict(r, t.need)})
+    return {
+        "benchmark": "api",
+        "meta": {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": platform.node(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "quick": quick, "elapsed_s": elapsed,
+            "settings": {"rounds": s.rounds, "cell_seconds": s.cell_seconds,
+                         "min_ops": s.min_ops, "max_ops": s.max_ops,
+                         "max_round_bytes": s.max_round_bytes, "warmup_ops": s.warmup_ops},
+            "sizes": list(sizes), "batch": {"count": BATCH_COUNT, "item": BATCH_ITEM},
+            "peers": info, "left_out": errors,
+            "method": "ops/s: median over rounds of ops / summed op latency; p50/p99: all "
+                      "ops pooled; x_*: median of per-round ops/s ratios to the baseline",
+        },
+        "cells": rows,
+        "targets": targets,
+    }
+
+
+def _group_label(group: str) -> str:
+    return (f"{BATCH_COUNT}x{size_label(BATCH_ITEM)}" if group == BATCH
+            else size_label(int(group)))
+
+
+def format_results(res: dict[str, Any]) -> str:
+    rows = [[_group_label(r["group"]), r["system"], r["op"], r["ops_per_s"], r["gbps"],
+             r["p50_ms"], r["p99_ms"], r["x_redis"], r["x_raw"], r["x_memcpy"]]
+            for r in res["cells"]]
+    main = format_table(["size", "system", "op", "ops/s", "GB/s", "p50 ms", "p99 ms",
+                         "x redis", "x raw-tcp", "x memcpy"], rows, align="lllrrrrrrr")
+    trows = [[t["target"], t["ratio"], f">= {t['need']}", t["verdict"]]
+             for t in res["targets"]]
+    tt = format_table(["target (median of paired per-round ratios)", "ratio", "need",
+                       "verdict"], trows, align="lrrl")
+    m = res["meta"]
+    head = (f"kvstore api bench: {m['settings']['rounds']} rounds x "
+            f"{m['settings']['cell_seconds']} s per cell, python {m['python']}, "
+            f"{m['cpus']} cpus{' (quick)' if m['quick'] else ''}")
+    left = "".join(f"\nleft out: {k}: {v}" for k, v in m["left_out"].items())
+    left += "".join(f"\nfailed: {r['id']}: {r['error']}" for r in res["cells"] if r["error"])
+    return f"{head}{left}\n\n{main}\n\n{tt}"
+
+
+def plot_results(res: dict[str, Any], path: Path) -> Path:
+    cells = {r["id"]: r for r in res["cells"]}
+    sizes = [int(x) for x in res["meta"]["sizes"]]
+
+    def series(ids: dict[str, str]) -> dict[str, list[float | None]]:
+        out: dict[str, list[float | None]] = {}
+        for name, pattern in ids.items():
+            ys = [cells.get(pattern.format(g=s), {}).get("gbps") for s in sizes]
+            if any(y is not None for y in ys):
+                out[name] = ys
+        return out
+
+    xs = [s >> 10 for s in sizes]
+    xt = [size_label(s) for s in sizes]
+    put = series({**{f"kvstore-{t}": f"kvstore-{t}/put/{{g}}" for t in KV_TRANSPORTS},
+                  "redis SET": "redis/put/{g}", "raw TCP": "raw-tcp/put/{g}",
+                  "memcpy": "memcpy/copy/{g}"})
+    get = series({**{f"kvstore-{t} {op}": f"kvstore-{t}/{op}/{{g}}" for t in KV_TRANSPORTS
+                     for op in ("get", "get_into")},
+                  "redis GET": "redis/get/{g}", "raw TCP recv_into": "raw-tcp/get_into/{g}",
+                  "memcpy": "memcpy/copy/{g}"})
+    panels = [
+        Panel("put, single client", xs, put, xlabel="value size", ylabel="GB/s (median)",
+              logx=True, logy=True, xticklabels=xt),
+        Panel("get, single client", xs, get, xlabel="value size", ylabel="GB/s (median)",
+              logx=True, logy=True, xticklabels=xt),
+    ]
+    batch = [r for r in res["cells"] if r["group"] == BATCH and r["gbps"] is not None]
+    if batch:
+        panels.append(Panel(f"batch get {BATCH_COUNT} x {size_label(BATCH_ITEM)}",
+                            list(range(len(batch))), {"GB/s": [r["gbps"] for r in batch]},
+                            kind="bars", ylabel="GB/s (median)", logy=True, horizontal=True,
+                            xticklabels=[f"{r['system']} {r['op']}" for r in batch],
+                            height=max(4.2, 0.3 * len(batch))))
+    tg = [t for t in res["targets"] if t["ratio"] is not None]
+    if tg:
+        panels.append(Panel("targets: ratio / needed (>= 1 passes)", list(range(len(tg))),
+                            {"ratio / need": [t["ratio"] / t["need"] for t in tg]},
+                            kind="bars", xticklabels=[_short(t["target"]) for t in tg],
+                            ylabel="ratio / needed", hlines={"needed": 1.0}, horizontal=True,
+                            height=max(4.2, 0.22 * len(tg))))
+    return plot_panels(path, panels, title="kvstore api bench (loopback, single client)")
+
+
+def _short(label: str) -> str:
+    return label.replace("remote ", "").replace("pipelined GETs", "pipeline")
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    from kvstore.sizes import parse_size  # no network stack: only size parsing
+
+    try:
+        sizes = tuple(parse_size(t) for t in text.split(",") if t.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not sizes or any(x <= 0 for x in sizes):
+        raise argparse.ArgumentTypeError("sizes must be positive")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore bench api", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer, shorter rounds (~20 s)")
+    p.add_argument("--out-dir", default="benchmarks/results",
+                   help="where api_bench.json and api_bench.png go")
+    p.add_argument("--sizes", type=_parse_sizes, default=SIZES,
+                   help="comma-separated value sizes (default 64KiB,1MiB,4MiB,16MiB)")
+    p.add_argument("--transports", default=",".join(KV_TRANSPORTS),
+                   help="kvstore transports to measure, comma-separated ('' for none)")
+    p.add_argument("--no-redis", action="store_true", help="leave Redis out")
+    p.add_argument("--no-raw", action="store_true", help="leave the raw TCP peer out")
+    p.add_argument("--no-batch", action="store_true", help="leave the batch get out")
+    args = p.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so the peers are still stopped on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    transports = tuple(t for t in args.transports.split(",") if t)
+    bad = [t for t in transports if t not in KV_TRANSPORTS]
+    if bad:
+        p.error(f"unknown transport(s) {bad}; choose from {KV_TRANSPORTS}")
+    res = run_api_bench(quick=args.quick, out_dir=args.out_dir, sizes=args.sizes,
+                        transports=transports, use_redis=not args.no_redis,
+                        use_raw=not args.no_raw, batch=not args.no_batch)
+    # A benchmark is not a test: missed targets are reported, not an error. A peer
+    # that could not start, or a failed cell, is: its figures are missing.
+    failed = res["meta"]["left_out"] or any(r["error"] for r in res["cells"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
