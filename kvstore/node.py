@@ -139,7 +139,9 @@ class Node:
                          "" if hbm.on_gpu else " (no GPU: the HBM code path runs on the CPU)")
                 tiers.append(hbm)
                 durable.append(False)
-            tiers.append(DramTier(s.dram_bytes, prefault=s.prefault))
+            dram = DramTier(s.dram_bytes, prefault=s.prefault)
+            self._info["dram_pinned"] = dram.pinned
+            tiers.append(dram)
             durable.append(False)
             if s.ssd_path:
                 from tiers.ssd import SsdTier
