@@ -52,6 +52,8 @@ class DramTier:
 
     def _register_with_cuda(self) -> bool:
         """Page-locks the region for CUDA DMA when a GPU is present; False otherwise."""
+        if not os.path.exists("/dev/nvidiactl"):
+            return False  # no NVIDIA driver: not worth importing torch to find out
         try:
             import torch
         except ImportError:
