@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -473,7 +474,7 @@ class Target:
     need: float
 
 
-def targets_for(sizes: Sequence[int]) -> list[Target]:
+def targets_for(sizes: Sequence[int], *, batch: bool = True) -> list[Target]:
     """The issue's targets, each a median paired ratio against a baseline cell."""
     out: list[Target] = []
     for size in sizes:
@@ -491,10 +492,10 @@ def targets_for(sizes: Sequence[int]) -> list[Target]:
             for op in ("get", "get_into"):
                 out.append(Target(f"remote {op} {sl} vs Redis GET", f"kvstore-tcp/{op}/{g}",
                                   f"redis/get/{g}", 1.0))
-    batch = f"{BATCH_COUNT} x {size_label(BATCH_ITEM)}"
-    for op in ("get_batch", "get_batch_into"):
+    label = f"{BATCH_COUNT} x {size_label(BATCH_ITEM)}"
+    for op in ("get_batch", "get_batch_into") if batch else ():
         for rop, rname in (("pipeline_get", "pipelined GETs"), ("mget", "MGET")):
-            out.append(Target(f"remote {op} {batch} vs Redis {rname}",
+            out.append(Target(f"remote {op} {label} vs Redis {rname}",
                               f"kvstore-tcp/{op}/{BATCH}", f"redis/{rop}/{BATCH}", 1.0))
     if 4 << 20 in sizes:
         g = str(4 << 20)
@@ -566,7 +567,7 @@ def build_results(groups: Sequence[tuple[str, list[Cell]]], sizes: Sequence[int]
                 "x_memcpy": _ratio(by_id, c.id, bl["memcpy"]) if bl["memcpy"] else None,
             })
     targets = []
-    for t in targets_for(sizes):
+    for t in targets_for(sizes, batch=any(g == BATCH for g, _ in groups)):
         r = _ratio(by_id, t.num, t.den)
         targets.append({"target": t.label, "cell": t.num, "baseline": t.den, "need": t.need,
                         "ratio": r, "verdict": verdict(r, t.need)})
@@ -685,7 +686,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-redis", action="store_true", help="leave Redis out")
     p.add_argument("--no-raw", action="store_true", help="leave the raw TCP peer out")
     p.add_argument("--no-batch", action="store_true", help="leave the batch get out")
+    p.add_argument("--rounds", type=int, help="rounds per cell (default 5, quick 3)")
+    p.add_argument("--cell-seconds", type=float,
+                   help="time bound of a cell in one round (default 0.25, quick 0.05)")
     args = p.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            p.error("--rounds must be >= 1")
+        settings = dataclasses.replace(settings, rounds=args.rounds)
+    if args.cell_seconds is not None:
+        settings = dataclasses.replace(settings, cell_seconds=max(0.0, args.cell_seconds))
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so the peers are still stopped on the way out.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -695,7 +706,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown transport(s) {bad}; choose from {KV_TRANSPORTS}")
     res = run_api_bench(quick=args.quick, out_dir=args.out_dir, sizes=args.sizes,
                         transports=transports, use_redis=not args.no_redis,
-                        use_raw=not args.no_raw, batch=not args.no_batch)
+                        use_raw=not args.no_raw, batch=not args.no_batch,
+                        settings=settings)
     # A benchmark is not a test: missed targets are reported, not an error. A peer
     # that could not start, or a failed cell, is: its figures are missing.
     failed = res["meta"]["left_out"] or any(r["error"] for r in res["cells"])

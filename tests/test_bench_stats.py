@@ -288,6 +288,7 @@ def test_targets_cover_the_issue() -> None:
     assert (t.num, t.den, t.need) == ("kvstore-shm/get_into/4194304", "memcpy/copy/4194304", 0.5)
     assert not any("64 KiB vs raw" in label for label in ts)  # >= 1 MiB only
     assert len(ts) == 3 * 6 + 2 + 4 + 1
+    assert len(api_bench.targets_for(api_bench.SIZES, batch=False)) == 3 * 6 + 2 + 1
 
 
 def test_build_and_format_results() -> None:
