@@ -20,7 +20,8 @@ from kvstore.keys import parse_key
 from kvstore.sizes import format_size, parse_size
 
 DEFAULT_ADDR = "127.0.0.1:7600"
-BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench"}
+BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
+              "trace": "benchmarks.trace_replay"}
 """``kvstore bench NAME`` runs ``main(argv)`` of these modules."""
 
 

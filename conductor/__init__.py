@@ -1,0 +1,1 @@
+"""The KV-cache-aware scheduler: routing, early rejection, cost model, traces, simulator."""
