@@ -4,11 +4,16 @@ For each block size it measures, in one run and on one file:
 
 * tier sequential ``write_blocks`` (batched, durable: data fdatasync + synced index
   batch per call) and ``read_blocks_into`` (checksum verified);
-* the raw limit: a plain loop of aligned ``O_DIRECT`` ``pwrite`` (one fdatasync at
-  the end) and ``preadv`` over the same offsets, one request at a time;
+* the raw limit: aligned ``O_DIRECT`` ``pwrite`` (one fdatasync at the end) and
+  ``preadv`` over the same offsets at several queue depths (``--raw-qds``, default
+  1, 4, 32): a plain loop at QD1, threads at higher QDs, and, when the native
+  module ``tiers._uring`` is available, io_uring batches at each QD > 1 (the
+  tier's own helper, with no checksum or index work). The best variant is taken
+  as the physical limit; every variant is printed and saved;
 
 and then 64 KiB random reads at queue depth 32: the tier reading batches of 32
-random blocks, against 32 threads issuing raw ``preadv`` back to back.
+random blocks, against 32 threads issuing raw ``preadv`` back to back and (if
+available) raw io_uring at QD32; the better raw figure is the limit.
 
 Latencies: the tier's are per call (one batch); the raw ones are per request.
 
@@ -37,11 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from tiers.ssd import ALIGNMENT, SsdLocation, SsdTier
+from tiers.ssd_io import _load_uring
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd_bench.json"
 KiB, MiB, GB = 1 << 10, 1 << 20, 1e9
 RANDOM_BLOCK = 64 * KiB
 RANDOM_QD = 32
+RAW_QDS = (1, 4, 32)
 
 
 def _pct(samples: Sequence[float], q: float) -> float:
@@ -115,39 +122,112 @@ def _tier_sequential(tier: SsdTier, size: int, n: int, batch: int,
     }
 
 
-def _raw_sequential(path: Path, size: int, n: int, src: mmap.mmap) -> dict[str, float]:
+def _uring_lib() -> Any:
+    module, _ = _load_uring()
+    return module
+
+
+def _raw_uring(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: bool,
+               src: mmap.mmap | None = None) -> float:
+    """GB/s of one io_uring batch over ``offsets`` with ``qd`` in flight (no checksums).
+
+    Reads land in ``qd`` scratch buffers reused round robin; writes all send ``src``.
+    Writes end with one fdatasync, as the tier's batches do.
+    """
+    module = _uring_lib()
+    ffi, lib, n = module.ffi, module.lib, len(offsets)
+    bufs = [src] if write else [_aligned(size, fill=False) for _ in range(min(qd, n))]
+    pins = [ffi.from_buffer(b) for b in bufs]
+    iovs = ffi.new("struct iovec[]", n)
+    for i in range(n):
+        iovs[i].iov_base = pins[i % len(pins)]
+        iovs[i].iov_len = size
+    is_write = ffi.new("unsigned char[]", [write] * n)
+    offs = ffi.new("int64_t[]", list(offsets))
+    counts = ffi.new("int[]", [1] * n)
+    results = ffi.new("int64_t[]", n)
+    ringp = ffi.new("struct kv_ring **")
+    if lib.kv_ring_open(qd, ringp) < 0:
+        raise RuntimeError("io_uring_queue_init failed")
+    try:
+        t0 = time.perf_counter()
+        rc = lib.kv_ring_run(ringp[0], fd, n, is_write, offs, iovs, counts, results, qd)
+        if write:
+            os.fdatasync(fd)
+        dt = time.perf_counter() - t0
+    finally:
+        lib.kv_ring_close(ringp[0])
+    if rc < 0 or any(r != size for r in results):
+        raise RuntimeError("raw io_uring transfer failed")
+    del pins
+    if not write:
+        for b in bufs:
+            b.close()
+    return n * size / dt / GB
+
+
+def _raw_threads(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: bool,
+                 src: mmap.mmap) -> tuple[float, list[float]]:
+    """GB/s of ``qd`` threads (a plain loop if 1) moving ``offsets`` back to back, and
+    per-request latencies. Writes end with one fdatasync."""
+    lat: list[float] = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        buf = src if write else _aligned(size, fill=False)
+        mine: list[float] = []
+        for off in offsets[w::qd]:
+            t0 = time.perf_counter()
+            n = os.pwrite(fd, buf, off) if write else os.preadv(fd, [buf], off)
+            if n != size:
+                raise RuntimeError("short raw transfer")
+            mine.append(time.perf_counter() - t0)
+        if not write:
+            buf.close()
+        with lock:
+            lat.extend(mine)
+
+    t_start = time.perf_counter()
+    if qd == 1:
+        worker(0)
+    else:
+        with ThreadPoolExecutor(max_workers=qd) as pool:
+            for f in [pool.submit(worker, w) for w in range(qd)]:
+                f.result()
+    if write:
+        os.fdatasync(fd)
+    return len(offsets) * size / (time.perf_counter() - t_start) / GB, lat
+
+
+def _raw_sequential(path: Path, size: int, n: int, src: mmap.mmap,
+                    qds: Sequence[int] = RAW_QDS) -> dict[str, Any]:
+    """The raw O_DIRECT limit over the same offsets: every variant, and the best."""
+    offsets = [i * size for i in range(n)]
+    variants: dict[str, dict[str, float]] = {"write": {}, "read": {}}
+    lats: dict[str, list[float]] = {}
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     try:
-        wlat: list[float] = []
-        t_start = time.perf_counter()
-        for i in range(n):
-            t0 = time.perf_counter()
-            if os.pwrite(fd, src, i * size) != size:
-                raise RuntimeError("short raw write")
-            wlat.append(time.perf_counter() - t0)
-        os.fdatasync(fd)
-        t_write = time.perf_counter() - t_start
-        dst = _aligned(size, fill=False)
-        rlat: list[float] = []
-        t_start = time.perf_counter()
-        for i in range(n):
-            t0 = time.perf_counter()
-            if os.preadv(fd, [dst], i * size) != size:
-                raise RuntimeError("short raw read")
-            rlat.append(time.perf_counter() - t0)
-        t_read = time.perf_counter() - t_start
-        dst.close()
+        for qd in qds:
+            for kind in ("write", "read"):
+                gbps, lat = _raw_threads(fd, size, offsets, qd, write=kind == "write", src=src)
+                variants[kind][f"threads_qd{qd}" if qd > 1 else "qd1"] = gbps
+                if qd == min(qds):
+                    lats[kind] = lat
+            if qd > 1 and _uring_lib() is not None:
+                for kind in ("write", "read"):
+                    variants[kind][f"uring_qd{qd}"] = _raw_uring(
+                        fd, size, offsets, qd, write=kind == "write", src=src)
     finally:
         os.close(fd)
-    total = n * size
-    return {
-        "raw_write_gbps": total / t_write / GB,
-        "raw_read_gbps": total / t_read / GB,
-        "raw_write_op_ms_p50": _pct(wlat, 0.5),
-        "raw_write_op_ms_p99": _pct(wlat, 0.99),
-        "raw_read_op_ms_p50": _pct(rlat, 0.5),
-        "raw_read_op_ms_p99": _pct(rlat, 0.99),
-    }
+    out: dict[str, Any] = {}
+    for kind in ("write", "read"):
+        best = max(variants[kind], key=variants[kind].__getitem__)
+        out[f"raw_{kind}_gbps"] = variants[kind][best]
+        out[f"raw_{kind}_best"] = best
+        out[f"raw_{kind}_variants_gbps"] = variants[kind]
+        out[f"raw_{kind}_op_ms_p50"] = _pct(lats[kind], 0.5)
+        out[f"raw_{kind}_op_ms_p99"] = _pct(lats[kind], 0.99)
+    return out
 
 
 def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
@@ -177,9 +257,11 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
             raise RuntimeError("checksum failure during the benchmark")
     t_tier = time.perf_counter() - t_start
 
-    # Raw: RANDOM_QD threads, each issuing preadv back to back (always QD in flight).
+    # Raw: RANDOM_QD threads, each issuing preadv back to back (always QD in flight),
+    # and, when the native module is available, one io_uring batch at QD RANDOM_QD.
     offsets = [locs[p].extent.offset for p in picks]
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    raw_variants: dict[str, float] = {}
     rlat: list[float] = []
     lat_lock = threading.Lock()
 
@@ -200,7 +282,11 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
         with ThreadPoolExecutor(max_workers=RANDOM_QD) as pool:
             for f in [pool.submit(worker, w) for w in range(RANDOM_QD)]:
                 f.result()
-        t_raw = time.perf_counter() - t_start
+        raw_variants[f"threads_qd{RANDOM_QD}"] = ops * RANDOM_BLOCK / (
+            time.perf_counter() - t_start) / GB
+        if _uring_lib() is not None:
+            raw_variants[f"uring_qd{RANDOM_QD}"] = _raw_uring(
+                fd, RANDOM_BLOCK, offsets, RANDOM_QD, write=False)
     finally:
         os.close(fd)
     for v in out_views:
@@ -208,7 +294,9 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
     view.release()
     tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
     total = ops * RANDOM_BLOCK
-    tier_gbps, raw_gbps = total / t_tier / GB, total / t_raw / GB
+    tier_gbps = total / t_tier / GB
+    raw_best = max(raw_variants, key=raw_variants.__getitem__)
+    raw_gbps = raw_variants[raw_best]
     return {
         "block_size": RANDOM_BLOCK,
         "queue_depth": RANDOM_QD,
@@ -218,7 +306,9 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
         "tier_call_ms_p50": _pct(tlat, 0.5),
         "tier_call_ms_p99": _pct(tlat, 0.99),
         "raw_gbps": raw_gbps,
-        "raw_iops": ops / t_raw,
+        "raw_best": raw_best,
+        "raw_variants_gbps": raw_variants,
+        "raw_iops": raw_gbps * GB / RANDOM_BLOCK,
         "raw_op_ms_p50": _pct(rlat, 0.5),
         "raw_op_ms_p99": _pct(rlat, 0.99),
         "ratio": tier_gbps / raw_gbps,
@@ -235,6 +325,7 @@ def run_ssd_bench(
     max_batch_bytes: int = 64 << 20,
     random_ops: int = 8192,
     seed: int = 0,
+    raw_qds: Sequence[int] = RAW_QDS,
 ) -> dict[str, Any]:
     """Runs the benchmark on ``path`` (overwritten) and returns the figures.
 
@@ -255,7 +346,7 @@ def run_ssd_bench(
             src = _aligned(size, fill=True)
             row: dict[str, Any] = {"block_size": size, "blocks": n, "batch_blocks": batch}
             row.update(_tier_sequential(tier, size, n, batch, src))
-            row.update(_raw_sequential(p, size, n, src))
+            row.update(_raw_sequential(p, size, n, src, raw_qds))
             src.close()
             row["write_ratio"] = row["tier_write_gbps"] / row["raw_write_gbps"]
             row["read_ratio"] = row["tier_read_gbps"] / row["raw_read_gbps"]
@@ -278,9 +369,13 @@ def run_ssd_bench(
             "kernel": platform.release(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
-            "note": ("tier latencies are per call (one batch); raw latencies per request. "
-                     "raw sequential is one request at a time (QD1); raw random is "
-                     f"{RANDOM_QD} threads back to back."),
+            "raw_queue_depths": list(raw_qds),
+            "raw_uring": _uring_lib() is not None,
+            "note": ("tier latencies are per call (one batch); raw latencies per request "
+                     "(the QD1 loop for sequential, the threads for random). The raw "
+                     "limit of each case is the best of its raw variants: O_DIRECT "
+                     "preadv/pwritev at QD1, threads at each other QD, and io_uring "
+                     "(tiers._uring, no checksum or index work) at each QD > 1."),
         },
         "sequential": rows,
         "random_read": rand,
@@ -308,7 +403,13 @@ def print_table(res: dict[str, Any]) -> None:
               f"{r['tier_write_call_ms_p50']:8.2f}/{r['tier_write_call_ms_p99']:<8.2f} "
               f"{r['tier_read_call_ms_p50']:8.2f}/{r['tier_read_call_ms_p99']:<8.2f} "
               f"{r['raw_read_op_ms_p50']:7.2f}/{r['raw_read_op_ms_p99']:<8.2f}")
-    print("(GB/s; tier latencies per batch call, raw per request)")
+    print("(GB/s; tier latencies per batch call, raw per request; raw = best variant)")
+    print("raw variants (write/read GB/s):")
+    for r in res["sequential"]:
+        w, rd = r["raw_write_variants_gbps"], r["raw_read_variants_gbps"]
+        print(f"  {_fmt_size(r['block_size']):>7}: " + "  ".join(
+            f"{k} {w[k]:.2f}/{rd[k]:.2f}" for k in w)
+              + f"  | best W {r['raw_write_best']}, R {r['raw_read_best']}")
     rr = res["random_read"]
     print(f"random 64 KiB reads, QD{rr['queue_depth']}, {rr['ops']} ops: "
           f"tier {rr['tier_gbps']:.2f} GB/s ({rr['tier_iops']:.0f} IOPS, per-32 call p50 "
@@ -316,6 +417,8 @@ def print_table(res: dict[str, Any]) -> None:
           f"{rr['raw_gbps']:.2f} GB/s ({rr['raw_iops']:.0f} IOPS, per-op p50 "
           f"{rr['raw_op_ms_p50']:.2f} ms p99 {rr['raw_op_ms_p99']:.2f} ms) | "
           f"ratio {rr['ratio']:.2f}")
+    print("  raw random variants: " + "  ".join(
+        f"{k} {v:.2f}" for k, v in rr["raw_variants_gbps"].items()) + f"  (best {rr['raw_best']})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -327,13 +430,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--io", default="auto", choices=["auto", "uring", "python"])
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--random-ops", type=int, default=8192)
+    ap.add_argument("--raw-qds", default=",".join(map(str, RAW_QDS)),
+                    help="queue depths of the raw sequential baselines")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     units = {"K": KiB, "M": MiB}
     sizes = [int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
              for s in args.sizes.split(",")]
     res = run_ssd_bench(args.path, sizes, args.total_mib * MiB, args.io,
-                        queue_depth=args.queue_depth, random_ops=args.random_ops)
+                        queue_depth=args.queue_depth, random_ops=args.random_ops,
+                        raw_qds=[int(q) for q in args.raw_qds.split(",")])
     print_table(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

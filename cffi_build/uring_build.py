@@ -33,7 +33,11 @@ int kv_ring_open(unsigned depth, struct kv_ring **out);
 void kv_ring_close(struct kv_ring *r);
 int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                 const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results);
+                int64_t *results, int max_inflight);
+void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
+                   const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
+                   int64_t *results, int max_inflight);
+int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
 """
 
 _PREAMBLE = """
@@ -44,7 +48,11 @@ int kv_ring_open(unsigned depth, struct kv_ring **out);
 void kv_ring_close(struct kv_ring *r);
 int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                 const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results);
+                int64_t *results, int max_inflight);
+void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
+                   const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
+                   int64_t *results, int max_inflight);
+int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
 """
 
 ffibuilder = FFI()

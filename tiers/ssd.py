@@ -60,6 +60,7 @@ from tiers.ssd_io import (
     _ARENA_CACHE_BYTES,
     IO_CHOICES,
     Backend,
+    OnComplete,
     _ArenaPool,
     _byte_view,
     _round_up,
@@ -287,9 +288,18 @@ class SsdTier:
                 extents.append(self._allocator.allocate(max(len(mv), 1)))
         placed = [i for i, e in enumerate(extents) if e is not None]
         try:
-            checksums = {i: xxhash.xxh3_64_intdigest(views[i]) for i in placed}
+            checksums: dict[int, int] = {}
+
+            def checksum(k: int, _result: int) -> None:
+                # Runs as write k completes, while the rest of the batch is in flight.
+                checksums[placed[k]] = xxhash.xxh3_64_intdigest(views[placed[k]])
+
             results = self._write_views([views[i] for i in placed],
-                                        [extents[i].offset for i in placed])  # type: ignore[union-attr]
+                                        [extents[i].offset for i in placed],  # type: ignore[union-attr]
+                                        checksum)
+            for i in placed:
+                if i not in checksums:  # empty values (no I/O)
+                    checksums[i] = xxhash.xxh3_64_intdigest(views[i])
             self._raise_on_failure(
                 results, [_round_up(len(views[i])) if self.o_direct else len(views[i])
                           for i in placed])
@@ -428,10 +438,12 @@ class SsdTier:
             if r != want:
                 raise OSError(errno.EIO, f"SSD short write: {r} of {want} bytes")
 
-    def _write_views(self, views: Sequence[memoryview], offsets: Sequence[int]) -> list[int]:
+    def _write_views(self, views: Sequence[memoryview], offsets: Sequence[int],
+                     on_complete: OnComplete | None = None) -> list[int]:
         """Writes each view at its offset; per-view bytes transferred or -errno."""
         assert self._backend is not None
-        return write_views(self._backend, self._arenas, self.o_direct, views, offsets)
+        return write_views(self._backend, self._arenas, self.o_direct, views, offsets,
+                           on_complete)
 
     def _read_views(self, views: Sequence[memoryview], offsets: Sequence[int],
                     checksums: Sequence[int] | None) -> list[bool]:

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import xxhash
 
-from tiers.ssd_io import Backend, _address, _ArenaPool, _Op, _round_up
+from tiers.ssd_io import (
+    Backend,
+    OnComplete,
+    _address,
+    _ArenaPool,
+    _Op,
+    _round_up,
+    inflight_depth,
+)
 from tiers.ssd_types import ALIGNMENT
 
 # A batch is split into chunks whose bounce buffers stay under this, so a batch
@@ -71,13 +80,22 @@ def _chunks(needs: Sequence[int]) -> list[_Chunk]:
     return chunks
 
 
+def _depth(ops: Sequence[_Op]) -> int:
+    """In-flight ops for a batch: fewer for big transfers (see ssd_io.inflight_depth)."""
+    if not ops:
+        return 1
+    return inflight_depth(sum(op.nbytes for op in ops) // len(ops), len(ops))
+
 
 def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
-                views: Sequence[memoryview], offsets: Sequence[int]) -> list[int]:
+                views: Sequence[memoryview], offsets: Sequence[int],
+                on_complete: OnComplete | None = None) -> list[int]:
     """Writes each view at its offset; per-view bytes transferred or -errno.
 
     Under O_DIRECT each transfer is padded to the alignment; an aligned caller
     buffer is written in place and only its partial last page is bounced.
+    ``on_complete(view index, result)`` runs as each write finishes, while later
+    ones are still in flight (e.g. to checksum the value meanwhile).
     """
     results = [0] * len(views)
     for chunk in _chunks([_write_bounce_need(mv, direct) for mv in views]):
@@ -113,8 +131,8 @@ def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                     ops.append(_Op(is_write=True, offset=offsets[i], bufs=bufs,
                                    nbytes=sum(len(b) for b in bufs)))
                     op_items.append(i)
-                for i, r in zip(op_items, backend.run(ops), strict=True):
-                    results[i] = r
+                backend.run(ops, _depth(ops),
+                            partial(_write_done, op_items, results, on_complete))
                 del ops
         finally:
             if arena is not None:
@@ -166,15 +184,27 @@ def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                                    nbytes=total))
                     fixups.append((i, _ReadFixup(out=mv, head=head, bounce=bounce,
                                                  checksum=want), total))
-                results = backend.run(ops)
-                del ops
-                for (i, fx, total), r in zip(fixups, results, strict=True):
-                    ok[i] = _finish_read(fx, r, total, checksums is not None, failed)
-                del fixups
+                # Each block is verified as it lands, while the rest are in flight.
+                backend.run(ops, _depth(ops),
+                            partial(_read_done, fixups, ok, checksums is not None, failed))
+                del ops, fixups
         finally:
             if arena is not None:
                 arenas.release(arena)
     return ok
+
+
+def _write_done(op_items: list[int], results: list[int], on_complete: OnComplete | None,
+                k: int, r: int) -> None:
+    results[op_items[k]] = r
+    if on_complete is not None:
+        on_complete(op_items[k], r)
+
+
+def _read_done(fixups: list[tuple[int, _ReadFixup, int]], ok: list[bool], verify: bool,
+               failed: Callable[[str], None], k: int, r: int) -> None:
+    i, fx, total = fixups[k]
+    ok[i] = _finish_read(fx, r, total, verify, failed)
 
 
 def _finish_read(fx: _ReadFixup, result: int, total: int, verify: bool,
