@@ -256,22 +256,23 @@ class TierManager:
         if key in self._s.blocks:
             return None
         level = self.landing
-        tier = self.levels[level].tier
-        if nbytes > tier.capacity:
+        lv = self.levels[level]
+        tier = lv.tier
+        capacity = tier.capacity
+        if nbytes > capacity:
             raise BlockTooLarge(f"block of {nbytes} bytes exceeds {tier.name} tier capacity "
-                                f"{tier.capacity}")
-        if self._needs_mover(level):
+                                f"{capacity}")
+        if level + 1 < len(self.levels) or lv.durable:  # _needs_mover(level), inlined
             extent = tier.allocate(nbytes)
             if extent is None:
                 raise NeedsRoom(level, nbytes)
             return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
         # The parent of the block being written stays: evicting it would strand its child.
         protect = parent
-        high = self.watermarks.high * tier.capacity
-        if tier.used + nbytes > high:
-            low = self.watermarks.low * tier.capacity
-            self._evict_until(level, lambda: tier.used + nbytes <= low, strict=False,
-                              protect=protect)
+        if tier.used + nbytes > self.watermarks.high * capacity:
+            # Until ``tier.used + nbytes <= low``, as a threshold (no callback per victim).
+            self._evict_until(level, None, strict=False, protect=protect,
+                              until_used=self.watermarks.low * capacity - nbytes)
         extent = tier.allocate(nbytes)
         if extent is None:
             # Fragmentation or reservations in flight: keep evicting until it fits.
@@ -295,22 +296,35 @@ class TierManager:
     def commit(self, reservation: Reservation) -> bool:
         """Publishes the block; False (and the space returned) if another put of the key won."""
         s = self._s
+        blocks = s.blocks
+        key = reservation.key
         level = self.levels[self.landing]
-        if reservation.key in s.blocks:
+        if key in blocks:
             level.tier.free(reservation.extent)
             return False
         s.tick += 1
+        parent = reservation.parent
         entry = BlockEntry(
-            key=reservation.key,
-            parent=reservation.parent,
+            key=key,
+            parent=parent,
             nbytes=reservation.nbytes,
             level=self.landing,
             extent=reservation.extent,
             pinned=reservation.pin,
             last_access=s.tick,
-            children=s.orphans.pop(reservation.key, 0),
+            children=s.orphans.pop(key, 0) if s.orphans else 0,
         )
-        self._index(entry)
+        # ``_index(entry)`` inlined (the put path runs once per stored block).
+        blocks[key] = entry
+        level.blocks += 1
+        if parent is not None:
+            p = blocks.get(parent)
+            if p is None:
+                s.orphans[parent] = s.orphans.get(parent, 0) + 1
+            else:
+                p.children += 1
+        if not entry.pinned:
+            level.queue.push(key, entry)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
@@ -356,7 +370,7 @@ class TierManager:
         s.tick += 1
         entry.last_access = s.tick
         level = self.levels[entry.level]
-        if not (entry.pinned or entry.moving or self._held_by_children(entry)):
+        if not (entry.pinned or entry.moving or (self.policy.leaves_only and entry.children > 0)):
             level.queue.push(key, entry)
         if entry.level > 0 and entry.tier_hits >= PROMOTE_AFTER_HITS and not entry.moving:
             s.promote[key] = None
@@ -398,14 +412,19 @@ class TierManager:
         s = self._s
         del s.blocks[entry.key]
         self.levels[entry.level].blocks -= 1
-        s.promote.pop(entry.key, None)
-        EvictionQueue.forget(entry)
+        if s.promote:
+            s.promote.pop(entry.key, None)
+        entry.queue_seq = 0  # EvictionQueue.forget(entry)
         if entry.children:
             s.orphans[entry.key] = s.orphans.get(entry.key, 0) + entry.children
         if entry.parent is not None:
             self._drop_child(entry.parent)
         entry.unlinked = True
         if entry.readers == 0:
+            if entry.extent is not None:  # the memory-tier case of ``_free_space``, inlined
+                self.levels[entry.level].tier.free(entry.extent)
+                entry.extent = None
+                return None
             return self._free_space(entry)
         return None
 
@@ -428,33 +447,46 @@ class TierManager:
             return Eligibility.DEFER
         return Eligibility.EVICT
 
-    def _evict_until(self, level: int, done: Callable[[], bool], *, strict: bool,
-                     protect: BlockKey | None = None) -> None:
-        """Drops victims of a memory-only last tier until ``done()`` (no I/O involved)."""
+    def _evict_until(self, level: int, done: Callable[[], bool] | None, *, strict: bool,
+                     protect: BlockKey | None = None, until_used: float = 0.0) -> None:
+        """Drops victims of a memory-only last tier until ``done()`` (no I/O involved).
+
+        With ``done`` None, until the tier's used bytes are at most ``until_used``.
+        """
         s = self._s
         lv = self.levels[level]
+        tier = lv.tier
+        blocks = s.blocks
+        queue = lv.queue
+        leaves_only = self.policy.leaves_only
         deferred: list = []
 
         def eligibility(entry: BlockEntry) -> Eligibility:
+            # ``_eligibility`` inlined, after the protection of the put's parent.
             if entry.key == protect and not entry.pinned:
                 return Eligibility.DEFER
-            return self._eligibility(entry)
+            if entry.pinned or entry.moving or (leaves_only and entry.children > 0):
+                return Eligibility.DROP
+            if entry.readers:
+                return Eligibility.DEFER
+            return Eligibility.EVICT
 
         try:
-            while not done():
-                key = lv.queue.pop_victim(s.blocks, eligibility, deferred)
+            while (tier.used > until_used) if done is None else not done():
+                key = queue.pop_victim(blocks, eligibility, deferred)
                 if key is None:
                     if strict:
                         raise OutOfSpace(
                             f"{lv.tier.name} tier full: {lv.tier.used} of "
                             f"{lv.tier.capacity} bytes are pinned, being read or being written")
                     return
-                self._unlink(s.blocks[key])
+                self._unlink(blocks[key])
                 lv.counters.evictions += 1
                 s.evicted.append(key)
         finally:
-            lv.queue.restore(deferred)
-            lv.queue.compact(s.blocks)
+            if deferred:
+                queue.restore(deferred)
+            queue.compact(blocks)
 
     # ---- moves between tiers -------------------------------------------------------------
 

@@ -117,15 +117,24 @@ class Eligibility(Enum):
     DROP = "drop"  # ineligible until its owner pushes it again (pinned, or has children)
 
 
+_EVICT = Eligibility.EVICT
+_DEFER = Eligibility.DEFER
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+
+
 class EvictionQueue:
     """The shared mechanism: pops the lowest-priority eligible blocks."""
 
-    __slots__ = ("_heap", "_next_seq", "policy")
+    __slots__ = ("_heap", "_next_seq", "_on_evict", "_priority", "policy")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self._heap: list[tuple[float, int, BlockKey]] = []
         self._next_seq = 1
+        # Bound once: push and pop_victim run per block access and per eviction.
+        self._priority = policy.priority
+        self._on_evict = policy.on_evict
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -134,10 +143,10 @@ class EvictionQueue:
         """(Re)queues ``block`` at its current priority; earlier heap items for it go stale."""
         seq = self._next_seq
         self._next_seq = seq + 1
-        prio = self.policy.priority(block)
+        prio = self._priority(block)
         block.queue_seq = seq
         block.queue_priority = prio
-        heapq.heappush(self._heap, (prio, seq, key))
+        _heappush(self._heap, (prio, seq, key))
 
     @staticmethod
     def forget(block: QueuedBlock) -> None:
@@ -156,18 +165,19 @@ class EvictionQueue:
         ``restore`` when its eviction round ends, whatever happened.
         """
         heap = self._heap
+        get = blocks.get
         while heap:
-            item = heapq.heappop(heap)
+            item = _heappop(heap)
             key = item[2]
-            block = blocks.get(key)
+            block = get(key)
             if block is None or block.queue_seq != item[1]:
                 continue
             verdict = eligibility(block)
-            if verdict is Eligibility.EVICT:
+            if verdict is _EVICT:
                 block.queue_seq = 0
-                self.policy.on_evict(item[0])
+                self._on_evict(item[0])
                 return key
-            if verdict is Eligibility.DEFER:
+            if verdict is _DEFER:
                 deferred.append(item)
             else:
                 block.queue_seq = 0
