@@ -185,16 +185,17 @@ class ChannelConnection:
         region = self.session.region
         assert region is not None
         results: list[bytes | int | None] = []
-        leases: list[int] = []
+        items = list(wire.LEASE_ITEM.iter_unpack(meta))
+        # Every lease is released whatever happens below, not only those reached.
+        leases = [lease for lease, _, _ in items if lease]
         unmapped: list[int] = []
         try:
-            for i, (lease, offset, n) in enumerate(wire.LEASE_ITEM.iter_unpack(meta)):
+            for i, (lease, offset, n) in enumerate(items):
                 if lease == 0:
                     results.append(None)
                     if n:
                         unmapped.append(i)
                     continue
-                leases.append(lease)
                 out = outs[i] if outs is not None else None
                 if out is None:
                     results.append(region[offset : offset + n])
