@@ -389,9 +389,10 @@ def targets(runs: Sequence[dict[str, Any]], traces: dict[str, dict[str, Any]]) -
     speeds = [r for r in runs if r["mode"] == "metadata" and r["lookups_per_s"]]
     if speeds:
         slow = min(speeds, key=lambda r: r["lookups_per_s"])
-        out.append({"target": f"metadata replay >= {SPEED_TARGET:,} lookups/s: slowest cell "
-                              f"{slow['lookups_per_s']:,.0f} ({slow['trace']} {slow['policy']} "
-                              f"{slow['capacity_blocks']})",
+        fast = sum(r["lookups_per_s"] >= SPEED_TARGET for r in speeds)
+        out.append({"target": f"metadata replay >= {SPEED_TARGET:,} lookups/s: {fast} of "
+                              f"{len(speeds)} cells; slowest {slow['lookups_per_s']:,.0f} "
+                              f"({slow['trace']} {slow['policy']} {slow['capacity_blocks']})",
                     "pass": slow["lookups_per_s"] >= SPEED_TARGET})
     return out
 
@@ -406,10 +407,13 @@ def plot(path: Path, runs: Sequence[dict[str, Any]], traces: dict[str, dict[str,
     fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 4.4), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=True):
         mine = [r for r in runs if r["trace"] == name]
-        for policy in dict.fromkeys(r["policy"] for r in mine):
+        for i, policy in enumerate(dict.fromkeys(r["policy"] for r in mine)):
             pts = sorted((r["capacity_blocks"], r["hit_ratio"]) for r in mine
                          if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            # Distinct markers and dashes: LRU and prefix-aware curves nearly coincide.
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^dv"[i % 5],
+                    linestyle=["-", "--", ":"][i % 3], markersize=7 - 1.5 * (i % 3),
+                    label=policy)
         if name.startswith("synthetic"):
             caps = sorted(PAPER_LRU)
             ax.plot(caps, [PAPER_LRU[c] for c in caps], linestyle=":", marker="x",
