@@ -133,3 +133,17 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_rebuild_takes_exactly_the_given_extents() -> None:
+    a = ExtentAllocator(1024, alignment=64)
+    a.rebuild([Extent(128, 64), Extent(512, 128)])
+    assert a.used == 192
+    assert a.free_extents() == [Extent(0, 128), Extent(192, 320), Extent(640, 384)]
+    assert a.allocate(320) == Extent(192, 320)
+    a.free(Extent(128, 64))
+    with pytest.raises(RuntimeError):
+        a.rebuild([])
+    for bad in ([Extent(0, 64), Extent(32, 64)], [Extent(0, 100)], [Extent(1000, 64)]):
+        with pytest.raises(ValueError):
+            ExtentAllocator(1024, alignment=64).rebuild(bad)

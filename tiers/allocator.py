@@ -20,6 +20,7 @@ AllocatorError; they are never clamped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -43,7 +44,7 @@ class ExtentAllocator:
     """Hands out aligned, non-overlapping extents of ``[0, capacity)``."""
 
     __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_live",
-                 "_used")
+                 "_nonempty", "_used")
 
     def __init__(self, capacity: int, *, alignment: int = 64) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -57,6 +58,7 @@ class ExtentAllocator:
         self._free_by_start: dict[int, int] = {}
         self._free_by_end: dict[int, int] = {}
         self._bins: list[set[int]] = [set() for _ in range(max(1, self._capacity.bit_length()))]
+        self._nonempty = 0  # bit k set iff bins[k] is non-empty: finds a bin without a scan
         # offset -> length of every live allocation: the proof that a free is legitimate.
         self._live: dict[int, int] = {}
         self._used = 0
@@ -90,10 +92,9 @@ class ExtentAllocator:
         return (nbytes + a - 1) // a * a
 
     def largest_free(self) -> int:
-        for k in range(len(self._bins) - 1, -1, -1):
-            if self._bins[k]:
-                return max(self._free_by_start[s] for s in self._bins[k])
-        return 0
+        if not self._nonempty:
+            return 0
+        return max(self._free_by_start[s] for s in self._bins[self._nonempty.bit_length() - 1])
 
     def allocate(self, nbytes: int) -> Extent | None:
         """An extent of at least ``nbytes``, or None if no free extent fits."""
@@ -128,6 +129,40 @@ class ExtentAllocator:
             start = left
         self._insert_free(start, end - start)
 
+    def rebuild(self, live: Sequence[Extent]) -> None:
+        """Makes exactly ``live`` allocated and everything else free (restart recovery).
+
+        Only valid with nothing allocated. Raises ValueError if the extents overlap,
+        are misaligned or fall outside the region. O(n log n).
+        """
+        if self._live:
+            raise RuntimeError("rebuild() needs an allocator with no live extents")
+        a, cap = self._alignment, self._capacity
+        ordered = sorted(live, key=lambda e: e.offset)
+        prev_end = 0
+        for e in ordered:
+            if e.length <= 0 or e.offset % a or e.length % a:
+                raise ValueError(f"misaligned extent {e}")
+            if e.offset < prev_end:
+                raise ValueError(f"overlapping extents near offset {e.offset}")
+            if e.end > cap:
+                raise ValueError(f"extent {e} beyond the region ({cap} bytes)")
+            prev_end = e.end
+        self._free_by_start.clear()
+        self._free_by_end.clear()
+        for b in self._bins:
+            b.clear()
+        self._nonempty = 0
+        cursor = 0
+        for e in ordered:
+            if e.offset > cursor:
+                self._insert_free(cursor, e.offset - cursor)
+            self._live[e.offset] = e.length
+            cursor = e.end
+        if cursor < cap:
+            self._insert_free(cursor, cap - cursor)
+        self._used = sum(e.length for e in ordered)
+
     def free_extents(self) -> list[Extent]:
         """Every free extent, by offset (for tests and diagnostics)."""
         return [Extent(s, n) for s, n in sorted(self._free_by_start.items())]
@@ -138,10 +173,11 @@ class ExtentAllocator:
     def _find_fit(self, need: int) -> int | None:
         k0 = need.bit_length() - 1
         bins = self._bins
-        for k in range(k0 + 1, len(bins)):
-            if bins[k]:
-                # Lowest offset keeps allocations packed towards the region start.
-                return min(bins[k]) if len(bins[k]) <= 8 else next(iter(bins[k]))
+        above = self._nonempty >> (k0 + 1)
+        if above:
+            b = bins[k0 + (above & -above).bit_length()]  # the lowest non-empty bin above k0
+            # Lowest offset keeps allocations packed towards the region start.
+            return min(b) if len(b) <= 8 else next(iter(b))
         for start in bins[k0]:
             if self._free_by_start[start] >= need:
                 return start
@@ -150,10 +186,16 @@ class ExtentAllocator:
     def _insert_free(self, start: int, length: int) -> None:
         self._free_by_start[start] = length
         self._free_by_end[start + length] = start
-        self._bins[length.bit_length() - 1].add(start)
+        k = length.bit_length() - 1
+        self._bins[k].add(start)
+        self._nonempty |= 1 << k
 
     def _remove_free(self, start: int) -> int:
         length = self._free_by_start.pop(start)
         del self._free_by_end[start + length]
-        self._bins[length.bit_length() - 1].discard(start)
+        k = length.bit_length() - 1
+        b = self._bins[k]
+        b.discard(start)
+        if not b:
+            self._nonempty &= ~(1 << k)
         return length
