@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -27,7 +26,7 @@ from tiers.base import Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
-from tiers.mover import TierMover
+from tiers.mover import TierMover, leased_block_view
 from tiers.policy import make_policy
 
 log = logging.getLogger("kvstore.node")
@@ -301,20 +300,7 @@ class Node:
         None if the copy failed its checksum: the block is then reported corrupt
         (counted, and dropped from the index) and must be treated as a miss.
         """
-        m = self._manager
-        if m.is_mapped(entry):
-            return m.read_view(entry)
-        level = m.level_of(entry)
-        buf = memoryview(bytearray(entry.nbytes))
-        if level.durable:
-            tier: Any = level.tier
-            if not tier.read_blocks_into([entry.location], [buf])[0]:
-                with self._lock:
-                    m.report_corrupt(entry)
-                return None
-        else:
-            level.tier.read_into(entry.extent, entry.nbytes, buf)  # type: ignore[arg-type]
-        return buf
+        return leased_block_view(self._manager, self._lock, entry)
 
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self._manager.is_mapped(entry)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from tiers.allocator import Extent
+from tiers.allocator import Extent, ExtentAllocator
 
 
 @runtime_checkable
@@ -46,3 +46,31 @@ class MappedTier(Tier, Protocol):
 
     def view(self, extent: Extent, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` of ``extent``; valid while the extent is held."""
+
+
+class AllocatorBacked:
+    """Space accounting every in-memory tier shares: one ExtentAllocator owns the region's
+    extents, and the tier's capacity, use, allocations and frees are its.
+
+    Subclasses set ``self._allocator`` in ``__init__``.
+    """
+
+    _allocator: ExtentAllocator
+
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self._allocator.used
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        return self._allocator
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        return self._allocator.allocate(nbytes)
+
+    def free(self, extent: Extent) -> None:
+        self._allocator.free(extent)

@@ -15,9 +15,10 @@ import mmap
 import os
 
 from tiers.allocator import Extent, ExtentAllocator
+from tiers.base import AllocatorBacked
 
 
-class DramTier:
+class DramTier(AllocatorBacked):
     """Pinned-DRAM / shared-memory tier (a ``MappedTier``)."""
 
     name = "dram"
@@ -66,14 +67,6 @@ class DramTier:
         return True
 
     @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self._allocator.used
-
-    @property
     def region_bytes(self) -> int:
         return len(self._map)
 
@@ -81,16 +74,6 @@ class DramTier:
     def fd(self) -> int:
         """The memfd of the region, for handing to same-host clients."""
         return self._fd
-
-    @property
-    def allocator(self) -> ExtentAllocator:
-        return self._allocator
-
-    def allocate(self, nbytes: int) -> Extent | None:
-        return self._allocator.allocate(nbytes)
-
-    def free(self, extent: Extent) -> None:
-        self._allocator.free(extent)
 
     def view(self, extent: Extent, nbytes: int) -> memoryview:
         if nbytes > extent.length:

@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from tiers.allocator import Extent, ExtentAllocator
+from tiers.base import AllocatorBacked
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,7 @@ def pick_device(requested: str | None = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class HbmTier:
+class HbmTier(AllocatorBacked):
     """A ``Tier`` on a torch device. Not a ``MappedTier``: bytes move by copies."""
 
     name = "hbm"
@@ -54,20 +55,6 @@ class HbmTier:
     @property
     def on_gpu(self) -> bool:
         return self._region.is_cuda
-
-    @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self._allocator.used
-
-    def allocate(self, nbytes: int) -> Extent | None:
-        return self._allocator.allocate(nbytes)
-
-    def free(self, extent: Extent) -> None:
-        self._allocator.free(extent)
 
     def tensor(self, extent: Extent, nbytes: int) -> torch.Tensor:
         """The block as a uint8 tensor on the device (no copy), for consumers on that device."""

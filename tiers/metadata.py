@@ -7,29 +7,16 @@ replay of millions of block lookups measures exactly what a node would keep.
 from __future__ import annotations
 
 from tiers.allocator import Extent, ExtentAllocator
+from tiers.base import AllocatorBacked
 
 
-class MetadataTier:
+class MetadataTier(AllocatorBacked):
     """A ``MappedTier`` whose views are unavailable: only sizes are tracked."""
 
     name = "metadata"
 
     def __init__(self, capacity: int, *, alignment: int = 1) -> None:
         self._allocator = ExtentAllocator(capacity, alignment=alignment)
-
-    @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self._allocator.used
-
-    def allocate(self, nbytes: int) -> Extent | None:
-        return self._allocator.allocate(nbytes)
-
-    def free(self, extent: Extent) -> None:
-        self._allocator.free(extent)
 
     def view(self, extent: Extent, nbytes: int) -> memoryview:
         raise TypeError("a metadata-only tier holds no bytes")

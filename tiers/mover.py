@@ -20,9 +20,32 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from tiers.manager import Move, TierManager
+from tiers.manager import BlockEntry, Move, TierManager
 
 log = logging.getLogger("kvstore.tiers.mover")
+
+
+def leased_block_view(manager: TierManager, lock: AbstractContextManager[Any],
+                      entry: BlockEntry) -> memoryview | None:
+    """The bytes of a block the caller holds a lease on (or is moving).
+
+    In place for a mapped tier; otherwise read into a new buffer without ``lock``.
+    None if the copy failed its checksum: the block is then reported corrupt under
+    ``lock`` (counted, and dropped from the index) and must be treated as a miss.
+    """
+    if manager.is_mapped(entry):
+        return manager.read_view(entry)
+    level = manager.level_of(entry)
+    buf = memoryview(bytearray(entry.nbytes))
+    tier: Any = level.tier
+    if level.durable:
+        if not tier.read_blocks_into([entry.location], [buf])[0]:
+            with lock:
+                manager.report_corrupt(entry)
+            return None
+    else:
+        tier.read_into(entry.extent, entry.nbytes, buf)
+    return buf
 
 
 class TierMover:
@@ -121,21 +144,7 @@ class TierMover:
             self._copy_to_durable(to_durable)
 
     def _source_view(self, move: Move) -> memoryview | None:
-        """The block's bytes as a view: in place for mapped tiers, else read into a buffer."""
-        m = self._m
-        src = m.levels[move.src]
-        e = move.entry
-        if src.mapped:
-            return m.read_view(e)
-        buf = memoryview(bytearray(e.nbytes))
-        if src.durable:
-            if not src.tier.read_blocks_into([e.location], [buf])[0]:  # type: ignore[attr-defined]
-                with self._lock:
-                    m.report_corrupt(e)
-                return None
-        else:
-            src.tier.read_into(e.extent, e.nbytes, buf)  # type: ignore[arg-type]
-        return buf
+        return leased_block_view(self._m, self._lock, move.entry)
 
     def _copy_to_memory(self, move: Move) -> None:
         m = self._m
