@@ -227,17 +227,7 @@ class TierManager:
             last_access=s.tick,
             children=s.orphans.pop(key, 0) if s.orphans else 0,
         )
-        # ``_index(entry)`` inlined (the put path runs once per stored block).
-        blocks[key] = entry
-        level.blocks += 1
-        if parent is not None:
-            p = blocks.get(parent)
-            if p is None:
-                s.orphans[parent] = s.orphans.get(parent, 0) + 1
-            else:
-                p.children += 1
-        if not entry.pinned:
-            level.queue.push(key, entry)
+        self._index(entry)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
