@@ -224,8 +224,9 @@ class Node:
                 assert self._mover is not None
                 with self._lock:
                     want = self._manager.target_bytes(need.level, need.nbytes)
-                if not self._mover.make_room(need.level, max(want, need.nbytes)):
-                    break
+                if (not self._mover.make_room(need.level, max(want, need.nbytes))
+                        and not self._mover.wait_for_moves(timeout=5.0)):
+                    break  # nothing could move and nothing was moving: truly full
             except (BlockTooLarge, OutOfSpace) as exc:
                 raise ResourceExhausted(str(exc)) from None
         raise ResourceExhausted("no room: every block that could move is pinned, being read "

@@ -165,3 +165,47 @@ def test_stats_shape(node: Node) -> None:
     assert {key: d[key] for key in ("blocks", "hits", "misses", "evictions", "used")} == {
         "blocks": 1, "hits": 1, "misses": 1, "evictions": 0, "used": 64}
     assert d["capacity"] == 1 << 20
+
+
+def test_put_waits_for_victims_already_moving_instead_of_failing(tmp_path) -> None:
+    """Every DRAM block is mid-demotion when a third put needs room: it waits, then stores."""
+    block = 64 << 10
+    n = Node(NodeSettings(dram_bytes=4 * block, prefault=False, high_watermark=1.0,
+                          low_watermark=0.5, ssd_path=str(tmp_path / "kv.img"),
+                          ssd_bytes=16 << 20, ssd_io="python"))
+    try:
+        ssd = n._tiers[-1]
+        real_write = ssd.write_blocks
+        gate = threading.Event()
+        entered = threading.Semaphore(0)
+
+        def gated_write(items):  # the real write, held at a barrier
+            entered.release()
+            gate.wait()
+            return real_write(items)
+
+        ssd.write_blocks = gated_write
+        for i in range(4):
+            assert n.put(k(i), memoryview(bytes([i]) * block))
+        results: dict[int, object] = {}
+
+        def put(i: int) -> None:
+            try:
+                results[i] = n.put(k(i), memoryview(bytes([i]) * block))
+            except Exception as exc:  # recorded, asserted below
+                results[i] = exc
+
+        movers = [threading.Thread(target=put, args=(i,)) for i in (4, 5)]
+        movers[0].start()
+        entered.acquire()  # put 4 planned 3 victims and is copying them
+        movers[1].start()
+        entered.acquire()  # put 5 planned the last one: every DRAM block is moving
+        waiter = threading.Thread(target=put, args=(6,))
+        waiter.start()
+        gate.set()
+        for t in (*movers, waiter):
+            t.join()
+        assert results == {4: True, 5: True, 6: True}
+        assert all(n.get(k(i)) == bytes([i]) * block for i in range(7))
+    finally:
+        n.close()

@@ -60,6 +60,10 @@ class TierMover:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Rounds whose moves are in flight, and a signal when one ends: a put that
+        # finds every victim already moving waits for them instead of failing.
+        self._rounds = threading.Condition(threading.Lock())
+        self._in_flight = 0  # guarded by _rounds
 
     # ---- the background worker -----------------------------------------------------------
 
@@ -117,12 +121,25 @@ class TierMover:
         return True
 
     def _execute(self, moves: Sequence[Move]) -> None:
+        with self._rounds:
+            self._in_flight += 1
         try:
             self._copy(moves)
         finally:
             with self._lock:
                 garbage = self._m.finish_moves(moves)
+            with self._rounds:
+                self._in_flight -= 1
+                self._rounds.notify_all()
             self.delete_durable(garbage)
+
+    def wait_for_moves(self, timeout: float) -> bool:
+        """Waits until no round is in flight; False if none was (nothing to wait for)."""
+        with self._rounds:
+            if not self._in_flight:
+                return False
+            self._rounds.wait_for(lambda: self._in_flight == 0, timeout)
+            return True
 
     def delete_durable(self, garbage: Sequence[tuple[Any, Any]]) -> None:
         if not garbage:
