@@ -1,9 +1,12 @@
 """The store node's semantics, shared by every transport (gRPC, TCP channel, shared memory).
 
-Lock order: ``Node._lock`` is the only lock over block metadata and it is never
-held while bytes move or while any other lock is taken. ``Node._admission``
-(a Condition with its own lock) guards only ``_draining`` and ``_in_flight``;
-it is never held together with ``_lock``.
+Lock order: ``Node._lock`` is the only lock over block metadata (the
+TierManager) and it is never held while bytes move. Locks that may be taken
+while it is held are leaves: a tier's own lock (the SSD tier guards its
+allocator and index with one). ``Node._admission`` (a Condition with its own
+lock) guards only ``_draining`` and ``_in_flight`` and is never held together
+with ``_lock``; neither is ``TierMover._rounds`` (which counts moves in flight).
+The TierMover takes ``_lock`` only to plan and to finish moves, never during I/O.
 
 Byte copies happen outside ``_lock`` under a reservation (puts) or a read lease
 (gets), both scoped by context managers so no path can forget to end them:
