@@ -1,0 +1,1 @@
+"""Cluster replication: placement of blocks on nodes."""
