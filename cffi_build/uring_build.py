@@ -26,8 +26,8 @@ _C_SOURCE = _HERE / "uring_io.c"
 
 # The declarations Python sees. ``struct iovec`` is declared with "..." so cffi
 # takes its real layout from <sys/uio.h> at compile time.
-CDEF = """
-struct iovec { void *iov_base; size_t iov_len; ...; };
+# The helper's functions, declared once for both cffi and the compiler.
+PROTOTYPES = """
 struct kv_ring;
 int kv_ring_open(unsigned depth, struct kv_ring **out);
 void kv_ring_close(struct kv_ring *r);
@@ -39,21 +39,9 @@ void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_wri
                    int64_t *results, int max_inflight);
 int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
 """
+CDEF = "struct iovec { void *iov_base; size_t iov_len; ...; };\n" + PROTOTYPES
 
-_PREAMBLE = """
-#include <stdint.h>
-#include <sys/uio.h>
-struct kv_ring;
-int kv_ring_open(unsigned depth, struct kv_ring **out);
-void kv_ring_close(struct kv_ring *r);
-int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
-                const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results, int max_inflight);
-void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
-                   const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                   int64_t *results, int max_inflight);
-int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
-"""
+_PREAMBLE = "#include <stdint.h>\n#include <sys/uio.h>\n" + PROTOTYPES
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)

@@ -225,15 +225,7 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
     else:
         pending = [memoryview(b).cast("B") for b in buffers if len(b)]
     while pending:
-        sent = sock.sendmsg(pending[:_IOV_MAX])
-        while sent:
-            head = pending[0]
-            if sent >= len(head):
-                sent -= len(head)
-                pending.pop(0)
-            else:
-                pending[0] = head[sent:]
-                sent = 0
+        pending = _after(pending, sock.sendmsg(pending[:_IOV_MAX]))
 
 
 def _after(buffers: Sequence[bytes | memoryview], sent: int) -> list[memoryview]:
