@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    c = s.add_argument_group("cluster (with --etcd)")
+    c.add_argument("--etcd", help="join the cluster whose etcd is at HOST:PORT")
+    c.add_argument("--node-id", help="this node's name in the cluster (default: its address)")
+    c.add_argument("--zone", help="failure zone; replicas go to distinct zones first")
+    c.add_argument("--advertise", help="address peers and clients use (default: --listen)")
+    c.add_argument("--lease-ttl", type=int, help="seconds before etcd drops a silent node "
+                   "(default 10)")
+    c.add_argument("--replicas", type=int, help="copies repair keeps of each block (default 2)")
+    c.add_argument("--repair-bytes-per-s", type=_size,
+                   help="repair bandwidth cap, e.g. 100MiB (default 100MiB)")
+    c.add_argument("--repair-interval", type=float,
+                   help="seconds between periodic repair passes (default 30)")
 
     def client_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help=f"node address (default "
@@ -88,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stat", help="capacity, use and counters per tier")
     client_args(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    from replication.cluster_cli import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
 
     s = sub.add_parser("bench", help="benchmarks (not tests)")
     s.add_argument("which", choices=sorted(BENCHMARKS),
@@ -121,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
-        "hbm_device", "ssd_path", "ssd_bytes", "ssd_io")}
+        "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
+        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval")}
     cfg = load_config(args.config, overrides)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -140,6 +157,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node.close()
         raise
     server.start()
+    role = None
+    if cfg.etcd:
+        try:
+            role = _join_cluster(cfg, node, server)
+        except BaseException:
+            server.stop(grace=0)
+            node.close()
+            raise
     host, port = server.addresses.channel
     tiers = [f"dram {format_size(cfg.dram_bytes)}"]
     info = node.stats()["node"]
@@ -151,13 +176,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      f"recovered)")
     print(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
           f"{', '.join(tiers)}, policy {cfg.policy})", flush=True)
+    if role is not None:
+        print(f"kvstore: joined cluster {cfg.etcd} as {role.member.node_id}", flush=True)
     while not stop.wait(0.5):
         pass
+    if role is not None:
+        role.leave()  # first, so clients stop sending new work here
     drained = server.stop(grace=cfg.drain_timeout)
     node.close()
     print("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
           flush=True)
     return 0
+
+
+def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
+    from replication.cluster_node import ClusterRole, ClusterSettings
+
+    addr = cfg.advertise or server.addresses.grpc
+    capacity = sum(int(t["capacity"]) for t in node.stats()["tiers"].values())
+    role = ClusterRole(node, server.peers, ClusterSettings(
+        etcd=cfg.etcd, node_id=cfg.node_id or addr, addr=addr, zone=cfg.zone,
+        weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
+        repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval))
+    role.join()
+    return role
 
 
 # ---- client commands -----------------------------------------------------------------------
@@ -251,7 +293,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.args) or 0)
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from replication.cluster_cli import run
+
+    return run(args)
+
+
 COMMANDS = {
+    "cluster": cmd_cluster,
     "serve": cmd_serve,
     "put": cmd_put,
     "get": cmd_get,

@@ -49,6 +49,20 @@ _GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
 class Client:
     """A connection to one kvstore node. Thread-safe; use as a context manager."""
 
+    def __new__(cls, addr: str | None = None, **options: Any) -> Any:
+        """``Client(addr)`` talks to one node. ``Client(etcd="HOST:PORT", replicas=2,
+        write_quorum=2)`` (or ``members=[Member(...), ...]``) returns a
+        ``replication.cluster_client.ClusterClient`` with the same API, cluster-wide."""
+        if addr is None:
+            from replication.cluster_client import ClusterClient  # builds on this module
+
+            return ClusterClient(**options)
+        cluster_only = set(options) - {"transport", "timeout"}
+        if cluster_only:
+            raise InvalidArgument(f"{', '.join(sorted(cluster_only))}: cluster options need "
+                                  f"etcd= or members= instead of a node address")
+        return super().__new__(cls)
+
     def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0
                  ) -> None:
         if transport not in TRANSPORTS:

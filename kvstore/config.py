@@ -32,6 +32,15 @@ class NodeConfig:
     ssd_path: str = ""  # "": no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"  # "auto" | "uring" | "python"
+    # cluster (all unused when etcd is ""):
+    etcd: str = ""  # HOST:PORT of etcd; "": a single node, no cluster
+    node_id: str = ""  # "": "HOST:PORT" of the gRPC address
+    zone: str = ""
+    advertise: str = ""  # address peers use; "": the listen address
+    lease_ttl: int = 10  # seconds without keepalive before etcd drops the node
+    replicas: int = 2  # copies repair keeps of every block
+    repair_bytes_per_s: int = 100 << 20
+    repair_interval: float = 30.0  # seconds between periodic repair passes
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -48,11 +57,21 @@ class NodeConfig:
             raise ValueError("ssd_path needs ssd_bytes (the SSD tier's size)")
         if self.ssd_bytes and not self.ssd_path:
             raise ValueError("ssd_bytes needs ssd_path (a file or block device)")
+        if self.lease_ttl < 1:
+            raise ValueError("lease_ttl must be >= 1 second")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.repair_bytes_per_s <= 0:
+            raise ValueError("repair_bytes_per_s must be positive")
+        if self.repair_interval <= 0:
+            raise ValueError("repair_interval must be positive")
+        if self.etcd and ":" not in self.etcd:
+            raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
         if self.ssd_io not in ("auto", "uring", "python"):
             raise ValueError(f"ssd_io must be auto, uring or python, got {self.ssd_io!r}")
 
 
-_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes"}
+_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 

@@ -106,6 +106,7 @@ class Node:
         self._clock = clock
         self._started = clock()
         self._info: dict[str, str | int | bool] = {}
+        self._stat_sources: list[Callable[[], dict[str, object]]] = []
         tiers, durable = self._open_tiers(settings)
         self._tiers = tiers
         self._tier = next(t for t in tiers if isinstance(t, DramTier))
@@ -331,11 +332,33 @@ class Node:
     @contextmanager
     def reading_many(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
         """Views of several blocks (None per miss), valid inside the scope."""
+        with self.reading_blocks(keys) as blocks:
+            yield [None if b is None else b[1] for b in blocks]
+
+    @contextmanager
+    def reading_blocks(self, keys: Sequence[BlockKey]
+                       ) -> Iterator[list[tuple[BlockEntry, memoryview] | None]]:
+        """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope."""
         entries = self.acquire_reads(keys)
         try:
-            yield [None if e is None else self.block_view(e) for e in entries]
+            out: list[tuple[BlockEntry, memoryview] | None] = []
+            for e in entries:
+                view = None if e is None else self.block_view(e)
+                out.append(None if e is None or view is None else (e, view))
+            yield out
         finally:
             self.release_reads(entries)
+
+    def stored_bytes(self, keys: Sequence[BlockKey]) -> int:
+        """Total size of the stored blocks among ``keys``; not counted as reads."""
+        with self._lock:
+            m = self._manager
+            return sum(e.nbytes for e in map(m.entry, keys) if e is not None)
+
+    def keys(self) -> list[BlockKey]:
+        """A snapshot of every stored key (for repair scans)."""
+        with self._lock:
+            return self._manager.keys()
 
     @contextmanager
     def reading(self, key: BlockKey) -> Iterator[memoryview | None]:
@@ -398,9 +421,15 @@ class Node:
                 "in_flight": in_flight,
                 "pending_promotions": pending,
                 **self._info,
+                **{k: v for source in self._stat_sources for k, v in source().items()},
             },
             "tiers": {str(t["name"]): t for t in tiers},
         }
+
+    def add_stat_source(self, source: Callable[[], dict[str, object]]) -> None:
+        """Adds ``source()``'s items to the node section of ``stats`` (cluster parts report
+        here). Sources are called without any node lock held."""
+        self._stat_sources.append(source)
 
     # ---- shared memory -------------------------------------------------------------------
 

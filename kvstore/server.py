@@ -14,17 +14,20 @@ import secrets
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore import wire
 from kvstore.channel_server import ChannelServer
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from replication.replicator import Replicator
 
 log = logging.getLogger("kvstore.server")
 
@@ -65,9 +68,11 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, node: Node, channel_info: Callable[[str], pb.OpenChannelResponse]) -> None:
+    def __init__(self, node: Node, channel_info: Callable[[str], pb.OpenChannelResponse],
+                 replicator: Replicator | None = None) -> None:
         self.node = node
         self._channel_info = channel_info
+        self._replicator = replicator
 
     @_rpc
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
@@ -130,6 +135,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LocateResponse(tiers=[t or "" for t in tiers])
 
     @_rpc
+    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext
+                  ) -> pb.ReplicateResponse:
+        if self._replicator is None:
+            raise Unavailable("this node does not replicate")
+        out = self._replicator.replicate(check_keys(request.keys), list(request.targets),
+                                         copies=request.copies or 1,
+                                         write_quorum=request.write_quorum or 1)
+        return pb.ReplicateResponse(copies=out.copies, missing=out.missing,
+                                    stored_on=out.stored_on, failed=out.failed)
+
+    @_rpc
     def OpenChannel(self, request: pb.OpenChannelRequest, context: grpc.ServicerContext
                     ) -> pb.OpenChannelResponse:
         return self._channel_info(request.client_host_id)
@@ -173,7 +189,10 @@ class NodeServer:
     """A Node served over gRPC and the transfer channel; ``stop`` drains first."""
 
     def __init__(self, node: Node, *, listen: str, data_port: int = 0, grpc_workers: int = 16,
-                 enable_shm: bool = True) -> None:
+                 enable_shm: bool = True, peer_timeout: float = 10.0) -> None:
+        from replication.peers import PeerPool  # replication builds on the client: import late
+        from replication.replicator import Replicator
+
         self.node = node
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
@@ -187,14 +206,16 @@ class NodeServer:
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
                                  options=GRPC_OPTIONS)
-        self._grpc.add_generic_rpc_handlers(
-            (decoding_handlers(KVStoreServicer(node, self._open_channel)),))
         bound = self._grpc.add_insecure_port(f"{_bracket(host)}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {listen}")
         self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)
+        self.peers = PeerPool(timeout=peer_timeout)
+        self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
+        self._grpc.add_generic_rpc_handlers(
+            (decoding_handlers(KVStoreServicer(node, self._open_channel, self.replicator)),))
 
     def _open_channel(self, client_host_id: str) -> pb.OpenChannelResponse:
         same_host = bool(client_host_id) and client_host_id == self._host_id
@@ -223,6 +244,8 @@ class NodeServer:
         drained = self.node.drain(grace)
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
+        self.replicator.close()
+        self.peers.close()
         return drained
 
     def wait(self, timeout: float | None = None) -> bool:

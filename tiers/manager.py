@@ -125,6 +125,9 @@ class TierManager:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._s.blocks
 
+    def keys(self) -> list[BlockKey]:
+        return list(self._s.blocks)
+
     def entry(self, key: BlockKey) -> BlockEntry | None:
         """The entry of ``key`` without counting an access (for tests and stats)."""
         return self._s.blocks.get(key)

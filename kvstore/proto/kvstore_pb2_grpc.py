@@ -84,6 +84,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/kvstore.v1.KVStore/Replicate',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -150,6 +155,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Cluster: forward blocks this node holds to other nodes (see ReplicateRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +214,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +491,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Locate',
             kvstore_dot_proto_dot_kvstore__pb2.LocateRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Replicate',
+            kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""``kvstore cluster up | down | status``: a local cluster's lifecycle and a live view.
+
+The argument parser lives in ``kvstore/cli.py``; these functions run the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+from kvstore.errors import KVStoreError
+from kvstore.sizes import format_size
+from replication.local_cluster import ClusterError, LocalCluster
+
+STATUS_COLUMNS = ("node", "addr", "zone", "health", "capacity", "used", "blocks",
+                  "repair_backlog")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="start, stop or inspect a cluster")
+    csub = p.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    up = csub.add_parser("up", help="start etcd and N nodes on loopback")
+    up.add_argument("-n", type=int, default=3, help="number of nodes (default 3)")
+    up.add_argument("--dir", required=True, help="directory for logs, etcd data and "
+                    "cluster.json")
+    up.add_argument("--dram-bytes", default="256MiB", help="DRAM tier per node (default 256MiB)")
+    up.add_argument("--replicas", type=int, default=2, help="copies repair keeps (default 2)")
+    up.add_argument("--lease-ttl", type=int, default=10, help="membership lease seconds")
+    up.add_argument("--zones", default="", help="comma-separated zones, assigned round-robin")
+    up.add_argument("--serve-args", default="", help="more `kvstore serve` flags, one string")
+    up.add_argument("--json", action="store_true", help="print cluster.json instead of a table")
+    down = csub.add_parser("down", help="stop the processes `up` started in DIR")
+    down.add_argument("--dir", required=True)
+    st = csub.add_parser("status", help="live nodes with capacity, use and health")
+    st.add_argument("--etcd", required=True, help="HOST:PORT of the cluster's etcd")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return {"up": _up, "down": _down, "status": _status}[args.cluster_command](args)
+    except ClusterError as exc:
+        raise KVStoreError(str(exc)) from None
+
+
+def _up(args: argparse.Namespace) -> int:
+    node_args = ["--dram-bytes", args.dram_bytes, "--replicas", str(args.replicas),
+                 "--lease-ttl", str(args.lease_ttl), *shlex.split(args.serve_args)]
+    zones = [z for z in args.zones.split(",") if z]
+    cluster = LocalCluster.up(args.dir, args.n, node_args=node_args, zones=zones)
+    manifest = (cluster.dir / "cluster.json").read_text()
+    if args.json:
+        print(manifest, end="")
+        return 0
+    print(f"etcd   {cluster.etcd}  (pid {cluster.etcd_pid})")
+    for r in cluster.nodes:
+        print(f"{r.id:<6} {r.addr}  (pid {r.pid})")
+    print(f"wrote {cluster.dir / 'cluster.json'}; stop with: kvstore cluster down --dir "
+          f"{args.dir}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    stopped = LocalCluster.load(args.dir).down()
+    print(f"stopped {', '.join(stopped) if stopped else 'nothing (no process was running)'}")
+    return 0
+
+
+def cluster_status(etcd: str) -> list[dict]:
+    """One row per live member: its registration and what its Stats RPC says."""
+    from replication.cluster_client import ClusterClient
+    from replication.membership import EtcdMembership
+
+    with EtcdMembership(etcd) as membership:
+        members = membership.members()
+        if not members:
+            return []
+        with ClusterClient(membership=membership, node_timeout=3.0) as client:
+            stats = client.stats()
+    rows = []
+    for m in members:
+        s = stats.get(m.node_id, {"error": "no answer"})
+        row: dict = {"node": m.node_id, "addr": m.addr, "zone": m.zone, "weight": m.weight}
+        if "error" in s:
+            row |= {"health": "unreachable", "error": s["error"]}
+        else:
+            tiers = s["tiers"].values()
+            node = s["node"]
+            row |= {"health": "draining" if node.get("draining") else "ok",
+                    "capacity": sum(t.get("capacity", 0) for t in tiers),
+                    "used": sum(t.get("used", 0) for t in tiers),
+                    "blocks": sum(t.get("blocks", 0) for t in tiers),
+                    "repair_backlog": node.get("repair_backlog", 0),
+                    "etcd_connected": node.get("etcd_connected"),
+                    "tiers": {n: {"capacity": t.get("capacity"), "used": t.get("used"),
+                                  "blocks": t.get("blocks")} for n, t in s["tiers"].items()}}
+        rows.append(row)
+    return rows
+
+
+def _status(args: argparse.Namespace) -> int:
+    rows = cluster_status(args.etcd)
+    if args.json:
+        print(json.dumps({"etcd": args.etcd, "nodes": rows}, indent=2))
+        return 0
+    if not rows:
+        print(f"no live nodes registered in {args.etcd}")
+        return 1
+    table = [[_cell(r, c) for c in STATUS_COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(STATUS_COLUMNS)]
+    print("  ".join(c.ljust(w) for c, w in zip(STATUS_COLUMNS, widths, strict=True)))
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)))
+    return 0 if all(r["health"] == "ok" for r in rows) else 1
+
+
+def _cell(row: dict, col: str) -> str:
+    v = row.get(col, "")
+    if col in ("capacity", "used") and isinstance(v, int):
+        return format_size(v)
+    return str(v)

@@ -1,0 +1,469 @@
+"""The cluster-wide client: every single-node call, placed by rendezvous hashing.
+
+``kvstore.Client(etcd="HOST:PORT", replicas=2, write_quorum=2)`` returns one of
+these. It watches membership, ranks the live nodes for every key (see
+``replication/placement.py``), and:
+
+* **put**: sends each key to its master (the top-ranked live node; if that
+  node is unreachable, the next ranked node stands in), then asks that node to
+  replicate to the other owners (``Replicate``), and returns once
+  ``write_quorum`` copies exist. Fewer copies raise ``Unavailable``; the copies
+  that were made stay (they are correct bytes, and repair completes them).
+* **get / exists / prefix_match / locate**: each key is asked of its read
+  candidates in order (owners, then hot-block fan-out nodes, then the next
+  ranked node, which still holds keys whose owner changed until repair moves
+  them); a miss or an unreachable node moves the key to its next candidate.
+  Keys are grouped per node and each round's groups run in parallel.
+* **hot blocks** (``hot_reads_per_s``): reads are counted per key with decayed
+  counters (``replication/hotness.py``) where they are issued, here, since a
+  node only sees its share once reads spread. A key that turns hot is copied to
+  the ``fanout`` next-ranked nodes (by its master, in the background) and its
+  reads rotate over owners and those copies; when it cools, the extra copies
+  are removed.
+
+Nodes that failed a call are tried last for ``suspect_s`` seconds, so one dead
+node costs one failed call, not one per request, until membership drops it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.channel_client import as_readable
+from kvstore.client import Client
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.keys import BlockKey
+from kvstore.node import check_key, check_parent
+from kvstore.proto import kvstore_pb2 as pb
+from replication.hotness import HotnessTracker
+from replication.membership import EtcdMembership, Membership, StaticMembership
+from replication.peers import PeerPool
+from replication.placement import Member, NodeId, Placement
+
+log = logging.getLogger("kvstore.cluster")
+
+_COOL_CHECK_S = 1.0
+_FIRST_VIEW_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Holder:
+    """A node holding a key, and the tier the key is in there."""
+
+    node_id: str
+    addr: str
+    tier: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _View:
+    placement: Placement
+    by_id: dict[NodeId, Member]
+
+
+class ClusterClient:
+    """A client of a whole cluster; thread-safe; use as a context manager."""
+
+    def __init__(self, *, etcd: str | None = None, members: Sequence[Member] | None = None,
+                 membership: Membership | None = None, replicas: int = 1,
+                 write_quorum: int | None = None, transport: str = "auto",
+                 timeout: float | None = 30.0, node_timeout: float = 5.0,
+                 hot_reads_per_s: float | None = None, fanout: int = 2,
+                 suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if sum(x is not None for x in (etcd, members, membership)) != 1:
+            raise InvalidArgument("give exactly one of etcd=, members= or membership=")
+        if replicas < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
+        quorum = replicas if write_quorum is None else write_quorum
+        if not 1 <= quorum <= replicas:
+            raise InvalidArgument(f"need 1 <= write_quorum <= replicas, got {quorum}")
+        if fanout < 0:
+            raise InvalidArgument(f"fanout must be >= 0, got {fanout}")
+        self.replicas = replicas
+        self.write_quorum = quorum
+        self.fanout = fanout
+        self.timeout = timeout
+        self._clock = clock
+        self._suspect_s = suspect_s
+        self._owns_membership = membership is None
+        if membership is None:
+            membership = (EtcdMembership(etcd) if etcd is not None
+                          else StaticMembership(list(members or ())))
+        self.membership = membership
+        self._peers = PeerPool(transport=transport, timeout=min(timeout or node_timeout,
+                                                                   node_timeout))
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-cluster")
+        self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s, clock=clock)
+                     if hot_reads_per_s else None)
+        self._lock = threading.Lock()
+        # guarded by _lock:
+        self._view = _View(placement=Placement(()), by_id={})
+        self._suspects: dict[NodeId, float] = {}  # node -> until (clock)
+        self._fanned: dict[BlockKey, list[NodeId]] = {}  # hot key -> nodes given extra copies
+        self._next_cool_check = 0.0
+        self._spread = itertools.count()
+        self._on_members(membership.members())
+        self._unsubscribe = membership.subscribe(self._on_members)
+        if not self._view.by_id and etcd is not None:
+            membership.wait_for(bool, _FIRST_VIEW_TIMEOUT_S)
+
+    # ---- lifecycle and membership ---------------------------------------------------------
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._unsubscribe()
+        if self._owns_membership:
+            self.membership.close()
+        self._pool.shutdown(wait=True)
+        self._peers.close()
+
+    def _on_members(self, view: Sequence[Member]) -> None:
+        members = tuple(view)
+        new = _View(placement=Placement(members), by_id={m.node_id: m for m in members})
+        with self._lock:
+            self._view = new
+        self._peers.retain(m.addr for m in members)
+
+    def members(self) -> tuple[Member, ...]:
+        return self._current().placement.members
+
+    def _current(self) -> _View:
+        with self._lock:
+            view = self._view
+        if not view.by_id:
+            raise Unavailable("no live kvstore nodes in the cluster")
+        return view
+
+    def _client(self, view: _View, node: NodeId) -> Client:
+        return self._peers.get(view.by_id[node].addr)
+
+    def _suspect(self, node: NodeId) -> None:
+        with self._lock:
+            self._suspects[node] = self._clock() + self._suspect_s
+
+    def _demote_suspects(self, nodes: list[NodeId]) -> list[NodeId]:
+        now = self._clock()
+        with self._lock:
+            bad = {n for n, until in self._suspects.items() if until > now}
+        return [n for n in nodes if n not in bad] + [n for n in nodes if n in bad]
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def _write_candidates(self, view: _View, key: BlockKey) -> list[NodeId]:
+        """Owners, then every other node in ranking order (fallbacks)."""
+        owners = view.placement.owners(key, self.replicas)
+        return owners + [n for n in view.placement.rank(key) if n not in owners]
+
+    def _read_candidates(self, view: _View, key: BlockKey) -> list[NodeId]:
+        ranking = view.placement.rank(key)
+        owners = view.placement.owners(key, self.replicas)
+        rest = [n for n in ranking if n not in owners]
+        with self._lock:
+            fanned = self._fanned.get(key)
+        if fanned:
+            live = [n for n in fanned if n in view.by_id and n not in owners]
+            spread = owners + live
+            start = next(self._spread) % len(spread)
+            first = spread[start:] + spread[:start]
+            rest = [n for n in rest if n not in live]
+            return self._demote_suspects(first) + rest[:1]
+        return self._demote_suspects(owners) + rest[:1]
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
+            pin: bool = False) -> bool:
+        """Stores ``value`` on ``replicas`` nodes; True if the master had not stored it yet."""
+        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]
+
+    def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
+                  parents: Sequence[bytes | None] | None = None, pin: bool = False
+                  ) -> list[bool]:
+        ks = [check_key(k) for k in keys]
+        if len(values) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
+        ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
+        if len(ps) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
+        views = [as_readable(v) for v in values]
+        view = self._current()
+        live = len(view.by_id)
+        if self.write_quorum > live:
+            raise Unavailable(f"write quorum {self.write_quorum} needs {self.write_quorum} live "
+                              f"nodes; {live} live")
+        groups: dict[tuple[NodeId, ...], list[int]] = {}
+        for i, k in enumerate(ks):
+            cands = self._write_candidates(view, k)
+            groups.setdefault(tuple(cands[: self.replicas + 1]), []).append(i)
+        stored = [False] * len(ks)
+
+        def put_group(cands: tuple[NodeId, ...], idx: list[int]) -> None:
+            all_cands = self._write_candidates(view, ks[idx[0]])
+            flags = self._put_group(view, all_cands, [ks[i] for i in idx],
+                                    [views[i] for i in idx], [ps[i] for i in idx], pin)
+            for i, f in zip(idx, flags, strict=True):
+                stored[i] = f
+
+        self._parallel([lambda c=c, idx=idx: put_group(c, idx) for c, idx in groups.items()])
+        return stored
+
+    def _put_group(self, view: _View, cands: list[NodeId], keys: list[BlockKey],
+                   values: list[memoryview], parents: list[BlockKey | None], pin: bool
+                   ) -> list[bool]:
+        """Stores one group (same candidates) on its master, then replicates from it."""
+        errors: list[str] = []
+        for pos, master in enumerate(self._demote_suspects(list(cands))):
+            client = self._client(view, master)
+            try:
+                flags = client.put_batch(keys, values, parents=parents, pin=pin)
+            except Unavailable as exc:
+                self._suspect(master)
+                errors.append(str(exc))
+                continue
+            if self.replicas == 1:
+                return flags
+            targets = [view.by_id[n].addr for n in cands if n != master]
+            try:
+                self._replicate(client, keys, targets, values, parents, pin)
+            except Unavailable as exc:
+                if pos + 1 < len(cands) and "quorum" not in str(exc):
+                    self._suspect(master)  # the master died between put and replicate
+                    errors.append(str(exc))
+                    continue
+                raise
+            return flags
+        raise Unavailable("no node accepted the put: " + "; ".join(errors))
+
+    def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
+                   values: list[memoryview], parents: list[BlockKey | None], pin: bool) -> None:
+        for attempt in (1, 2):
+            reply = client._grpc("Replicate", pb.ReplicateRequest(
+                keys=keys, targets=targets, copies=self.replicas,
+                write_quorum=self.write_quorum))
+            if reply.missing and attempt == 1:
+                # Evicted on the master between put and replicate: store those again.
+                lost = set(reply.missing)
+                idx = [i for i, k in enumerate(keys) if k in lost]
+                client.put_batch([keys[i] for i in idx], [values[i] for i in idx],
+                                 parents=[parents[i] for i in idx], pin=pin)
+                continue
+            if reply.missing:
+                raise Unavailable(f"{len(reply.missing)} blocks were evicted on "
+                                  f"{client.addr} before they could be replicated")
+            if reply.copies < self.write_quorum:
+                raise Unavailable(f"write quorum not met: {reply.copies} of "
+                                  f"{self.write_quorum} copies ({'; '.join(reply.failed)})")
+            return
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def _rounds(self, keys: list[BlockKey], call: Callable[[Client, list[int]], list[Any]],
+                found: Callable[[Any], bool], *, record_reads: bool = False) -> list[Any]:
+        """Asks each key of its read candidates in turn; per key the first ``found`` answer
+        (or the last answer seen, a miss)."""
+        view = self._current()
+        results: list[Any] = [None] * len(keys)
+        cands = [self._read_candidates(view, k) for k in keys]
+        pos = [0] * len(keys)
+        answered = [False] * len(keys)
+        errors: list[str] = []
+        pending = list(range(len(keys)))
+        while pending:
+            groups: dict[NodeId, list[int]] = {}
+            for i in pending:
+                groups.setdefault(cands[i][pos[i]], []).append(i)
+            failed: set[NodeId] = set()
+
+            def ask(node: NodeId, idx: list[int], failed: set[NodeId] = failed) -> None:
+                try:
+                    answers = call(self._client(view, node), idx)
+                except Unavailable as exc:
+                    self._suspect(node)
+                    failed.add(node)
+                    errors.append(str(exc))
+                    return
+                for i, a in zip(idx, answers, strict=True):
+                    results[i] = a
+                    answered[i] = True
+
+            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()])
+            nxt = []
+            for node, idx in groups.items():
+                for i in idx:
+                    if node in failed or not found(results[i]):
+                        pos[i] += 1
+                        if pos[i] < len(cands[i]):
+                            nxt.append(i)
+            pending = nxt
+        if not all(answered):
+            raise Unavailable(f"no holder of {answered.count(False)} keys answered: "
+                              + "; ".join(dict.fromkeys(errors)))
+        if record_reads and self._hot is not None:
+            self._note_reads(view, keys)
+        return results
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        ks = [check_key(k) for k in keys]
+        return self._rounds(ks, lambda c, idx: c.get_batch([ks[i] for i in idx]),
+                            lambda r: r is not None, record_reads=True)
+
+    def get_into(self, key: bytes, buf: object) -> int | None:
+        return self.get_batch_into([key], [buf])[0]
+
+    def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
+        ks = [check_key(k) for k in keys]
+        if len(bufs) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(bufs)} buffers")
+        return self._rounds(
+            ks, lambda c, idx: c.get_batch_into([ks[i] for i in idx], [bufs[i] for i in idx]),
+            lambda r: r is not None, record_reads=True)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = [check_key(k) for k in keys]
+        return [bool(x) for x in self._rounds(
+            ks, lambda c, idx: c.exists([ks[i] for i in idx]), bool)]
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of ``keys`` are stored somewhere in the cluster."""
+        n = 0
+        for present in self.exists(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier of the first holder found for each key, None if none holds it."""
+        ks = [check_key(k) for k in keys]
+        return self._rounds(ks, lambda c, idx: c.locate([ks[i] for i in idx]),
+                            lambda r: r is not None)
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
+        """For each key, every read candidate that holds it and in which tier (for the
+        Conductor): owners, fan-out copies and the next ranked node, asked in parallel."""
+        ks = [check_key(k) for k in keys]
+        view = self._current()
+        asks: dict[NodeId, list[int]] = {}
+        for i, k in enumerate(ks):
+            for n in self._read_candidates(view, k):
+                asks.setdefault(n, []).append(i)
+        out: list[list[Holder]] = [[] for _ in ks]
+        lock = threading.Lock()
+
+        def ask(node: NodeId, idx: list[int]) -> None:
+            try:
+                tiers = self._client(view, node).locate([ks[i] for i in idx])
+            except Unavailable:
+                self._suspect(node)
+                return
+            m = view.by_id[node]
+            with lock:
+                for i, t in zip(idx, tiers, strict=True):
+                    if t is not None:
+                        out[i].append(Holder(node_id=m.node_id, addr=m.addr, tier=t))
+
+        self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in asks.items()])
+        return out
+
+    def remove(self, key: bytes) -> bool:
+        """Removes ``key`` from every live node; True if any held it."""
+        k = check_key(key)
+        view = self._current()
+        removed = []
+
+        def rm(node: NodeId) -> None:
+            try:
+                removed.append(self._client(view, node).remove(k))
+            except Unavailable:
+                self._suspect(node)
+
+        self._parallel([lambda n=n: rm(n) for n in view.by_id])
+        with self._lock:
+            self._fanned.pop(k, None)
+        return any(removed)
+
+    def stats(self) -> dict[str, dict]:
+        """Each live node's ``stats()`` by node id (an ``{"error": ...}`` for one that fails)."""
+        view = self._current()
+        out: dict[str, dict] = {}
+
+        def st(node: NodeId) -> None:
+            try:
+                out[node] = self._client(view, node).stats()
+            except KVStoreError as exc:
+                out[node] = {"error": str(exc)}
+
+        self._parallel([lambda n=n: st(n) for n in view.by_id])
+        return dict(sorted(out.items()))
+
+    # ---- hot blocks ----------------------------------------------------------------------
+
+    def _note_reads(self, view: _View, keys: list[BlockKey]) -> None:
+        assert self._hot is not None
+        turned = [k for k in dict.fromkeys(keys) if self._hot.record(k)]
+        for k in turned:
+            self._pool.submit(self._fan_out, view, k)
+        now = self._clock()
+        with self._lock:
+            due = now >= self._next_cool_check
+            if due:
+                self._next_cool_check = now + _COOL_CHECK_S
+        if due:
+            for k in self._hot.cooled():
+                self._pool.submit(self._drop_fan_out, view, k)
+
+    def _fan_out(self, view: _View, key: BlockKey) -> None:
+        owners = view.placement.owners(key, self.replicas)
+        extra = [n for n in view.placement.rank(key) if n not in owners][: self.fanout]
+        if not extra:
+            return
+        try:
+            self._client(view, owners[0])._grpc("Replicate", pb.ReplicateRequest(
+                keys=[key], targets=[view.by_id[n].addr for n in extra],
+                copies=1 + len(extra), write_quorum=1 + len(extra)))
+        except KVStoreError as exc:
+            log.info("fan-out of %s failed: %s", key.hex(), exc)
+            return
+        with self._lock:
+            self._fanned[key] = extra
+
+    def _drop_fan_out(self, view: _View, key: BlockKey) -> None:
+        with self._lock:
+            extra = self._fanned.pop(key, [])
+        owners = set(view.placement.owners(key, self.replicas))
+        for n in extra:
+            if n in view.by_id and n not in owners:
+                try:
+                    self._client(view, n).remove(key)
+                except KVStoreError as exc:
+                    log.info("dropping fan-out copy of %s on %s failed: %s", key.hex(), n, exc)
+
+    def fanned_out(self) -> dict[bytes, list[str]]:
+        """Hot keys with extra copies, and the nodes holding them."""
+        with self._lock:
+            return {k: list(v) for k, v in self._fanned.items()}
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _parallel(self, calls: list[Callable[[], None]]) -> None:
+        """Runs the calls, in parallel when there are several; re-raises the first error."""
+        if len(calls) == 1:
+            calls[0]()
+            return
+        for f in [self._pool.submit(c) for c in calls]:
+            f.result()

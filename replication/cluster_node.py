@@ -1,0 +1,79 @@
+"""A serving node's part in a cluster: registration in etcd and background repair.
+
+Order of leaving matters: ``leave`` revokes the lease first, so clients stop
+placing keys here, then stops repair; the caller drains and stops the servers
+afterwards, so requests already routed here still finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvstore.node import Node
+from replication.membership import EtcdMembership
+from replication.peers import PeerPool
+from replication.placement import Member, NodeId
+from replication.ratelimit import TokenBucket
+from replication.repair import RepairWorker
+
+log = logging.getLogger("kvstore.cluster")
+
+REPAIR_BURST_S = 0.25  # the bucket holds this many seconds of repair traffic
+
+
+@dataclass(slots=True, kw_only=True)
+class ClusterSettings:
+    etcd: str
+    node_id: str
+    addr: str  # the gRPC address other nodes and clients use
+    zone: str = ""
+    weight: float = 1.0
+    lease_ttl: int = 10
+    replicas: int = 2
+    repair_bytes_per_s: int = 100 << 20
+    repair_interval_s: float = 30.0
+
+
+class ClusterRole:
+    """Registers ``node`` in etcd and runs its repair worker until ``leave``."""
+
+    def __init__(self, node: Node, peers: PeerPool, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.member = Member(node_id=NodeId(settings.node_id), addr=settings.addr,
+                             zone=settings.zone, weight=settings.weight)
+        self.membership = EtcdMembership(settings.etcd)
+        rate = settings.repair_bytes_per_s
+        self.repair = RepairWorker(
+            node, self.membership, self_id=settings.node_id, peers=peers,
+            replicas=settings.replicas,
+            bucket=TokenBucket(rate=rate, burst=max(rate * REPAIR_BURST_S, 1 << 20)),
+            interval_s=settings.repair_interval_s)
+        node.add_stat_source(self.stats)
+        self._joined = False
+
+    def join(self) -> None:
+        try:
+            self.membership.register(self.member, ttl=self.settings.lease_ttl)
+        except BaseException:
+            self.membership.close()
+            raise
+        self._joined = True
+        self.repair.start()
+        log.info("joined the cluster at %s as %s (zone %r, weight %.3g)", self.settings.etcd,
+                 self.member.node_id, self.member.zone, self.member.weight)
+
+    def leave(self) -> None:
+        if not self._joined:
+            return
+        self._joined = False
+        try:
+            self.membership.leave()
+        finally:
+            self.repair.stop()
+            self.membership.close()
+
+    def stats(self) -> dict[str, object]:
+        return {"node_id": self.member.node_id, "zone": self.member.zone,
+                "cluster_members": len(self.membership.members()),
+                "etcd_connected": self.membership.connected, **self.repair.stats()}

@@ -1,0 +1,215 @@
+"""A cluster on this machine: a real etcd and N ``kvstore serve`` processes on loopback.
+
+Used by ``kvstore cluster up/down``, the cluster tests and ``kvstore bench cluster``.
+``DIR/cluster.json`` records what was started::
+
+    {"etcd": "HOST:PORT", "etcd_pid": PID,
+     "nodes": [{"id": "node-1", "addr": "127.0.0.1:PORT", "pid": PID}, ...]}
+
+``down`` stops exactly those processes: each PID is checked first (a node must
+still run in this cluster's directory, etcd must name it in its command line),
+so a PID reused by an unrelated process after a crash is never signalled. Nodes
+run with the cluster directory as their working directory: relative paths in
+``node_args`` (``--ssd-path``) resolve there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from replication.etcd_server import EtcdServer
+
+MANIFEST = "cluster.json"
+_SERVING = re.compile(r"kvstore: serving on (\S+) ")
+_JOINED = "kvstore: joined cluster"
+
+
+class ClusterError(RuntimeError):
+    """A local cluster could not be started or stopped."""
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeRecord:
+    id: str
+    addr: str
+    pid: int
+
+
+@dataclass(slots=True, kw_only=True)
+class LocalCluster:
+    dir: Path
+    etcd: str
+    etcd_pid: int
+    nodes: list[NodeRecord] = field(default_factory=list)
+    node_args: list[str] = field(default_factory=list)  # extra ``serve`` flags for every node
+    _procs: dict[int, subprocess.Popen] = field(default_factory=dict, repr=False)
+    _etcd: EtcdServer | None = field(default=None, repr=False)
+
+    # ---- starting ------------------------------------------------------------------------
+
+    @classmethod
+    def up(cls, directory: str | Path, n: int, *, node_args: Sequence[str] = (),
+           zones: Sequence[str] = (), timeout: float = 60.0) -> LocalCluster:
+        """Starts etcd and ``n`` nodes (``node-1`` ...); all outlive this process."""
+        if n < 1:
+            raise ClusterError(f"a cluster needs at least one node, got -n {n}")
+        d = Path(directory).resolve()
+        if (d / MANIFEST).exists() and _any_alive(cls.load(d)):
+            raise ClusterError(f"a cluster is already running from {d}; "
+                               f"run `kvstore cluster down --dir {directory}` first")
+        d.mkdir(parents=True, exist_ok=True)
+        etcd = EtcdServer(d / "etcd")
+        etcd.start(detach=True, timeout=timeout)
+        assert etcd.pid is not None
+        cluster = cls(dir=d, etcd=etcd.endpoint, etcd_pid=etcd.pid, node_args=list(node_args),
+                      _etcd=etcd)
+        try:
+            for i in range(n):
+                cluster.start_node(f"node-{i + 1}", zone=zones[i % len(zones)] if zones else "",
+                                   wait=False)
+            for rec in cluster.nodes:
+                cluster._wait_joined(rec, timeout)
+        except BaseException:
+            cluster.down()
+            raise
+        return cluster
+
+    def start_node(self, node_id: str, *, zone: str = "", extra: Sequence[str] = (),
+                   wait: bool = True, timeout: float = 60.0) -> NodeRecord:
+        log = self.dir / f"{node_id}.log"
+        cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
+               "--etcd", self.etcd, "--node-id", node_id, "--zone", zone,
+               *self.node_args, *extra]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._procs[proc.pid] = proc
+        rec = NodeRecord(id=node_id, addr="", pid=proc.pid)
+        self.nodes.append(rec)
+        if wait:
+            self._wait_joined(rec, timeout)
+        return rec
+
+    def _wait_joined(self, rec: NodeRecord, timeout: float) -> None:
+        log = self.dir / f"{rec.id}.log"
+        deadline = time.monotonic() + timeout
+        while True:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            m = _SERVING.search(text)
+            if m and _JOINED in text:
+                rec.addr = m.group(1)
+                self.save()
+                return
+            if not _alive(rec.pid, self._procs):
+                raise ClusterError(f"{rec.id} exited during start:\n{text[-2000:]}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{rec.id} did not join within {timeout}s:\n{text[-2000:]}")
+            time.sleep(0.05)
+
+    # ---- the manifest --------------------------------------------------------------------
+
+    def save(self) -> None:
+        doc = {"etcd": self.etcd, "etcd_pid": self.etcd_pid,
+               "nodes": [asdict(r) for r in self.nodes if r.addr]}
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        tmp.replace(self.dir / MANIFEST)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> LocalCluster:
+        d = Path(directory).resolve()
+        try:
+            doc = json.loads((d / MANIFEST).read_text())
+            return cls(dir=d, etcd=doc["etcd"], etcd_pid=int(doc["etcd_pid"]),
+                       nodes=[NodeRecord(id=r["id"], addr=r["addr"], pid=int(r["pid"]))
+                              for r in doc["nodes"]])
+        except FileNotFoundError:
+            raise ClusterError(f"no {MANIFEST} in {d}: nothing was started there") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClusterError(f"{d / MANIFEST} is not a cluster manifest: {exc}") from None
+
+    # ---- stopping ------------------------------------------------------------------------
+
+    def node(self, node_id: str) -> NodeRecord:
+        for r in self.nodes:
+            if r.id == node_id:
+                return r
+        raise ClusterError(f"no node {node_id!r} in this cluster")
+
+    def signal_node(self, node_id: str, sig: int) -> None:
+        rec = self.node(node_id)
+        if self._ours(rec.pid):
+            os.kill(rec.pid, sig)
+
+    def stop_node(self, node_id: str, *, timeout: float = 20.0) -> None:
+        rec = self.node(node_id)
+        self._stop_pid(rec.pid, timeout)
+        self.nodes.remove(rec)
+        self.save()
+
+    def down(self, *, timeout: float = 20.0) -> list[str]:
+        """Stops every node (SIGTERM, then SIGKILL after ``timeout``), then etcd."""
+        stopped = []
+        for rec in list(self.nodes):
+            if self._stop_pid(rec.pid, timeout):
+                stopped.append(rec.id)
+        if self._etcd is not None:
+            self._etcd.stop(timeout=timeout)
+            stopped.append("etcd")
+        elif self._stop_pid(self.etcd_pid, timeout):
+            stopped.append("etcd")
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / MANIFEST).unlink()
+        return stopped
+
+    def _ours(self, pid: int) -> bool:
+        """True if ``pid`` is alive and was started for this cluster: a node runs in the
+        cluster's directory, etcd names it in its command line."""
+        if pid in self._procs:
+            return self._procs[pid].poll() is None
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            return False
+        mine = cwd == str(self.dir) or str(self.dir).encode() in cmdline
+        return mine and _alive(pid, {})
+
+    def _stop_pid(self, pid: int, timeout: float) -> bool:
+        if not self._ours(pid):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid, self._procs):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + timeout
+            time.sleep(0.05)
+        return True
+
+
+def _alive(pid: int, procs: dict[int, subprocess.Popen]) -> bool:
+    if pid in procs:
+        return procs[pid].poll() is None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+
+
+def _any_alive(cluster: LocalCluster) -> bool:
+    return any(cluster._ours(p) for p in [cluster.etcd_pid, *(r.pid for r in cluster.nodes)])
