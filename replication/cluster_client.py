@@ -102,6 +102,7 @@ class ClusterClient:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-cluster")
         self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s, clock=clock)
                      if hot_reads_per_s else None)
+        self._hot_lock = threading.Lock()  # guards _hot (not thread-safe itself)
         self._lock = threading.Lock()
         # guarded by _lock:
         self._view = _View(placement=Placement(()), by_id={})
@@ -415,7 +416,8 @@ class ClusterClient:
 
     def _note_reads(self, view: _View, keys: list[BlockKey]) -> None:
         assert self._hot is not None
-        turned = [k for k in dict.fromkeys(keys) if self._hot.record(k)]
+        with self._hot_lock:
+            turned = [k for k in dict.fromkeys(keys) if self._hot.record(k)]
         for k in turned:
             self._pool.submit(self._fan_out, view, k)
         now = self._clock()
@@ -424,7 +426,9 @@ class ClusterClient:
             if due:
                 self._next_cool_check = now + _COOL_CHECK_S
         if due:
-            for k in self._hot.cooled():
+            with self._hot_lock:
+                cooled = self._hot.cooled()
+            for k in cooled:
                 self._pool.submit(self._drop_fan_out, view, k)
 
     def _fan_out(self, view: _View, key: BlockKey) -> None:
