@@ -21,6 +21,7 @@ from kvstore.sizes import format_size, parse_size
 
 DEFAULT_ADDR = "127.0.0.1:7600"
 BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
+              "cluster": "benchmarks.cluster_bench",
               "trace": "benchmarks.trace_replay"}
 """``kvstore bench NAME`` runs ``main(argv)`` of these modules."""
 

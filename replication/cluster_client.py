@@ -31,9 +31,10 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.channel_client import as_readable
@@ -62,10 +63,25 @@ class Holder:
     tier: str
 
 
+_CANDIDATE_CACHE = 1 << 16
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _View:
+    """One membership view; ``cache`` memoises (owners, rest) per key for this view only."""
+
     placement: Placement
     by_id: dict[NodeId, Member]
+    replicas: int
+    cache: dict[BlockKey, tuple[list[NodeId], list[NodeId]]] = field(default_factory=dict)
+
+    def candidates(self, key: BlockKey) -> tuple[list[NodeId], list[NodeId]]:
+        hit = self.cache.get(key)
+        if hit is None:
+            if len(self.cache) >= _CANDIDATE_CACHE:
+                self.cache.clear()  # bounded; recomputing is cheap, only not free
+            hit = self.cache[key] = self.placement.candidates(key, self.replicas)
+        return hit
 
 
 class ClusterClient:
@@ -75,7 +91,8 @@ class ClusterClient:
                  membership: Membership | None = None, replicas: int = 1,
                  write_quorum: int | None = None, transport: str = "auto",
                  timeout: float | None = 30.0, node_timeout: float = 5.0,
-                 hot_reads_per_s: float | None = None, fanout: int = 2,
+                 hot_reads_per_s: float | None = None, hot_half_life_s: float = 10.0,
+                 fanout: int = 2,
                  suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
@@ -100,12 +117,13 @@ class ClusterClient:
         self._peers = PeerPool(transport=transport, timeout=min(timeout or node_timeout,
                                                                    node_timeout))
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-cluster")
-        self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s, clock=clock)
+        self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s,
+                                    half_life_s=hot_half_life_s, clock=clock)
                      if hot_reads_per_s else None)
         self._hot_lock = threading.Lock()  # guards _hot (not thread-safe itself)
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._view = _View(placement=Placement(()), by_id={})
+        self._view = _View(placement=Placement(()), by_id={}, replicas=replicas)
         self._suspects: dict[NodeId, float] = {}  # node -> until (clock)
         self._fanned: dict[BlockKey, list[NodeId]] = {}  # hot key -> nodes given extra copies
         self._next_cool_check = 0.0
@@ -132,7 +150,8 @@ class ClusterClient:
 
     def _on_members(self, view: Sequence[Member]) -> None:
         members = tuple(view)
-        new = _View(placement=Placement(members), by_id={m.node_id: m for m in members})
+        new = _View(placement=Placement(members), by_id={m.node_id: m for m in members},
+                    replicas=self.replicas)
         with self._lock:
             self._view = new
         self._peers.retain(m.addr for m in members)
@@ -154,33 +173,35 @@ class ClusterClient:
         with self._lock:
             self._suspects[node] = self._clock() + self._suspect_s
 
-    def _demote_suspects(self, nodes: list[NodeId]) -> list[NodeId]:
+    def _suspects_now(self) -> set[NodeId]:
         now = self._clock()
         with self._lock:
-            bad = {n for n, until in self._suspects.items() if until > now}
+            return {n for n, until in self._suspects.items() if until > now}
+
+    @staticmethod
+    def _demote(nodes: list[NodeId], bad: set[NodeId]) -> list[NodeId]:
+        if not bad:
+            return nodes
         return [n for n in nodes if n not in bad] + [n for n in nodes if n in bad]
 
     # ---- placement -----------------------------------------------------------------------
 
     def _write_candidates(self, view: _View, key: BlockKey) -> list[NodeId]:
         """Owners, then every other node in ranking order (fallbacks)."""
-        owners = view.placement.owners(key, self.replicas)
-        return owners + [n for n in view.placement.rank(key) if n not in owners]
+        owners, rest = view.candidates(key)
+        return owners + rest
 
-    def _read_candidates(self, view: _View, key: BlockKey) -> list[NodeId]:
-        ranking = view.placement.rank(key)
-        owners = view.placement.owners(key, self.replicas)
-        rest = [n for n in ranking if n not in owners]
-        with self._lock:
-            fanned = self._fanned.get(key)
+    def _read_candidates(self, view: _View, key: BlockKey, bad: set[NodeId]) -> list[NodeId]:
+        owners, rest = view.candidates(key)
+        fanned = self._fanned.get(key) if self._fanned else None  # a racy read is harmless
         if fanned:
             live = [n for n in fanned if n in view.by_id and n not in owners]
             spread = owners + live
             start = next(self._spread) % len(spread)
             first = spread[start:] + spread[:start]
             rest = [n for n in rest if n not in live]
-            return self._demote_suspects(first) + rest[:1]
-        return self._demote_suspects(owners) + rest[:1]
+            return self._demote(first, bad) + rest[:1]
+        return self._demote(owners, bad) + rest[:1]
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -225,7 +246,7 @@ class ClusterClient:
                    ) -> list[bool]:
         """Stores one group (same candidates) on its master, then replicates from it."""
         errors: list[str] = []
-        for pos, master in enumerate(self._demote_suspects(list(cands))):
+        for pos, master in enumerate(self._demote(list(cands), self._suspects_now())):
             client = self._client(view, master)
             try:
                 flags = client.put_batch(keys, values, parents=parents, pin=pin)
@@ -276,7 +297,8 @@ class ClusterClient:
         (or the last answer seen, a miss)."""
         view = self._current()
         results: list[Any] = [None] * len(keys)
-        cands = [self._read_candidates(view, k) for k in keys]
+        bad = self._suspects_now()
+        cands = [self._read_candidates(view, k, bad) for k in keys]
         pos = [0] * len(keys)
         answered = [False] * len(keys)
         errors: list[str] = []
@@ -360,8 +382,9 @@ class ClusterClient:
         ks = [check_key(k) for k in keys]
         view = self._current()
         asks: dict[NodeId, list[int]] = {}
+        bad = self._suspects_now()
         for i, k in enumerate(ks):
-            for n in self._read_candidates(view, k):
+            for n in self._read_candidates(view, k, bad):
                 asks.setdefault(n, []).append(i)
         out: list[list[Holder]] = [[] for _ in ks]
         lock = threading.Lock()
@@ -417,7 +440,7 @@ class ClusterClient:
     def _note_reads(self, view: _View, keys: list[BlockKey]) -> None:
         assert self._hot is not None
         with self._hot_lock:
-            turned = [k for k in dict.fromkeys(keys) if self._hot.record(k)]
+            turned = [k for k, n in Counter(keys).items() if self._hot.record(k, n)]
         for k in turned:
             self._pool.submit(self._fan_out, view, k)
         now = self._clock()
@@ -432,8 +455,8 @@ class ClusterClient:
                 self._pool.submit(self._drop_fan_out, view, k)
 
     def _fan_out(self, view: _View, key: BlockKey) -> None:
-        owners = view.placement.owners(key, self.replicas)
-        extra = [n for n in view.placement.rank(key) if n not in owners][: self.fanout]
+        owners, rest = view.candidates(key)
+        extra = rest[: self.fanout]
         if not extra:
             return
         try:
@@ -466,8 +489,12 @@ class ClusterClient:
 
     def _parallel(self, calls: list[Callable[[], None]]) -> None:
         """Runs the calls, in parallel when there are several; re-raises the first error."""
-        if len(calls) == 1:
-            calls[0]()
+        if not calls:
             return
-        for f in [self._pool.submit(c) for c in calls]:
+        futures = [self._pool.submit(c) for c in calls[1:]]
+        try:
+            calls[0]()  # the caller's thread does one share instead of idling
+        finally:
+            wait(futures)  # never leave work running on the caller's buffers
+        for f in futures:
             f.result()

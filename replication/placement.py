@@ -279,6 +279,15 @@ class Placement:
             return [self.master(key)]
         return [self._ids[i] for i in self._select(self._ranking(key), r)]
 
+    def candidates(self, key: bytes, replicas: int) -> tuple[list[NodeId], list[NodeId]]:
+        """``(owners(key, replicas), the other nodes in ranking order)`` from one ranking."""
+        r = self._check_replicas(replicas)
+        ranking = self._ranking(key)
+        picks = self._select(ranking, r) if r else []
+        taken = set(picks)
+        return ([self._ids[i] for i in picks],
+                [self._ids[i] for i in ranking if i not in taken])
+
     def _select(self, ranking: list[int], r: int) -> list[int]:
         picks: list[int] = []
         used: set[int] = set()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, start_node
+from conftest import NodeProcess, start_node, wait_until
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument, Unavailable
@@ -161,3 +161,50 @@ def test_cluster_options_need_a_cluster() -> None:
                write_quorum=3)
     with Client(members=[]) as c, pytest.raises(Unavailable, match="no live"):
         c.get(_key(1))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _hits(nodes: list[NodeProcess]) -> list[int]:
+    out = []
+    for n in nodes:
+        with Client(n.addr, transport="grpc") as c:
+            out.append(c.stats()["tiers"]["dram"]["hits"])
+    return out
+
+
+def test_hot_block_fans_out_spreads_reads_and_is_dropped_when_cool(
+        trio: list[NodeProcess]) -> None:
+    members = _members(trio)
+    placement = Placement(members)
+    clock = FakeClock()
+    hot, cold = _key(1), _key(2)
+    with Client(members=members, replicas=1, hot_reads_per_s=5.0, fanout=2,
+                clock=clock) as c:
+        c.put(hot, b"h" * 1000)
+        c.put(cold, b"c" * 1000)
+        for _ in range(7):  # 7 reads at one instant: rate 7 * ln2 / 10 s = 0.49/s: cold
+            assert c.get(hot) == b"h" * 1000
+        assert c.fanned_out() == {}
+        for _ in range(70):  # 77 reads: 5.3/s >= 5/s: hot from the 73rd read on
+            c.get(hot)
+        wait_until(lambda: hot in c.fanned_out(), timeout=10, what="fan-out done")
+        assert c.fanned_out()[hot] == placement.rank(hot)[1:]
+        assert _holders(trio, members, hot) == {"n0", "n1", "n2"}
+        assert _holders(trio, members, cold) == {placement.master(cold)}
+        before = _hits(trio)
+        for _ in range(30):
+            assert c.get(hot) == b"h" * 1000
+        after = _hits(trio)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [10, 10, 10]
+        clock.now += 120.0  # twelve half-lives without reads: cold again
+        c.get(cold)  # any read runs the cool-down check
+        wait_until(lambda: _holders(trio, members, hot) == {placement.master(hot)},
+                   timeout=10, what="extra copies dropped")
+        assert c.fanned_out() == {}

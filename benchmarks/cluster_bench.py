@@ -1,0 +1,254 @@
+"""``kvstore bench cluster``: a real 3-node cluster on loopback (etcd + node processes).
+
+Three parts, each against a peer or a limit measured in the same run:
+
+* **throughput**: put and get of 64 KiB and 1 MiB blocks through the cluster
+  client with ``replicas=1`` and ``replicas=2, write_quorum=2``, beside the same
+  calls on one node through a plain ``Client`` (the single-node peer). Ratios:
+  cluster / single node. With two copies every byte is written twice, so a put
+  ratio near 0.5 is the replication cost itself, not overhead.
+* **repair**: ``--repair-blocks`` (10,000) blocks of 64 KiB stored with two
+  copies; one node is killed with SIGKILL; reported: the time until membership
+  drops it (the lease TTL), the time until every block has two copies again,
+  and repair throughput against the configured ``--repair-bytes-per-s`` cap.
+* **fan-out**: Zipf(1.1) reads over 1,000 keys with ``replicas=1``; per-node
+  reads (the nodes' own hit counters) as max/mean, without and with hot-block
+  fan-out. 1.0 is a perfectly even load.
+
+Writes ``benchmarks/results/cluster_bench.json`` and ``cluster_bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.stats import Panel, format_table, median, plot_panels, size_label, write_json
+from kvstore.client import Client
+from replication.cluster_client import ClusterClient
+from replication.local_cluster import LocalCluster
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH = 32
+
+
+def _keys(tag: int, n: int) -> list[bytes]:
+    return [tag.to_bytes(4, "big") + i.to_bytes(12, "big") for i in range(n)]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _batched(keys: list[bytes], fn: Callable[[list[bytes]], object]) -> None:
+    for lo in range(0, len(keys), BATCH):
+        fn(keys[lo : lo + BATCH])
+
+
+def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: int
+               ) -> list[dict[str, Any]]:
+    rows = []
+    tag = 1
+    single = Client(cluster.nodes[0].addr)
+    clients: dict[str, Any] = {
+        "single node": single,
+        "cluster r=1": Client(etcd=cluster.etcd, replicas=1),
+        "cluster r=2 w=2": Client(etcd=cluster.etcd, replicas=2, write_quorum=2),
+    }
+    try:
+        for size in sizes:
+            n = max(BATCH, total // size)
+            value = os.urandom(size)
+            bufs = [bytearray(size) for _ in range(BATCH)]
+            for name, c in clients.items():
+                puts, gets = [], []
+                for _ in range(rounds):
+                    keys = _keys(tag, n)
+                    tag += 1
+                    puts.append(_timed(lambda c=c, keys=keys: _batched(
+                        keys, lambda ks, c=c: c.put_batch(ks, [value] * len(ks)))))
+                    gets.append(_timed(lambda c=c, keys=keys: _batched(
+                        keys, lambda ks, c=c: c.get_batch_into(ks, bufs[: len(ks)]))))
+                    for k in keys:  # keep memory bounded between rounds
+                        c.remove(k)
+                rows.append({"size": size, "client": name, "blocks": n,
+                             "put_gbps": n * size / median(puts) / 1e9,
+                             "get_gbps": n * size / median(gets) / 1e9})
+    finally:
+        for c in clients.values():
+            c.close()
+    base = {r["size"]: r for r in rows if r["client"] == "single node"}
+    for r in rows:
+        b = base[r["size"]]
+        r["put_vs_single"] = r["put_gbps"] / b["put_gbps"]
+        r["get_vs_single"] = r["get_gbps"] / b["get_gbps"]
+    return rows
+
+
+def _copies(cluster: LocalCluster, keys: list[bytes], skip: str) -> np.ndarray:
+    counts = np.zeros(len(keys), dtype=np.int64)
+    for rec in cluster.nodes:
+        if rec.id == skip:
+            continue
+        with Client(rec.addr, transport="grpc") as c:
+            for lo in range(0, len(keys), 4096):
+                counts[lo : lo + 4096] += np.array(c.exists(keys[lo : lo + 4096]), dtype=bool)
+    return counts
+
+
+def repair(directory: Path, blocks: int, rate: int, ttl: int) -> dict[str, Any]:
+    args = ["--dram-bytes", "1GiB", "--no-prefault", "--lease-ttl", str(ttl),
+            "--replicas", "2", "--repair-bytes-per-s", str(rate)]
+    cluster = LocalCluster.up(directory, 3, node_args=args)
+    try:
+        keys = _keys(99, blocks)
+        value = os.urandom(64 << 10)
+        with Client(etcd=cluster.etcd, replicas=2, write_quorum=2) as c:
+            _batched(keys, lambda ks: c.put_batch(ks, [value] * len(ks)))
+            victim = cluster.node("node-3")
+            lost = int((_copies(cluster, keys, "") == 2).sum() - (
+                _copies(cluster, keys, "node-3") == 2).sum())
+            os.kill(victim.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while "node-3" in {m.node_id for m in c.members()}:
+                time.sleep(0.05)
+            detected = time.monotonic() - t0
+            while (_copies(cluster, keys, "node-3") < 2).any():
+                time.sleep(0.1)
+            repaired = time.monotonic() - t0
+            stats = {nid: s["node"] for nid, s in c.stats().items()}
+    finally:
+        cluster.down(timeout=10)
+    moved = sum(int(s.get("repaired_bytes", 0)) for s in stats.values())
+    copy_s = max(repaired - detected, 1e-9)
+    return {"blocks": blocks, "block_bytes": 64 << 10, "lease_ttl_s": ttl,
+            "blocks_that_lost_a_copy": lost, "detect_s": detected, "repaired_s": repaired,
+            "repair_copy_s": copy_s, "repaired_bytes": moved,
+            "repair_bytes_per_s": moved / copy_s, "cap_bytes_per_s_per_node": rate,
+            "vs_cap": moved / copy_s / (2 * rate)}
+
+
+def fanout(cluster: LocalCluster, reads: int, keys_n: int, hot_rate: float
+           ) -> dict[str, Any]:
+    keys = _keys(7, keys_n)
+    value = os.urandom(16 << 10)
+    rng = np.random.default_rng(11)
+    p = 1.0 / np.arange(1, keys_n + 1) ** 1.1
+    p /= p.sum()
+    out = {}
+    with Client(etcd=cluster.etcd, replicas=1) as writer:
+        _batched(keys, lambda ks: writer.put_batch(ks, [value] * len(ks)))
+    for label, hot in (("without fan-out", None), ("with fan-out", hot_rate)):
+        with Client(etcd=cluster.etcd, replicas=1, hot_reads_per_s=hot, fanout=2) as c:
+            order = rng.choice(keys_n, size=reads, p=p)
+            warm = order[: reads // 3]
+            _batched([keys[i] for i in warm], c.get_batch)  # lets hot keys fan out
+            time.sleep(0.5)
+            before = _hits(c)
+            _batched([keys[i] for i in order[reads // 3 :]], c.get_batch)
+            after = _hits(c)
+            load = np.array([after[n] - before[n] for n in sorted(after)], dtype=float)
+            out[label] = {"reads_per_node": load.tolist(),
+                          "max_over_mean": float(load.max() / load.mean()),
+                          "fanned_keys": len(c.fanned_out()) if isinstance(c, ClusterClient)
+                          else 0}
+    return out
+
+
+def _hits(c: Any) -> dict[str, int]:
+    return {n: sum(t["hits"] for t in s["tiers"].values()) for n, s in c.stats().items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore bench cluster", description=__doc__.split("\n")[0]
+                                if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="smaller runs (a smoke test)")
+    p.add_argument("--repair-blocks", type=int, default=10_000)
+    p.add_argument("--repair-bytes-per-s", type=int, default=200 << 20,
+                   help="repair cap per node (default 200 MiB/s)")
+    p.add_argument("--lease-ttl", type=int, default=3)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    quick = args.quick
+    sizes = [64 << 10, 1 << 20]
+    total = (16 << 20) if quick else (128 << 20)
+    rounds = 1 if quick else 3
+    blocks = 500 if quick else args.repair_blocks
+    result: dict[str, Any] = {"command": "kvstore bench cluster " + " ".join(argv or [])}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-cluster-") as tmp:
+        cluster = LocalCluster.up(Path(tmp) / "main", 3,
+                                  node_args=["--dram-bytes", "1GiB", "--no-prefault"])
+        try:
+            print("throughput ...", flush=True)
+            result["throughput"] = throughput(cluster, sizes, total, rounds)
+            print("fan-out ...", flush=True)
+            result["fanout"] = fanout(cluster, 3000 if quick else 30_000, 1000, 50.0)
+        finally:
+            cluster.down(timeout=10)
+        print("repair ...", flush=True)
+        result["repair"] = repair(Path(tmp) / "repair", blocks, args.repair_bytes_per_s,
+                                  args.lease_ttl)
+    report(result)
+    if args.out_dir:
+        out = Path(args.out_dir)
+        write_json(out / "cluster_bench.json", result)
+        plot(result, out / "cluster_bench.png")
+        print(f"\nwrote {out / 'cluster_bench.json'} and {out / 'cluster_bench.png'}")
+    return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    rows = [[r["client"], size_label(r["size"]), r["put_gbps"], r["put_vs_single"],
+             r["get_gbps"], r["get_vs_single"]] for r in result["throughput"]]
+    print("\nthroughput (GB/s; ratio to one node through a plain Client)")
+    print(format_table(["client", "block", "put GB/s", "put ratio", "get GB/s", "get ratio"],
+                       rows))
+    f = result["fanout"]
+    print("\nZipf(1.1) reads, replicas=1: per-node reads max/mean (1.0 is even)")
+    print(format_table(["", "max/mean", "reads per node", "hot keys fanned out"],
+                       [[k, v["max_over_mean"], " ".join(f"{x:.0f}" for x in v["reads_per_node"]),
+                         v["fanned_keys"]] for k, v in f.items()]))
+    r = result["repair"]
+    print(f"\nrepair after kill -9 of 1 of 3 nodes: {r['blocks']:,} blocks x 64 KiB, "
+          f"{r['blocks_that_lost_a_copy']:,} lost a copy")
+    print(format_table(["membership drop", "two copies again", "copying", "repair MB/s",
+                        "vs cap (2 senders)"],
+                       [[f"{r['detect_s']:.2f} s", f"{r['repaired_s']:.2f} s",
+                         f"{r['repair_copy_s']:.2f} s", r["repair_bytes_per_s"] / 1e6,
+                         r["vs_cap"]]]))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    tp = result["throughput"]
+    clients = list(dict.fromkeys(r["client"] for r in tp))
+    sizes = sorted({r["size"] for r in tp})
+
+    def series(field: str) -> dict[str, list[float | None]]:
+        return {c: [next(r[field] for r in tp if r["client"] == c and r["size"] == s)
+                    for s in sizes] for c in clients}
+
+    f = result["fanout"]
+    panels = [
+        Panel(title="put GB/s", x=[size_label(s) for s in sizes], series=series("put_gbps"),
+              kind="bars"),
+        Panel(title="get GB/s", x=[size_label(s) for s in sizes], series=series("get_gbps"),
+              kind="bars"),
+        Panel(title="Zipf(1.1) reads per node", x=[f"node {i + 1}" for i in range(3)],
+              series={k: v["reads_per_node"] for k, v in f.items()}, kind="bars"),
+    ]
+    plot_panels(path, panels, title="kvstore bench cluster (3 local nodes)", ncols=3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
