@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_ADDR})")
         sp.add_argument("--transport", default="auto", choices=["auto", "grpc", "tcp", "shm"])
         sp.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+        sp.add_argument("--etcd", help="talk to the whole cluster at this etcd HOST:PORT "
+                        "instead of one node")
+        sp.add_argument("--replicas", type=int, default=2,
+                        help="with --etcd: copies per put (default 2)")
+        sp.add_argument("--write-quorum", type=int,
+                        help="with --etcd: copies to wait for (default: --replicas)")
 
     s = sub.add_parser("put", help="store a file's bytes under a key")
     client_args(s)
@@ -208,6 +214,9 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
 def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import Client
 
+    if args.etcd:
+        return Client(etcd=args.etcd, replicas=args.replicas, write_quorum=args.write_quorum,
+                      transport=args.transport, timeout=args.timeout)
     return Client(args.addr, transport=args.transport, timeout=args.timeout)
 
 
@@ -260,6 +269,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
         stats = c.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    if args.etcd:  # one table per node
+        print("\n\n".join(f"== {nid}\n" + (format_stat_table(st) if "tiers" in st
+                                               else f"error: {st['error']}")
+                          for nid, st in stats.items()))
         return 0
     print(format_stat_table(stats))
     return 0

@@ -156,6 +156,11 @@ class ClusterClient:
             self._view = new
         self._peers.retain(m.addr for m in members)
 
+    @property
+    def transport(self) -> str:
+        """The transport asked of every node client (``auto`` picks per node)."""
+        return self._peers.transport
+
     def members(self) -> tuple[Member, ...]:
         return self._current().placement.members
 

@@ -219,3 +219,23 @@ def test_etcd_restart_under_load(cluster: LocalCluster) -> None:
         keys = sorted(acked)
         assert len(keys) > 10
         assert client.get_batch([_key(i) for i in keys]) == [acked[i] for i in keys]
+
+
+def test_cli_put_get_stat_through_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    src = tmp_path / "value.bin"
+    src.write_bytes(_value(42))
+    key = _key(42).hex()
+    run = [sys.executable, "-m", "kvstore"]
+    put = subprocess.run([*run, "put", "--etcd", cluster.etcd, key, str(src)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert put.returncode == 0 and put.stdout.startswith(f"stored {key}"), put.stderr
+    assert _copies(cluster, [_key(42)], set()) == [2]
+    get = subprocess.run([*run, "get", "--etcd", cluster.etcd, key], capture_output=True,
+                         cwd=REPO, timeout=60)
+    assert get.returncode == 0 and get.stdout == _value(42)
+    stat = subprocess.run([*run, "stat", "--etcd", cluster.etcd], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert stat.returncode == 0
+    assert [ln for ln in stat.stdout.splitlines() if ln.startswith("== ")] == [
+        "== node-1", "== node-2", "== node-3"]
+    assert "repair_backlog=" in stat.stdout
