@@ -349,11 +349,11 @@ class Node:
         finally:
             self.release_reads(entries)
 
-    def stored_bytes(self, keys: Sequence[BlockKey]) -> int:
-        """Total size of the stored blocks among ``keys``; not counted as reads."""
+    def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Each key's block size (None if absent); not counted as reads."""
         with self._lock:
             m = self._manager
-            return sum(e.nbytes for e in map(m.entry, keys) if e is not None)
+            return [None if e is None else e.nbytes for e in map(m.entry, keys)]
 
     def keys(self) -> list[BlockKey]:
         """A snapshot of every stored key (for repair scans)."""

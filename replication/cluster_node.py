@@ -20,6 +20,7 @@ from replication.repair import RepairWorker
 log = logging.getLogger("kvstore.cluster")
 
 REPAIR_BURST_S = 0.25  # the bucket holds this many seconds of repair traffic
+REPAIR_MIN_BURST = 64 << 10
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,7 +48,7 @@ class ClusterRole:
         self.repair = RepairWorker(
             node, self.membership, self_id=settings.node_id, peers=peers,
             replicas=settings.replicas,
-            bucket=TokenBucket(rate=rate, burst=max(rate * REPAIR_BURST_S, 1 << 20)),
+            bucket=TokenBucket(rate=rate, burst=max(rate * REPAIR_BURST_S, REPAIR_MIN_BURST)),
             interval_s=settings.repair_interval_s)
         node.add_stat_source(self.stats)
         self._joined = False

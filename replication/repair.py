@@ -189,13 +189,22 @@ class RepairWorker:
             self._push(placement.member(o).addr, ks)
 
     def _push(self, addr: str, keys: list[BlockKey]) -> None:
+        """Sends ``keys`` in batches of at most PUSH_BATCH blocks and, when throttled, at
+        most one bucket's burst of bytes (or one block), so no batch floods the peer."""
         peer = self.peers.get(addr)
-        for lo in range(0, len(keys), PUSH_BATCH):
-            part = keys[lo : lo + PUSH_BATCH]
+        budget = self.bucket.burst if self.bucket is not None else float("inf")
+        sizes = self.node.block_sizes(keys)
+        lo = 0
+        while lo < len(keys):
+            hi, nbytes = lo + 1, sizes[lo] or 0
+            while hi < len(keys) and hi - lo < PUSH_BATCH and nbytes + (sizes[hi] or 0) <= budget:
+                nbytes += sizes[hi] or 0
+                hi += 1
+            part, lo = keys[lo:hi], hi
             if self._changed(None):
                 return
             if self.bucket is not None:
-                self.bucket.acquire(max(1, self.node.stored_bytes(part)))
+                self.bucket.acquire(max(1, nbytes))
             try:
                 sent = push_blocks(self.node, peer, part)
             except KVStoreError as exc:

@@ -239,3 +239,36 @@ def test_cli_put_get_stat_through_the_cluster(cluster: LocalCluster, tmp_path: P
     assert [ln for ln in stat.stdout.splitlines() if ln.startswith("== ")] == [
         "== node-1", "== node-2", "== node-3"]
     assert "repair_backlog=" in stat.stdout
+
+
+def test_a_node_joining_empty_is_warmed_at_the_repair_rate(tmp_path: Path) -> None:
+    rate, burst, block = 1 << 20, 256 << 10, 64 << 10  # burst = rate * 0.25 s
+    args = [*NODE_ARGS, "--repair-bytes-per-s", str(rate)]
+    c = LocalCluster.up(tmp_path / "warm", 3, node_args=args)
+    try:
+        keys = [_key(i) for i in range(160)]
+        value = random.Random(3).randbytes(block)
+        with Client(etcd=c.etcd, replicas=2, write_quorum=2) as client:
+            client.put_batch(keys, [value] * len(keys))
+            t0 = time.monotonic()
+            rec = c.start_node("node-4")
+            wait_until(lambda: len(client.members()) == 4, timeout=10, what="node-4 seen")
+            owners = [client._current().placement.owners(k, 2) for k in keys]
+            wanted = sum("node-4" in o for o in owners)
+            assert wanted > 40
+            samples = []
+            with Client(rec.addr, transport="grpc") as new:
+                while (held := sum(new.exists(keys))) < wanted:
+                    t = time.monotonic() - t0
+                    samples.append((t, held))
+                    # three senders, each at most a burst + rate * t + one block of debt
+                    assert held * block <= 3 * (burst + rate * t + block), samples
+                    assert time.monotonic() - t0 < 60, samples
+                    time.sleep(0.1)
+                assert sum(new.exists(keys)) == wanted  # exactly the keys it now owns
+        took = time.monotonic() - t0
+        assert len(samples) >= 3  # it took several looks: gradual, not one flood
+        print(f"\nnode-4 warmed with {wanted} blocks ({wanted * block >> 20} MiB) in "
+              f"{took:.1f}s at a {rate >> 20} MiB/s per-node repair cap")
+    finally:
+        c.down(timeout=10)
