@@ -139,9 +139,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                   ) -> pb.ReplicateResponse:
         if self._replicator is None:
             raise Unavailable("this node does not replicate")
+        orders = [list(o.index) for o in request.orders] if request.orders else None
         out = self._replicator.replicate(check_keys(request.keys), list(request.targets),
                                          copies=request.copies or 1,
-                                         write_quorum=request.write_quorum or 1)
+                                         write_quorum=request.write_quorum or 1, orders=orders)
         return pb.ReplicateResponse(copies=out.copies, missing=out.missing,
                                     stored_on=out.stored_on, failed=out.failed)
 

@@ -54,6 +54,10 @@ _COOL_CHECK_S = 1.0
 _FIRST_VIEW_TIMEOUT_S = 10.0
 
 
+class QuorumNotMet(Unavailable):
+    """Fewer than ``write_quorum`` copies could be made; the copies made stay."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Holder:
     """A node holding a key, and the tier the key is in there."""
@@ -230,55 +234,59 @@ class ClusterClient:
         if self.write_quorum > live:
             raise Unavailable(f"write quorum {self.write_quorum} needs {self.write_quorum} live "
                               f"nodes; {live} live")
-        groups: dict[tuple[NodeId, ...], list[int]] = {}
-        for i, k in enumerate(ks):
-            cands = self._write_candidates(view, k)
-            groups.setdefault(tuple(cands[: self.replicas + 1]), []).append(i)
         stored = [False] * len(ks)
+        cands = [self._write_candidates(view, k) for k in ks]
+        down: set[NodeId] = set()  # nodes that failed as master during this call
+        errors: list[str] = []
+        pending = list(range(len(ks)))
+        while pending:
+            bad = self._suspects_now()
+            groups: dict[NodeId, list[int]] = {}
+            for i in pending:
+                alive = [n for n in cands[i] if n not in down]
+                if not alive:
+                    raise Unavailable("no node accepted the put: " + "; ".join(errors))
+                groups.setdefault(self._demote(alive, bad)[0], []).append(i)
+            retry: list[int] = []
 
-        def put_group(cands: tuple[NodeId, ...], idx: list[int]) -> None:
-            all_cands = self._write_candidates(view, ks[idx[0]])
-            flags = self._put_group(view, all_cands, [ks[i] for i in idx],
-                                    [views[i] for i in idx], [ps[i] for i in idx], pin)
-            for i, f in zip(idx, flags, strict=True):
-                stored[i] = f
+            def put_group(master: NodeId, idx: list[int], retry: list[int] = retry) -> None:
+                client = self._client(view, master)
+                keys = [ks[i] for i in idx]
+                vals, pars = [views[i] for i in idx], [ps[i] for i in idx]
+                try:
+                    flags = client.put_batch(keys, vals, parents=pars, pin=pin)
+                    if self.replicas > 1:
+                        others = [n for n in view.by_id if n != master]
+                        slot = {n: j for j, n in enumerate(others)}
+                        orders = [[slot[n] for n in cands[i] if n != master and n not in down]
+                                  for i in idx]
+                        self._replicate(client, keys, [view.by_id[n].addr for n in others],
+                                        orders, vals, pars, pin)
+                except QuorumNotMet:
+                    raise
+                except Unavailable as exc:  # the master is down (or died before replicating)
+                    self._suspect(master)
+                    down.add(master)
+                    errors.append(str(exc))
+                    retry.extend(idx)
+                    return
+                for i, f in zip(idx, flags, strict=True):
+                    stored[i] = f
 
-        self._parallel([lambda c=c, idx=idx: put_group(c, idx) for c, idx in groups.items()])
+            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()])
+            pending = retry
         return stored
 
-    def _put_group(self, view: _View, cands: list[NodeId], keys: list[BlockKey],
-                   values: list[memoryview], parents: list[BlockKey | None], pin: bool
-                   ) -> list[bool]:
-        """Stores one group (same candidates) on its master, then replicates from it."""
-        errors: list[str] = []
-        for pos, master in enumerate(self._demote(list(cands), self._suspects_now())):
-            client = self._client(view, master)
-            try:
-                flags = client.put_batch(keys, values, parents=parents, pin=pin)
-            except Unavailable as exc:
-                self._suspect(master)
-                errors.append(str(exc))
-                continue
-            if self.replicas == 1:
-                return flags
-            targets = [view.by_id[n].addr for n in cands if n != master]
-            try:
-                self._replicate(client, keys, targets, values, parents, pin)
-            except Unavailable as exc:
-                if pos + 1 < len(cands) and "quorum" not in str(exc):
-                    self._suspect(master)  # the master died between put and replicate
-                    errors.append(str(exc))
-                    continue
-                raise
-            return flags
-        raise Unavailable("no node accepted the put: " + "; ".join(errors))
-
     def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
-                   values: list[memoryview], parents: list[BlockKey | None], pin: bool) -> None:
+                   orders: list[list[int]], values: list[memoryview],
+                   parents: list[BlockKey | None], pin: bool) -> None:
+        """Asks the master ``client`` to copy ``keys`` to their replicas; QuorumNotMet if
+        fewer than ``write_quorum`` copies exist when it answers."""
         for attempt in (1, 2):
             reply = client._grpc("Replicate", pb.ReplicateRequest(
                 keys=keys, targets=targets, copies=self.replicas,
-                write_quorum=self.write_quorum))
+                write_quorum=self.write_quorum,
+                orders=[pb.TargetOrder(index=o) for o in orders]))
             if reply.missing and attempt == 1:
                 # Evicted on the master between put and replicate: store those again.
                 lost = set(reply.missing)
@@ -287,11 +295,11 @@ class ClusterClient:
                                  parents=[parents[i] for i in idx], pin=pin)
                 continue
             if reply.missing:
-                raise Unavailable(f"{len(reply.missing)} blocks were evicted on "
-                                  f"{client.addr} before they could be replicated")
+                raise QuorumNotMet(f"{len(reply.missing)} blocks were evicted on "
+                                   f"{client.addr} before they could be replicated")
             if reply.copies < self.write_quorum:
-                raise Unavailable(f"write quorum not met: {reply.copies} of "
-                                  f"{self.write_quorum} copies ({'; '.join(reply.failed)})")
+                raise QuorumNotMet(f"write quorum not met: {reply.copies} of "
+                                   f"{self.write_quorum} copies ({'; '.join(reply.failed)})")
             return
 
     # ---- reads ---------------------------------------------------------------------------

@@ -59,16 +59,21 @@ def push_blocks(node: Node, peer: Client, keys: Sequence[BlockKey]) -> int:
 
 
 class _Round:
-    """One replicate call's bookkeeping; every field guarded by ``cond``."""
+    """One group of keys with the same target order; fields guarded by the shared ``cond``."""
 
-    __slots__ = ("candidates", "cond", "failed", "running", "stored_on")
+    __slots__ = ("candidates", "cond", "failed", "keys", "running", "stored_on")
 
-    def __init__(self, candidates: list[str]) -> None:
-        self.cond = threading.Condition()
+    def __init__(self, cond: threading.Condition, keys: list[BlockKey], candidates: list[str]
+                 ) -> None:
+        self.cond = cond
+        self.keys = keys
         self.candidates = candidates  # not yet started, in order
         self.running = 0
         self.stored_on: list[str] = []
         self.failed: list[str] = []
+
+    def settled(self, need: int) -> bool:
+        return len(self.stored_on) >= need or not (self.running or self.candidates)
 
 
 class Replicator:
@@ -83,7 +88,13 @@ class Replicator:
                                         thread_name_prefix="kvstore-replicate")
 
     def replicate(self, keys: Sequence[BlockKey], targets: Sequence[str], *, copies: int,
-                  write_quorum: int) -> ReplicateOutcome:
+                  write_quorum: int, orders: Sequence[Sequence[int]] | None = None
+                  ) -> ReplicateOutcome:
+        """Copies ``keys`` to ``copies - 1`` targets each; see the module docstring.
+
+        ``orders`` (optional, one per key) lists indexes into ``targets``: the key's own
+        candidates in the order to try. Keys with equal orders travel together.
+        """
         if copies < 1 or not 1 <= write_quorum <= copies:
             raise InvalidArgument(f"need 1 <= write_quorum <= copies, got write_quorum="
                                   f"{write_quorum}, copies={copies}")
@@ -93,36 +104,50 @@ class Replicator:
             host, _, port = t.rpartition(":")
             if not host or not port.isdigit():
                 raise InvalidArgument(f"target must be HOST:PORT, got {t!r}")
+        if orders is not None:
+            if len(orders) != len(keys):
+                raise InvalidArgument(f"{len(orders)} target orders for {len(keys)} keys")
+            if any(not 0 <= i < len(targets) for o in orders for i in o):
+                raise InvalidArgument("a target order names a target index out of range")
         held = self.node.exists(keys)
-        present = [k for k, h in zip(keys, held, strict=True) if h]
         missing = [k for k, h in zip(keys, held, strict=True) if not h]
-        candidates = list(dict.fromkeys(t for t in targets if t != self.self_addr))
-        if not present or copies == 1:
+        groups: dict[tuple[str, ...], list[BlockKey]] = {}
+        for n, (k, h) in enumerate(zip(keys, held, strict=True)):
+            if h:
+                order = targets if orders is None else [targets[i] for i in orders[n]]
+                cands = tuple(dict.fromkeys(t for t in order if t != self.self_addr))
+                groups.setdefault(cands, []).append(k)
+        if not groups or copies == 1:
             return ReplicateOutcome(copies=1, missing=missing)
-        rnd = _Round(candidates)
+        cond = threading.Condition()
+        rounds = [_Round(cond, ks, list(cands)) for cands, ks in groups.items()]
         need = write_quorum - 1
-        with rnd.cond:
-            for _ in range(min(copies - 1, len(candidates))):
-                self._start(rnd, present)
-            while len(rnd.stored_on) < need and (rnd.running or rnd.candidates):
-                rnd.cond.wait()
-            return ReplicateOutcome(copies=1 + len(rnd.stored_on), missing=missing,
-                                    stored_on=list(rnd.stored_on), failed=list(rnd.failed))
+        with cond:
+            for rnd in rounds:
+                for _ in range(min(copies - 1, len(rnd.candidates))):
+                    self._start(rnd)
+            while not all(r.settled(need) for r in rounds):
+                cond.wait()
+            stored = set.intersection(*(set(r.stored_on) for r in rounds))
+            return ReplicateOutcome(
+                copies=1 + min(len(r.stored_on) for r in rounds), missing=missing,
+                stored_on=[t for t in rounds[0].stored_on if t in stored],
+                failed=[f for r in rounds for f in r.failed])
 
-    def _start(self, rnd: _Round, keys: list[BlockKey]) -> None:
+    def _start(self, rnd: _Round) -> None:
         """Starts a push to the next candidate; caller holds ``rnd.cond``."""
         addr = rnd.candidates.pop(0)
         try:
-            self._pool.submit(self._push, rnd, addr, keys)
+            self._pool.submit(self._push, rnd, addr)
         except RuntimeError:  # shut down: the node is stopping
             rnd.failed.append(f"{addr}: node is stopping")
             return
         rnd.running += 1
 
-    def _push(self, rnd: _Round, addr: str, keys: list[BlockKey]) -> None:
+    def _push(self, rnd: _Round, addr: str) -> None:
         error = ""
         try:
-            push_blocks(self.node, self.peers.get(addr), keys)
+            push_blocks(self.node, self.peers.get(addr), rnd.keys)
         except KVStoreError as exc:
             error = str(exc)
         except Exception as exc:  # a bug must not strand the waiting writer
@@ -133,7 +158,7 @@ class Replicator:
             if error:
                 rnd.failed.append(f"{addr}: {error}")
                 if rnd.candidates:
-                    self._start(rnd, keys)
+                    self._start(rnd)
             else:
                 rnd.stored_on.append(addr)
             rnd.cond.notify_all()

@@ -140,7 +140,12 @@ def test_replicate_rpc_rejects_bad_requests_and_reports_missing(trio: list[NodeP
                                         write_quorum=2),
                     pb.ReplicateRequest(keys=[_key(1)], targets=[trio[1].addr], copies=2,
                                         write_quorum=3),
-                    pb.ReplicateRequest(keys=[b"short"], targets=[], copies=1)):
+                    pb.ReplicateRequest(keys=[b"short"], targets=[], copies=1),
+                    pb.ReplicateRequest(keys=[_key(1)], targets=[trio[1].addr], copies=2,
+                                        write_quorum=2, orders=[pb.TargetOrder(index=[1])]),
+                    pb.ReplicateRequest(keys=[_key(1), _key(2)], targets=[trio[1].addr],
+                                        copies=2, write_quorum=2,
+                                        orders=[pb.TargetOrder(index=[0])])):
             with pytest.raises(InvalidArgument):
                 stub_client._grpc("Replicate", bad)
         reply = stub_client._grpc("Replicate", pb.ReplicateRequest(
@@ -149,6 +154,16 @@ def test_replicate_rpc_rejects_bad_requests_and_reports_missing(trio: list[NodeP
         assert len(reply.failed) == 1 and reply.failed[0].startswith("127.0.0.1:1: ")
     with Client(trio[2].addr) as c:
         assert c.get(_key(1)) == b"x" * 10
+    # per-key orders: key 3 goes to node 1 only, key 4 to node 2 only, in one call
+    with Client(trio[0].addr, transport="grpc") as c:
+        c.put_batch([_key(3), _key(4)], [b"3", b"4"])
+        reply = c._grpc("Replicate", pb.ReplicateRequest(
+            keys=[_key(3), _key(4)], targets=[trio[1].addr, trio[2].addr], copies=2,
+            write_quorum=2, orders=[pb.TargetOrder(index=[0]), pb.TargetOrder(index=[1])]))
+        assert reply.copies == 2 and list(reply.stored_on) == [] and not reply.failed
+    with Client(trio[1].addr) as c1, Client(trio[2].addr) as c2:
+        assert c1.exists([_key(3), _key(4)]) == [True, False]
+        assert c2.exists([_key(3), _key(4)]) == [False, True]
 
 
 def test_cluster_options_need_a_cluster() -> None:
