@@ -56,6 +56,14 @@ def _batched(keys: list[bytes], fn: Callable[[list[bytes]], object]) -> None:
         fn(keys[lo : lo + BATCH])
 
 
+def _put_all(c: Any, keys: list[bytes], value: bytes) -> float:
+    return _timed(lambda: _batched(keys, lambda ks: c.put_batch(ks, [value] * len(ks))))
+
+
+def _get_all(c: Any, keys: list[bytes], bufs: list[bytearray]) -> float:
+    return _timed(lambda: _batched(keys, lambda ks: c.get_batch_into(ks, bufs[: len(ks)])))
+
+
 def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: int
                ) -> list[dict[str, Any]]:
     rows = []
@@ -76,10 +84,8 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
                 for _ in range(rounds):
                     keys = _keys(tag, n)
                     tag += 1
-                    puts.append(_timed(lambda c=c, keys=keys: _batched(
-                        keys, lambda ks, c=c: c.put_batch(ks, [value] * len(ks)))))
-                    gets.append(_timed(lambda c=c, keys=keys: _batched(
-                        keys, lambda ks, c=c: c.get_batch_into(ks, bufs[: len(ks)]))))
+                    puts.append(_put_all(c, keys, value))
+                    gets.append(_get_all(c, keys, bufs))
                     for k in keys:  # keep memory bounded between rounds
                         c.remove(k)
                 rows.append({"size": size, "client": name, "blocks": n,

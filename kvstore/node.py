@@ -310,11 +310,13 @@ class Node:
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self._manager.is_mapped(entry)
 
-    def acquire_reads(self, keys: Sequence[BlockKey]) -> list[BlockEntry | None]:
-        """Read leases on several keys under one lock acquisition."""
+    def acquire_reads(self, keys: Sequence[BlockKey], *, access: bool = True
+                      ) -> list[BlockEntry | None]:
+        """Read leases on several keys under one lock acquisition (``access``: see
+        ``TierManager.acquire_read``)."""
         with self._lock:
             acquire = self._manager.acquire_read
-            return [acquire(k) for k in keys]
+            return [acquire(k, access=access) for k in keys]
 
     def release_reads(self, entries: Sequence[BlockEntry | None]) -> None:
         garbage = []
@@ -336,10 +338,12 @@ class Node:
             yield [None if b is None else b[1] for b in blocks]
 
     @contextmanager
-    def reading_blocks(self, keys: Sequence[BlockKey]
+    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True
                        ) -> Iterator[list[tuple[BlockEntry, memoryview] | None]]:
-        """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope."""
-        entries = self.acquire_reads(keys)
+        """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope.
+
+        ``access=False`` for copies the cluster makes: not counted as reads."""
+        entries = self.acquire_reads(keys, access=access)
         try:
             out: list[tuple[BlockEntry, memoryview] | None] = []
             for e in entries:

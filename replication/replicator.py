@@ -45,10 +45,12 @@ def push_blocks(node: Node, peer: Client, keys: Sequence[BlockKey]) -> int:
     """Copies the blocks of ``keys`` that ``node`` holds to ``peer`` (a Client); bytes sent.
 
     Pinned and unpinned blocks go in separate batches so the peer pins what the
-    source pinned. Read leases last only for the copy.
+    source pinned. Read leases last only for the copy, and are not counted as reads
+    (no hits, no recency, no promotion): the cluster copying a block is not a user
+    reading it.
     """
     sent = 0
-    with node.reading_blocks(keys) as blocks:
+    with node.reading_blocks(keys, access=False) as blocks:
         for pin in (False, True):
             group = [b for b in blocks if b is not None and b[0].pinned == pin]
             if group:

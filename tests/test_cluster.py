@@ -190,7 +190,7 @@ def test_sigstop_past_the_ttl_drops_the_node_and_sigcont_brings_it_back(
             held = [k for k, e in zip(keys, direct.exists(keys), strict=True) if e]
             assert held  # it kept its blocks, and serves them byte for byte
             assert direct.get_batch(held) == [_value(keys.index(k)) for k in held]
-        assert client.get_batch(keys + [_key(500)]) == [_value(i) for i in range(200)] + [
+        assert client.get_batch([*keys, _key(500)]) == [_value(i) for i in range(200)] + [
             _value(500)]
 
 

@@ -296,3 +296,18 @@ class ChainMachine(RuleBasedStateMachine):
 
 TestChainMachine = ChainMachine.TestCase
 TestChainMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+
+
+
+def test_a_lease_without_access_counts_nothing_and_keeps_the_lru_order(make) -> None:
+    m = make(3, "lru")
+    for n in "abc":
+        put(m, n)
+    before = m.level_stats(0)
+    e = m.acquire_read(k("a"), access=False)
+    assert e is not None and e.readers == 1 and e.hits == 0
+    assert m.acquire_read(k("zz"), access=False) is None
+    after = m.level_stats(0)
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+    m.release_read(e)
+    assert put(m, "d") == ["a"]  # a is still the least recently used

@@ -60,7 +60,7 @@ def test_put_lands_on_exactly_the_owners(trio: list[NodeProcess]) -> None:
         for i, k in enumerate(keys):
             assert _holders(trio, members, k) == set(placement.owners(k, 2)), i
             assert c.get(k) == _value(i)
-        assert c.exists(keys + [_key(999)]) == [True] * 40 + [False]
+        assert c.exists([*keys, _key(999)]) == [True] * 40 + [False]
         assert c.prefix_match([keys[0], keys[1], _key(999), keys[2]]) == 2
 
 

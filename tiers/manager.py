@@ -260,13 +260,20 @@ class TierManager:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def acquire_read(self, key: BlockKey) -> BlockEntry | None:
+    def acquire_read(self, key: BlockKey, *, access: bool = True) -> BlockEntry | None:
         """A read lease on ``key`` (counted as a hit), or None (a miss).
 
-        The caller must hand the entry to ``release_read`` exactly once.
+        ``access=False`` leases without counting a hit, a miss or recency, and never
+        promotes: for copies the cluster makes (replication, repair), which are not reads
+        of the block by a user. The caller must hand the entry to ``release_read`` exactly
+        once.
         """
         s = self._s
         entry = s.blocks.get(key)
+        if not access:
+            if entry is not None:
+                entry.readers += 1
+            return entry
         if entry is None:
             self.levels[self.landing].counters.misses += 1
             return None
