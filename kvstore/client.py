@@ -232,13 +232,7 @@ class Client:
                   parents: Sequence[bytes | None] | None = None, pin: bool = False
                   ) -> list[bool]:
         """Stores each value under its key; per key as ``put``."""
-        ks = [check_key(k) for k in keys]
-        if len(values) != len(ks):
-            raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
-        ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
-        if len(ps) != len(ks):
-            raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
-        views = [as_readable(v) for v in values]
+        ks, views, ps = check_put_batch(keys, values, parents)
         if self._uses_channel():
             out: list[bool] = []
             for lo in range(0, len(ks), MAX_BATCH):
@@ -347,6 +341,19 @@ class Client:
             "node": {k: json.loads(v) for k, v in reply.node.items()},
             "tiers": {t.name: {"name": t.name, **dict(t.counters)} for t in reply.tiers},
         }
+
+
+def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
+                    parents: Sequence[bytes | None] | None
+                    ) -> tuple[list[BlockKey], list[memoryview], list[BlockKey | None]]:
+    """The checked keys, readable views of the values, and checked parents of a batch put."""
+    ks = [check_key(k) for k in keys]
+    if len(values) != len(ks):
+        raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
+    ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
+    if len(ps) != len(ks):
+        raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
+    return ks, [as_readable(v) for v in values], ps
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:

@@ -37,11 +37,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.channel_client import as_readable
-from kvstore.client import Client
+from kvstore.client import Client, check_put_batch
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.node import check_key, check_parent
+from kvstore.node import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from replication.hotness import HotnessTracker
 from replication.membership import EtcdMembership, Membership, StaticMembership
@@ -222,13 +221,7 @@ class ClusterClient:
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
                   parents: Sequence[bytes | None] | None = None, pin: bool = False
                   ) -> list[bool]:
-        ks = [check_key(k) for k in keys]
-        if len(values) != len(ks):
-            raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
-        ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
-        if len(ps) != len(ks):
-            raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
-        views = [as_readable(v) for v in values]
+        ks, views, ps = check_put_batch(keys, values, parents)
         view = self._current()
         live = len(view.by_id)
         if self.write_quorum > live:

@@ -67,19 +67,13 @@ from itertools import chain
 
 import numpy as np
 
+from replication.checks import positive_finite
+
 LN2 = math.log(2.0)
 
 # Fraction of max_keys dropped per prune: pruning costs O(max_keys), so it runs once
 # per max_keys // _SLACK_DIVISOR new keys.
 _SLACK_DIVISOR = 16
-
-
-def _check_positive_finite(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return float(value)
 
 
 class HotnessTracker:
@@ -97,9 +91,9 @@ class HotnessTracker:
     def __init__(self, *, half_life_s: float = 10.0, hot_reads_per_s: float,
                  cool_reads_per_s: float | None = None, max_keys: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        half_life = _check_positive_finite("half_life_s", half_life_s)
-        hot = _check_positive_finite("hot_reads_per_s", hot_reads_per_s)
-        cool = hot / 2 if cool_reads_per_s is None else _check_positive_finite(
+        half_life = positive_finite("half_life_s", half_life_s)
+        hot = positive_finite("hot_reads_per_s", hot_reads_per_s)
+        cool = hot / 2 if cool_reads_per_s is None else positive_finite(
             "cool_reads_per_s", cool_reads_per_s)
         if cool > hot:
             raise ValueError(f"cool_reads_per_s ({cool!r}) must be <= hot_reads_per_s "

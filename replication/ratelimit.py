@@ -39,18 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from replication.checks import positive_finite
+
 # Float slack when comparing balances that went through different roundings: a
 # relative 1e-12 of the magnitudes involved (real rounding error is ~1e-16), so a
 # waiter whose refill is one ulp short does not sleep for a vanishing interval.
 _REL_TOL = 1e-12
-
-
-def _check_positive_finite(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return float(value)
 
 
 class TokenBucket:
@@ -68,8 +62,8 @@ class TokenBucket:
     def __init__(self, *, rate: float, burst: float,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], object] = time.sleep) -> None:
-        self._rate = _check_positive_finite("rate", rate)
-        self._burst = _check_positive_finite("burst", burst)
+        self._rate = positive_finite("rate", rate)
+        self._burst = positive_finite("burst", burst)
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -96,7 +90,7 @@ class TokenBucket:
 
     def set_rate(self, rate: float) -> None:
         """Changes the refill rate from now on; refill earned so far keeps the old rate."""
-        rate = _check_positive_finite("rate", rate)
+        rate = positive_finite("rate", rate)
         with self._lock:
             self._refill(self._clock())
             self._rate = rate
