@@ -23,6 +23,11 @@ these. It watches membership, ranks the live nodes for every key (see
 
 Nodes that failed a call are tried last for ``suspect_s`` seconds, so one dead
 node costs one failed call, not one per request, until membership drops it.
+
+Locks: ``_lock`` guards the membership view, the suspects and the fan-out table;
+``_hot_lock`` guards the hotness tracker. Neither is held with the other, nor
+during any call to a node. A view is immutable once published (its candidate
+cache only memoises), so calls in flight finish on the view they started with.
 """
 
 from __future__ import annotations
