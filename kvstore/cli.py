@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    s = sub.add_parser("health", help="exit 0 if the node answers SERVING (a container probe)")
+    s.add_argument("--addr", default=DEFAULT_ADDR, help=f"node address (default {DEFAULT_ADDR})")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    s.add_argument("--service", default="",
+                   help="grpc.health.v1 service name (default '': the whole node)")
+
     from replication.cluster_cli import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
@@ -297,6 +303,33 @@ def format_stat_table(stats: dict) -> str:
     return "\n".join([*lines, f"node: {node}"])
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """One grpc.health.v1 Check: exit 0 on SERVING, else one line and exit 1."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    host, _, port = args.addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"address must be HOST:PORT, got {args.addr!r}")
+    if not args.timeout > 0:
+        raise CliError(f"--timeout must be positive, got {args.timeout}")
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            call: Any = exc  # a failed unary call is also a grpc.Call
+            details = " ".join(str(call.details() or "").split())
+            if call.code() == grpc.StatusCode.NOT_FOUND:
+                details = f"no health status for service {args.service!r}"
+            raise CliError(f"{args.addr}: {call.code().name}: {details}") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise CliError(f"{args.addr} is {status}")
+    print(f"{args.addr} {status}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -322,4 +355,5 @@ COMMANDS = {
     "rm": cmd_rm,
     "stat": cmd_stat,
     "bench": cmd_bench,
+    "health": cmd_health,
 }

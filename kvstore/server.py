@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import wire
 from kvstore.channel_server import ChannelServer
@@ -179,6 +181,30 @@ def decoding_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+HEALTH_SERVICES = ("", pb.DESCRIPTOR.services_by_name["KVStore"].full_name)
+"""Names the standard health service answers for: the whole server and kvstore.v1.KVStore."""
+
+
+class NodeHealth(grpc_health.HealthServicer):
+    """``grpc.health.v1.Health``: SERVING while the node serves, NOT_SERVING once it drains.
+
+    Check reads ``node.draining`` on every call, whoever started the drain; Watch
+    streams hear of it when ``NodeServer.stop`` begins. Kubernetes' native gRPC
+    probe and ``kvstore health`` both call Check.
+    """
+
+    def __init__(self, node: Node) -> None:
+        super().__init__()
+        self._node = node
+        for service in HEALTH_SERVICES:
+            self.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if request.service in HEALTH_SERVICES and self._node.draining:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
+
+
 @dataclass(slots=True, kw_only=True)
 class ServerAddresses:
     grpc: str
@@ -217,6 +243,8 @@ class NodeServer:
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
         self._grpc.add_generic_rpc_handlers(
             (decoding_handlers(KVStoreServicer(node, self._open_channel, self.replicator)),))
+        self.health = NodeHealth(node)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
 
     def _open_channel(self, client_host_id: str) -> pb.OpenChannelResponse:
         same_host = bool(client_host_id) and client_host_id == self._host_id
@@ -242,6 +270,7 @@ class NodeServer:
 
         Returns True if every in-flight request finished within ``grace`` seconds.
         """
+        self.health.enter_graceful_shutdown()  # NOT_SERVING from here on, Watch streams too
         drained = self.node.drain(grace)
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
