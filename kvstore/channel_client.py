@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class ChannelSession:
     token: bytes
     region_bytes: int
     region: mmap.mmap | None = field(default=None)
+    tls: ssl.SSLContext | None = None  # wraps TCP connections (the node serves TLS)
 
     def close(self) -> None:
         if self.region is not None:
@@ -85,6 +87,12 @@ class ChannelConnection:
         else:
             sock = socket.create_connection((session.tcp_host, session.tcp_port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if session.tls is not None:
+                try:
+                    sock = session.tls.wrap_socket(sock, server_hostname=session.tcp_host)
+                except BaseException:
+                    sock.close()
+                    raise
         self.sock = sock
         try:
             self._hello(timeout)

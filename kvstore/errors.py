@@ -33,6 +33,18 @@ class Unavailable(KVStoreError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(KVStoreError):
+    """No valid credentials: a missing or unknown bearer token, or no client certificate."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KVStoreError):
+    """Valid credentials that may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InternalError(KVStoreError):
     """A bug in the node; the message says where."""
 
@@ -40,7 +52,8 @@ class InternalError(KVStoreError):
 
 
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
-    cls.code: cls for cls in (InvalidArgument, ResourceExhausted, Unavailable, InternalError)
+    cls.code: cls for cls in (InvalidArgument, ResourceExhausted, Unavailable, InternalError,
+                              Unauthenticated, PermissionDenied)
 }
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.quotas import QuotaBook
 from tiers.base import Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
@@ -112,6 +113,7 @@ class Node:
         self._tier = next(t for t in tiers if isinstance(t, DramTier))
         self._lock = threading.Lock()
         # guarded by _lock:
+        self._quotas = QuotaBook()
         self._manager = TierManager(
             tiers,
             make_policy(settings.policy),
@@ -206,8 +208,8 @@ class Node:
 
     # ---- puts ----------------------------------------------------------------------------
 
-    def _reserve(self, key: BlockKey, nbytes: int, parent: BlockKey | None, pin: bool
-                 ) -> Reservation | None:
+    def _reserve(self, key: BlockKey, nbytes: int, parent: BlockKey | None, pin: bool,
+                 owner: str | None = None, quota: int | None = None) -> Reservation | None:
         if nbytes <= 0:
             raise InvalidArgument("a block value must not be empty")
         if parent == key:
@@ -215,10 +217,15 @@ class Node:
         for _ in range(_ROOM_ATTEMPTS):
             try:
                 with self._lock:
+                    if owner is not None and quota is not None and key not in self._manager:
+                        self._quotas.check(owner, quota, nbytes)
                     reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
-                    # Nothing outside the node needs to hear of evictions yet (no
-                    # replicas): drop the events so they cannot pile up.
-                    self._manager.drain_evicted()
+                    if reservation is not None and owner is not None:
+                        self._quotas.charge(owner, key, nbytes)
+                    # Evicted blocks leave their owner's quota; nothing else needs to hear
+                    # of them, so the events cannot pile up.
+                    for gone in self._manager.drain_evicted():
+                        self._quotas.release(gone)
                     over = bool(self._mover) and bool(self._manager.over_high())
                 if over and self._mover is not None:
                     self._mover.nudge()
@@ -237,13 +244,14 @@ class Node:
                                 "or already moving")
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
-                pin: bool = False) -> Reservation | None:
+                pin: bool = False, owner: str | None = None, quota: int | None = None
+                ) -> Reservation | None:
         """Space for a put whose bytes arrive later (None: the key is already stored).
 
         The caller owns the reservation until it hands it to ``commit`` or ``abort``;
         transports keep them in a ``ReservationSet`` that aborts leftovers on close.
         """
-        return self._reserve(key, nbytes, parent, pin)
+        return self._reserve(key, nbytes, parent, pin, owner, quota)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         return self._manager.fill_view(reservation)
@@ -255,15 +263,18 @@ class Node:
     def abort(self, reservation: Reservation) -> None:
         with self._lock:
             self._manager.abort(reservation)
+            self._quotas.release(reservation.key)
 
     @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
-                 pin: bool = False) -> Iterator[PutSlot | None]:
+                 pin: bool = False, owner: str | None = None, quota: int | None = None
+                 ) -> Iterator[PutSlot | None]:
         """Two-phase put: reserve, let the caller fill ``slot.view``, commit on a clean exit.
 
         Yields None when the key is already stored (the put is an idempotent no-op).
+        ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.quotas``).
         """
-        reservation = self._reserve(key, nbytes, parent, pin)
+        reservation = self._reserve(key, nbytes, parent, pin, owner, quota)
         if reservation is None:
             yield None
             return
@@ -278,9 +289,10 @@ class Node:
         slot.stored = self.commit(reservation)
 
     def put(self, key: BlockKey, value: memoryview, *, parent: BlockKey | None = None,
-            pin: bool = False) -> bool:
+            pin: bool = False, owner: str | None = None, quota: int | None = None) -> bool:
         """Stores ``value`` under ``key``; False if the key was already stored."""
-        with self.put_slot(key, len(value), parent=parent, pin=pin) as slot:
+        with self.put_slot(key, len(value), parent=parent, pin=pin, owner=owner,
+                           quota=quota) as slot:
             if slot is None:
                 return False
             slot.view[:] = value
@@ -405,6 +417,8 @@ class Node:
     def remove(self, key: BlockKey) -> bool:
         with self._lock:
             gone = self._manager.remove(key)
+            if gone is not False:
+                self._quotas.release(key)
         if gone is not True and gone is not False:
             self._delete_durable([gone])
             return True
@@ -415,6 +429,7 @@ class Node:
             m = self._manager
             tiers = [m.level_stats(i) for i in range(len(m.levels))]
             pending = m.pending_promotions()
+            quota_used = self._quotas.used()
         with self._admission:
             draining, in_flight = self._draining, self._in_flight
         return {
@@ -424,6 +439,7 @@ class Node:
                 "draining": draining,
                 "in_flight": in_flight,
                 "pending_promotions": pending,
+                **({"namespace_bytes": quota_used} if quota_used else {}),
                 **self._info,
                 **{k: v for source in self._stat_sources for k, v in source().items()},
             },

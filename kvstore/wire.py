@@ -42,6 +42,7 @@ Per-op meta:
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
@@ -114,8 +115,9 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     socket; the loop only covers signals and end of stream.
     """
     got, n = 0, len(view)
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS takes none
     while got < n:
-        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        r = sock.recv_into(view[got:], n - got, flags)
         if r == 0:
             if got == 0:
                 raise PeerClosed("peer closed the stream")
@@ -132,7 +134,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def recv_bytes(sock: socket.socket, n: int) -> bytes:
     """``n`` bytes as a new bytes object, received in place (no second copy)."""
-    data = sock.recv(n, socket.MSG_WAITALL)
+    data = sock.recv(n, 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL)
     if len(data) == n:
         return data
     if not data:
@@ -211,11 +213,23 @@ class StreamReader:
             discard(self._sock, n - k, scratch)
 
 
+_TLS_JOIN = 64 << 10  # below this a buffer is copied into one TLS write with its neighbours
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Sends every buffer in order with as few syscalls as the kernel allows.
 
-    Buffers must be bytes-like with one-byte items (``len`` is their size).
+    Buffers must be bytes-like with one-byte items (``len`` is their size). A TLS
+    socket has no ``sendmsg``: small buffers are joined, large ones sent one by one.
     """
+    if isinstance(sock, ssl.SSLSocket):
+        small = sum(len(b) for b in buffers if len(b) < _TLS_JOIN)
+        if small == sum(map(len, buffers)):
+            sock.sendall(b"".join(buffers))
+            return
+        for b in buffers:
+            sock.sendall(b)
+        return
     if len(buffers) <= _IOV_MAX:
         total = sum(map(len, buffers))
         sent = sock.sendmsg(buffers)

@@ -47,6 +47,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.node import check_key
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.security import ClientTls
 from replication.hotness import HotnessTracker
 from replication.membership import EtcdMembership, Membership, StaticMembership
 from replication.peers import PeerPool
@@ -101,7 +102,8 @@ class ClusterClient:
                  timeout: float | None = 30.0, node_timeout: float = 5.0,
                  hot_reads_per_s: float | None = None, hot_half_life_s: float = 10.0,
                  fanout: int = 2,
-                 suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 token: str | None = None, tls: ClientTls | None = None) -> None:
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
         if replicas < 1:
@@ -123,7 +125,8 @@ class ClusterClient:
                           else StaticMembership(list(members or ())))
         self.membership = membership
         self._peers = PeerPool(transport=transport, timeout=min(timeout or node_timeout,
-                                                                   node_timeout))
+                                                                   node_timeout),
+                               token=token, tls=tls)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-cluster")
         self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s,
                                     half_life_s=hot_half_life_s, clock=clock)

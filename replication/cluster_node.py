@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvstore.errors import Unavailable
 from kvstore.node import Node
 from replication.membership import EtcdMembership
 from replication.peers import PeerPool
@@ -73,6 +74,18 @@ class ClusterRole:
         finally:
             self.repair.stop()
             self.membership.close()
+
+    def drain(self) -> dict[str, float]:
+        """Leaves placement (lease revoked: clients and peers stop choosing this node),
+        then hands off the blocks no remaining owner holds. The caller stops the node."""
+        if not self._joined:
+            raise Unavailable("this node is not (or no longer) a cluster member")
+        self.membership.leave()
+        log.info("draining: left the cluster; handing off blocks")
+        result = self.repair.hand_off()
+        log.info("drained: %d blocks, %d copies made on their owners in %.1fs",
+                 result["blocks"], result["copies"], result["seconds"])
+        return result
 
     def stats(self) -> dict[str, object]:
         return {"node_id": self.member.node_id, "zone": self.member.zone,

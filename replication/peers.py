@@ -12,12 +12,16 @@ from collections.abc import Iterable
 
 from kvstore.client import Client
 from kvstore.errors import Unavailable
+from kvstore.security import ClientTls
 
 
 class PeerPool:
-    def __init__(self, *, transport: str = "auto", timeout: float = 10.0) -> None:
+    def __init__(self, *, transport: str = "auto", timeout: float = 10.0,
+                 token: str | None = None, tls: ClientTls | None = None) -> None:
         self.transport = transport
         self.timeout = timeout
+        self._token = token
+        self._tls = tls
         self._lock = threading.Lock()
         # guarded by _lock:
         self._clients: dict[str, Client] = {}
@@ -29,7 +33,8 @@ class PeerPool:
                 raise Unavailable("peer pool is closed")
             client = self._clients.get(addr)
             if client is None:
-                client = Client(addr, transport=self.transport, timeout=self.timeout)
+                client = Client(addr, transport=self.transport, timeout=self.timeout,
+                                token=self._token, tls=self._tls)
                 self._clients[addr] = client
             return client
 

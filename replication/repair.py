@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.node import Node
 from replication.membership import Membership
@@ -73,6 +73,7 @@ class RepairWorker:
         # guarded by _wake:
         self._generation = 0  # bumped on every membership change
         self._stopped = False
+        self._handing_off = False
         self._counters = RepairCounters()
         self._thread = threading.Thread(target=self._run, name="kvstore-repair", daemon=True)
         self._unsubscribe: Callable[[], None] | None = None
@@ -133,6 +134,8 @@ class RepairWorker:
 
     def _changed(self, generation: int | None) -> bool:
         with self._wake:
+            if self._handing_off:
+                return False  # a hand-off finishes whatever the membership does
             return self._stopped or (generation is not None and generation != self._generation)
 
     def run_pass(self, generation: int | None = None) -> bool:
@@ -158,6 +161,31 @@ class RepairWorker:
             c.last_pass_s = self._clock() - start
             c.last_pass_end = self._clock()
         return True
+
+    def hand_off(self) -> dict[str, float]:
+        """Copies every block this node holds that no remaining owner holds to its owners,
+        as if this node were gone (call it after leaving the membership). Blocks some
+        owner already holds are left to that owner's repair. Runs in the caller's thread.
+        """
+        view = [m for m in self.membership.members() if m.node_id != self.self_id]
+        if not view:
+            raise Unavailable("no other live node to hand the blocks to")
+        placement = Placement(view)
+        keys = self.node.keys()
+        start = self._clock()
+        with self._wake:
+            before = (self._counters.repaired_blocks, self._counters.repaired_bytes)
+            self._handing_off = True
+        try:
+            for lo in range(0, len(keys), SCAN_BATCH):
+                self._repair_chunk(placement, keys[lo : lo + SCAN_BATCH])
+        finally:
+            with self._wake:
+                self._handing_off = False
+                c = self._counters
+                blocks, nbytes = c.repaired_blocks - before[0], c.repaired_bytes - before[1]
+        return {"blocks": len(keys), "copies": blocks, "bytes_copied": nbytes,
+                "seconds": self._clock() - start}
 
     def _repair_chunk(self, placement: Placement, keys: list[BlockKey]) -> None:
         owners = placement.owners_many(keys, self.replicas)

@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Drain',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -162,6 +167,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Cluster: leave placement, copy every block no remaining owner holds to its
+        owners, answer, then stop (as on SIGTERM). For rolling upgrades.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +232,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -518,6 +536,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Replicate',
             kvstore_dot_proto_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Drain',
+            kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
