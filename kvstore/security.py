@@ -34,7 +34,12 @@ or repair place on other nodes are not charged there.
 channel over TLS (the channel inside ``ssl``); ``--tls-ca`` is the CA that node and
 client certificates chain to, and ``--tls-client-auth`` requires client
 certificates (mutual TLS). Without TLS a node listens only on loopback unless
-``--insecure`` is given.
+``--insecure`` is given. A node presents its own certificate when it calls its
+peers (replication, repair), so node certificates need both the serverAuth and
+clientAuth key usages.
+
+**etcd.** ``--etcd-ca``/``--etcd-cert``/``--etcd-key`` reach etcd over TLS, with a
+client certificate when etcd requires one (``--client-cert-auth``).
 """
 
 from __future__ import annotations

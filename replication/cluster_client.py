@@ -103,7 +103,8 @@ class ClusterClient:
                  hot_reads_per_s: float | None = None, hot_half_life_s: float = 10.0,
                  fanout: int = 2,
                  suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 token: str | None = None, tls: ClientTls | None = None) -> None:
+                 token: str | None = None, tls: ClientTls | None = None,
+                 etcd_tls: ClientTls | None = None) -> None:
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
         if replicas < 1:
@@ -121,7 +122,7 @@ class ClusterClient:
         self._suspect_s = suspect_s
         self._owns_membership = membership is None
         if membership is None:
-            membership = (EtcdMembership(etcd) if etcd is not None
+            membership = (EtcdMembership(etcd, tls=etcd_tls) if etcd is not None
                           else StaticMembership(list(members or ())))
         self.membership = membership
         self._peers = PeerPool(transport=transport, timeout=min(timeout or node_timeout,

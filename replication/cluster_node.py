@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import Unavailable
 from kvstore.node import Node
+from kvstore.security import ClientTls
 from replication.membership import EtcdMembership
 from replication.peers import PeerPool
 from replication.placement import Member, NodeId
@@ -35,6 +36,7 @@ class ClusterSettings:
     replicas: int = 2
     repair_bytes_per_s: int = 100 << 20
     repair_interval_s: float = 30.0
+    etcd_tls: ClientTls | None = None
 
 
 class ClusterRole:
@@ -44,7 +46,7 @@ class ClusterRole:
         self.settings = settings
         self.member = Member(node_id=NodeId(settings.node_id), addr=settings.addr,
                              zone=settings.zone, weight=settings.weight)
-        self.membership = EtcdMembership(settings.etcd)
+        self.membership = EtcdMembership(settings.etcd, tls=settings.etcd_tls)
         rate = settings.repair_bytes_per_s
         self.repair = RepairWorker(
             node, self.membership, self_id=settings.node_id, peers=peers,

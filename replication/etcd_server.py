@@ -30,6 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from kvstore.security import ServerTls
+
 _LOG_TAIL_BYTES = 4000
 _BIND_ATTEMPTS = 3  # fresh ports are tried again only if the chosen ones were taken meanwhile
 # urllib honours http_proxy; the health probe must go straight to loopback.
@@ -72,7 +74,11 @@ class EtcdServer:
         peer_port: int = 0,
         name: str = "kvstore-etcd",
         binary: str = "etcd",
+        tls: ServerTls | None = None,
     ) -> None:
+        """``tls``: serve clients over TLS with ``tls.cert``/``tls.key``; with
+        ``tls.client_auth``, clients must present a certificate signed by ``tls.ca``."""
+        self.tls = tls
         self.data_dir = Path(data_dir)
         self.name = name
         self.binary = binary
@@ -212,10 +218,18 @@ class EtcdServer:
                 self._peer_port = _free_port()
 
     def _args(self, exe: str) -> list[str]:
-        client_url = f"http://127.0.0.1:{self._client_port}"
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://127.0.0.1:{self._client_port}"
         peer_url = f"http://127.0.0.1:{self._peer_port}"
+        tls = self.tls
+        tls_args = [] if tls is None else [
+            f"--cert-file={tls.cert}", f"--key-file={tls.key}",
+            *([f"--trusted-ca-file={tls.ca}"] if tls.ca else []),
+            *(["--client-cert-auth"] if tls.client_auth else []),
+        ]
         return [
             exe,
+            *tls_args,
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client_url}",
@@ -264,9 +278,24 @@ class EtcdServer:
             time.sleep(0.05)
 
     def _healthy(self) -> bool:
+        if self.tls is not None:
+            return self._healthy_tls()
         url = f"http://127.0.0.1:{self._client_port}/health"
         try:
             with _DIRECT.open(url, timeout=1.0) as resp:
+                body = json.loads(resp.read())
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+        return isinstance(body, dict) and body.get("health") == "true"
+
+    def _healthy_tls(self) -> bool:
+        assert self.tls is not None
+        ctx = self.tls.peer().ssl_context()  # etcd's CA, and our certificate if it asks
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=ctx))
+        try:
+            with opener.open(f"https://127.0.0.1:{self._client_port}/health",
+                             timeout=1.0) as resp:
                 body = json.loads(resp.read())
         except (OSError, urllib.error.URLError, ValueError):
             return False

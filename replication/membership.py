@@ -66,6 +66,7 @@ import grpc
 from aetcd import rpc
 
 from kvstore.errors import KVStoreError, Unavailable
+from kvstore.security import ClientTls
 from replication.placement import Member, NodeId
 
 log = logging.getLogger("kvstore.membership")
@@ -321,6 +322,38 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _TlsEtcdClient(aetcd.Client):
+    """aetcd 1.0 opens only plaintext channels. This ``connect`` is aetcd's own
+    (aetcd/client.py, 1.0.0) with ``secure_channel`` in place of ``insecure_channel``;
+    no etcd user/password (TLS client certificates authenticate instead)."""
+
+    def __init__(self, host: str, port: int, *, credentials: grpc.ChannelCredentials,
+                 **kwargs: Any) -> None:
+        super().__init__(host, port, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = aetcd.rpc.secure_channel(f"{self._host}:{self._port}",
+                                                    self._credentials,
+                                                    options=list(self._options.items()))
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class EtcdMembership:
     """Membership kept in etcd at ``endpoint`` (``"host:port"``); see the module docstring.
 
@@ -336,9 +369,11 @@ class EtcdMembership:
         prefix: str = DEFAULT_PREFIX,
         timeout: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        tls: ClientTls | None = None,
     ) -> None:
         if not prefix:
             raise ValueError("prefix must not be empty")
+        self._tls = tls  # etcd over TLS (with a client certificate when tls has one)
         self._endpoint = endpoint
         self._host, self._port = _parse_endpoint(endpoint)
         self._prefix = prefix.encode()
@@ -479,8 +514,13 @@ class EtcdMembership:
     # ---- loop thread: the watcher ------------------------------------------------------------
 
     async def _start(self) -> None:
-        self._client = aetcd.Client(self._host, self._port, timeout=self._timeout,
-                                    options=_CHANNEL_OPTIONS)
+        if self._tls is None:
+            self._client = aetcd.Client(self._host, self._port, timeout=self._timeout,
+                                        options=_CHANNEL_OPTIONS)
+        else:
+            self._client = _TlsEtcdClient(self._host, self._port, timeout=self._timeout,
+                                          options=_CHANNEL_OPTIONS,
+                                          credentials=self._tls.grpc_credentials())
         self._progress = asyncio.Condition()
         self._reg_lock = asyncio.Lock()
         self._watch_task = asyncio.get_running_loop().create_task(self._watch_forever())
