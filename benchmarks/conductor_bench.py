@@ -1,0 +1,287 @@
+"""The Conductor's three FAST'25 comparisons, simulated (``python -m benchmarks.conductor_bench``).
+
+* ``policies``: average TTFT of the four prefill scheduling policies on the
+  conversation trace (8 prefill + 8 decode instances, speed 1, no rejection),
+  against the paper's 19.65 / 5.27 / 3.58 / 3.07 s.
+* ``rejection``: rejected requests under ``baseline`` / ``load`` / ``predictive``
+  at 2x speed, for several prefill/decode splits (decode must be the bottleneck
+  for early rejection to act; see RESULTS.md), against the paper's Table 3.
+* ``capacity``: effective request capacity at TTFT 30 s and TBT 100/200/300 ms of
+  the disaggregated cache-aware cluster vs the colocated baseline at equal
+  instance count. Capacity = the highest replay speed at which at least
+  ``--attainment`` (0.9) of the requests meet both SLOs, found by bisection
+  (attainment falls with speed), reported in requests/s (speed x the trace's
+  mean arrival rate).
+
+Every run is deterministic (simulated clock); the figures depend only on the
+code, the trace and the parameters printed with them. Writes
+``conductor_bench.json`` and ``conductor_bench.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from conductor.colocated import ColocatedEngine, max_token_gaps, simulate_colocated
+from conductor.costs import PolyCostModel, a800_kv_capacity_tokens
+from conductor.metrics import summarize
+from conductor.policies import POLICIES
+from conductor.sim import (
+    DEFAULT_CACHE_BLOCKS,
+    ClusterSpec,
+    SimResult,
+    requests_from_trace,
+    simulate,
+)
+from conductor.trace import TraceRequest, load_trace
+from conductor.types import Slo
+
+DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+PAPER_TTFT = {"random": 19.65, "load-balancing": 5.27, "local-cache-aware": 3.58,
+              "global-cache-aware": 3.07}
+PAPER_REJECTED = {"baseline": 4183, "load": 3771, "predictive": 3589}
+TBT_SLOS = (0.1, 0.2, 0.3)
+
+
+def bench_policies(trace: Sequence[TraceRequest], *, prefill: int, decode: int,
+                   speed: float) -> dict[str, Any]:
+    reqs = requests_from_trace(trace, speed=speed)
+    out: dict[str, Any] = {}
+    for name in POLICIES:
+        run = simulate(reqs, spec=ClusterSpec(prefill=prefill, decode=decode), policy=name)
+        out[name] = summarize(run.records, Slo(), duration_s=run.duration_s)
+    g = out["global-cache-aware"]["avg_ttft_s"]
+    print(f"\n## policies: {len(reqs)} requests, speed {speed:g}, {prefill}P+{decode}D, "
+          "rejection none\n")
+    print("| policy | avg TTFT (s) | p90 TTFT (s) | cache hit | ratio to global | paper avg (s) "
+          "| paper ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, s in out.items():
+        p = PAPER_TTFT[name]
+        print(f"| {name} | {s['avg_ttft_s']:.2f} | {s['p90_ttft_s']:.2f} | "
+              f"{s['cache_hit_ratio']:.3f} | {s['avg_ttft_s'] / g:.2f} | {p:.2f} | "
+              f"{p / PAPER_TTFT['global-cache-aware']:.2f} |")
+    return out
+
+
+def bench_rejection(trace: Sequence[TraceRequest], *, splits: Sequence[tuple[int, int]],
+                    speed: float, slo: Slo) -> dict[str, Any]:
+    reqs = requests_from_trace(trace, speed=speed)
+    out: dict[str, Any] = {}
+    print(f"\n## rejection: {len(reqs)} requests, speed {speed:g}, global-cache-aware, "
+          f"SLO TTFT {slo.ttft_s:g} s / TBT {slo.tbt_s * 1000:g} ms\n")
+    print("| split | mode | rejected | early | late | wasted prefill (s) | meeting SLOs | "
+          "avg TTFT (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for p, d in splits:
+        key = f"{p}P+{d}D"
+        out[key] = {}
+        for mode in ("baseline", "load", "predictive"):
+            run = simulate(reqs, spec=ClusterSpec(prefill=p, decode=d), rejection=mode, slo=slo)
+            s = summarize(run.records, slo, duration_s=run.duration_s)
+            s["wasted_prefill_s"] = run.wasted_prefill_s
+            out[key][mode] = s
+            print(f"| {key} | {mode} | {s['rejected']} | {s['rejected_early']} | "
+                  f"{s['rejected_late']} | {run.wasted_prefill_s:.0f} | "
+                  f"{s['effective_requests']} | {s['avg_ttft_s']:.2f} |")
+    return out
+
+
+def _bisect(attain: Callable[[float], float], target: float, lo: float, hi: float,
+            tol: float) -> float:
+    """Highest speed in [lo, hi] with attainment >= target, assuming it falls with speed;
+    ``lo`` if even ``lo`` misses."""
+    if attain(lo) < target:
+        return lo
+    if attain(hi) >= target:
+        return hi
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if attain(mid) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def bench_capacity(trace: Sequence[TraceRequest], *, instances: int, attainment: float,
+                   chunk_tokens: int, tol: float, colocated_cache_blocks: int
+                   ) -> dict[str, Any]:
+    cost = PolyCostModel.a800_llama2_70b()
+    kv = a800_kv_capacity_tokens()
+    rate = len(trace) / (trace[-1].timestamp_ms / 1000.0)
+    systems: dict[str, Callable[[float], SimResult]] = {
+        f"colocated {instances}": lambda s: simulate_colocated(
+            requests_from_trace(trace, speed=s), instances=instances, cost=cost,
+            cache_blocks=colocated_cache_blocks, kv_capacity_tokens=kv),
+        f"colocated {instances}, chunked {chunk_tokens}": lambda s: simulate_colocated(
+            requests_from_trace(trace, speed=s), instances=instances, cost=cost,
+            cache_blocks=colocated_cache_blocks, kv_capacity_tokens=kv,
+            chunk_tokens=chunk_tokens),
+    }
+    for p in range(instances // 2, instances, max(1, instances // 8)):
+        systems[f"disaggregated {p}P+{instances - p}D"] = (
+            lambda s, p=p: simulate(requests_from_trace(trace, speed=s), cost=cost,
+                                    spec=ClusterSpec(prefill=p, decode=instances - p)))
+    out: dict[str, Any] = {"base_rps": rate, "attainment": attainment, "systems": {}}
+    print(f"\n## capacity: {instances} instances, capacity = max speed with >= "
+          f"{attainment:.0%} of requests meeting TTFT 30 s and the TBT SLO "
+          f"(1x = {rate:.2f} req/s)\n")
+    print("| system | TBT 100 ms | TBT 200 ms | TBT 300 ms |")
+    print("|---|---:|---:|---:|")
+    for name, run in systems.items():
+        cache: dict[float, SimResult] = {}
+
+        def get(speed: float, run: Callable[[float], SimResult] = run,
+                cache: dict[float, SimResult] = cache) -> SimResult:
+            if speed not in cache:
+                cache[speed] = run(speed)
+            return cache[speed]
+
+        caps = {}
+        for tbt in TBT_SLOS:
+            slo = Slo(ttft_s=30.0, tbt_s=tbt)
+            caps[tbt] = _bisect(lambda s, slo=slo: summarize(get(s).records, slo)[
+                "slo_attainment"], attainment, 0.5, 8.0, tol)
+        out["systems"][name] = {str(t): c for t, c in caps.items()}
+        print(f"| {name} | " + " | ".join(f"{caps[t]:.2f}x = {caps[t] * rate:.2f} req/s"
+                                          for t in TBT_SLOS) + " |")
+    colo = out["systems"][f"colocated {instances}"]
+    best = {str(t): max(v[str(t)] for k, v in out["systems"].items()
+                        if k.startswith("disaggregated")) for t in TBT_SLOS}
+    out["gain_best_split_vs_colocated"] = {t: best[t] / colo[t] - 1 for t in best}
+    print("\nbest disaggregated split vs colocated: "
+          + ", ".join(f"TBT {float(t) * 1000:.0f} ms {g:+.0%}"
+                      for t, g in out["gain_best_split_vs_colocated"].items()))
+    out["colocated_cache_blocks"] = colocated_cache_blocks
+    out["max_gap_attainment_1x"] = _gap_diagnostic(trace, instances=instances, cost=cost,
+                                                   kv=kv, chunk_tokens=chunk_tokens,
+                                                   cache_blocks=colocated_cache_blocks)
+    return out
+
+
+def _gap_diagnostic(trace: Sequence[TraceRequest], *, instances: int, cost: PolyCostModel,
+                    kv: int, chunk_tokens: int, cache_blocks: int
+                    ) -> dict[str, dict[str, float]]:
+    """At speed 1, the share of colocated requests meeting TTFT 30 s and the TBT SLO
+    under the mean-gap TBT (this simulator's) and under a per-token one (every gap)."""
+    reqs = requests_from_trace(trace)
+    out: dict[str, dict[str, float]] = {}
+    print("\ncolocated at 1x, share meeting TTFT 30 s and TBT as mean gap / as every gap:")
+    for label, chunk in (("whole prefill", None), (f"chunked {chunk_tokens}", chunk_tokens)):
+        engines: list[ColocatedEngine] = []
+        run = simulate_colocated(reqs, instances=instances, cost=cost,
+                                 cache_blocks=cache_blocks, kv_capacity_tokens=kv,
+                                 chunk_tokens=chunk, engines_out=engines)
+        gaps = max_token_gaps(run.records, engines)
+        n = len(run.records)
+        row = {}
+        for tbt in TBT_SLOS:
+            mean_ok = sum(1 for r in run.records if r.meets(Slo(ttft_s=30.0, tbt_s=tbt)))
+            gap_ok = sum(1 for r in run.records if r.meets(Slo(ttft_s=30.0, tbt_s=1e9))
+                         and gaps.get(r.id, 0.0) <= tbt)
+            row[f"mean_{tbt}"] = mean_ok / n
+            row[f"gap_{tbt}"] = gap_ok / n
+        out[label] = row
+        print(f"  {label}: " + ", ".join(
+            f"TBT {t * 1000:.0f} ms {row[f'mean_{t}']:.3f} / {row[f'gap_{t}']:.3f}"
+            for t in TBT_SLOS))
+    full = cost.decode_step_s(256, kv)
+    print(f"disaggregated decode step with a full KV cache (1.47M tokens): {full * 1000:.0f} ms")
+    return out
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = [k for k in ("policies", "rejection", "capacity") if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        if key == "policies":
+            names = list(PAPER_TTFT)
+            x = np.arange(len(names))
+            ax.bar(x - 0.2, [results[key][n]["avg_ttft_s"] for n in names], 0.4, label="sim")
+            ax.bar(x + 0.2, [PAPER_TTFT[n] for n in names], 0.4, label="FAST'25")
+            ax.set_xticks(x, [n.replace("-", "-\n", 1) for n in names], fontsize=8)
+            ax.set_ylabel("average TTFT (s)")
+            ax.legend()
+        elif key == "rejection":
+            splits = list(results[key])
+            x = np.arange(len(splits))
+            for i, mode in enumerate(("baseline", "load", "predictive")):
+                ax.bar(x + (i - 1) * 0.27, [results[key][s][mode]["rejected"] for s in splits],
+                       0.27, label=mode)
+            ax.set_xticks(x, splits)
+            ax.set_ylabel("rejected requests (2x speed)")
+            ax.legend()
+        else:
+            systems = results[key]["systems"]
+            x = np.arange(len(TBT_SLOS))
+            w = 0.8 / len(systems)
+            for i, (name, caps) in enumerate(systems.items()):
+                ax.bar(x + i * w - 0.4 + w / 2,
+                       [caps[str(t)] * results[key]["base_rps"] for t in TBT_SLOS], w,
+                       label=name)
+            ax.set_xticks(x, [f"TBT {t * 1000:.0f} ms" for t in TBT_SLOS])
+            ax.set_ylabel("effective capacity (req/s)")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="conductor_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="*", metavar="EXPERIMENT",
+                    help="policies, rejection and/or capacity (default: all)")
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--instances", type=int, default=16, help="capacity: total instances (16)")
+    ap.add_argument("--attainment", type=float, default=0.9, help="capacity: SLO attainment")
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="colocated chunked prefill")
+    ap.add_argument("--tol", type=float, default=0.05, help="capacity: speed resolution")
+    ap.add_argument("--colocated-cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS,
+                    help=f"capacity: prefix cache per colocated instance ({DEFAULT_CACHE_BLOCKS})")
+    args = ap.parse_args(argv)
+    known = ["policies", "rejection", "capacity"]
+    which = args.which or known
+    if unknown := [w for w in which if w not in known]:
+        ap.error(f"unknown experiment {unknown[0]!r} (known: {', '.join(known)})")
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        print(f"conductor_bench: error: {exc}", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    results: dict[str, Any] = {"trace": args.trace}
+    if "policies" in which:
+        results["policies"] = bench_policies(trace, prefill=8, decode=8, speed=1.0)
+    if "rejection" in which:
+        results["rejection"] = bench_rejection(
+            trace, splits=[(8, 8), (8, 2), (8, 1), (6, 1)], speed=2.0, slo=Slo())
+    if "capacity" in which:
+        results["capacity"] = bench_capacity(trace, instances=args.instances,
+                                             attainment=args.attainment,
+                                             chunk_tokens=args.chunk_tokens, tol=args.tol,
+                                             colocated_cache_blocks=args.colocated_cache_blocks)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results["args"] = {k: str(v) for k, v in vars(args).items()}
+    (args.out / "conductor_bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    _plot(results, args.out / "conductor_bench.png")
+    print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}/conductor_bench.json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""``conductor``: run the KV-cache-aware scheduler (simulated for now).
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit,
+never a traceback: 1 for a run that failed (unreadable or malformed trace), 2 for
+bad usage (argparse's own message).
+
+Subcommands register themselves in ``SUBCOMMANDS``: a function that adds its
+parser to the subparsers and sets ``func`` (a ``Namespace -> int``) as a default.
+Adding one is a new ``add_*`` function and a line in that list.
+
+``conductor simulate`` output: a table of TTFT/TBT percentiles, SLO attainment,
+effective request capacity (requests meeting both SLOs) and rejections per
+policy. With ``--json`` the last line printed is one JSON object keyed by policy
+name, each value holding at least ``avg_ttft_s``, ``p90_ttft_s``, ``p90_tbt_s``,
+``slo_attainment`` and ``rejected`` (a contract; see ``conductor.metrics``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from conductor.costs import PolyCostModel, a800_kv_capacity_tokens
+from conductor.metrics import summarize
+from conductor.policies import POLICIES
+from conductor.rejection import REJECTION_MODES
+from conductor.sim import DEFAULT_CACHE_BLOCKS, ClusterSpec, requests_from_trace, simulate
+from conductor.trace import load_trace
+from conductor.types import Slo
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|m|)\s*$")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``2s``, ``100ms``, ``250us``, ``1.5m`` or a bare number of seconds."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise ValueError(f"invalid duration {text!r} (use e.g. 30s, 100ms)")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"duration must be > 0, got {text!r}")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+# ---- simulate -------------------------------------------------------------------------------
+
+def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("simulate", help="replay a trace through a simulated cluster",
+                       description="Replay a Mooncake trace through a simulated disaggregated "
+                       "cluster driven by the Conductor (LLaMA2-70B on 8 x A800 per instance).")
+    s.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    s.add_argument("--prefill", type=_positive_int, default=8, help="prefill instances (8)")
+    s.add_argument("--decode", type=_positive_int, default=8, help="decode instances (8)")
+    s.add_argument("--policy", choices=list(POLICIES), default="global-cache-aware",
+                   help="prefill scheduling policy (global-cache-aware)")
+    s.add_argument("--rejection", choices=list(REJECTION_MODES), default="none",
+                   help="overload rejection mode (none)")
+    s.add_argument("--ttft-slo", type=_duration, default=30.0, help="TTFT SLO (30s)")
+    s.add_argument("--tbt-slo", type=_duration, default=0.1, help="TBT SLO (100ms)")
+    s.add_argument("--speed", type=_positive_float, default=1.0,
+                   help="replay speed: arrivals at timestamp / speed (1.0)")
+    s.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
+    s.add_argument("--cache-blocks", type=_positive_int, default=DEFAULT_CACHE_BLOCKS,
+                   help=f"local prefix cache per prefill instance, in 512-token blocks "
+                   f"({DEFAULT_CACHE_BLOCKS})")
+    s.add_argument("--kv-capacity-tokens", type=_positive_int,
+                   help="KV tokens per decode instance (default: 8 x A800-80GB next to "
+                   "LLaMA2-70B)")
+    s.add_argument("--prefill-mfu", type=_positive_float, default=0.5,
+                   help="prefill model-FLOPs utilization of the A800 cost model (0.5)")
+    s.add_argument("--seed", type=int, default=0, help="RNG seed of the random policy (0)")
+    s.add_argument("--compare", action="store_true",
+                   help="run every policy; write a table, JSON and PNG under --out")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object keyed by policy as the last line")
+    s.add_argument("--out", type=Path, help=f"results directory (default {DEFAULT_OUT})")
+    s.set_defaults(func=cmd_simulate)
+
+
+_COLUMNS = [("avg_ttft_s", "TTFT avg", 1.0), ("p50_ttft_s", "p50", 1.0),
+            ("p90_ttft_s", "p90", 1.0), ("p99_ttft_s", "p99", 1.0),
+            ("p50_tbt_s", "TBT p50 ms", 1000.0), ("p90_tbt_s", "p90 ms", 1000.0),
+            ("p99_tbt_s", "p99 ms", 1000.0)]
+
+
+def _fmt(v: Any, scale: float = 1.0) -> str:
+    if v is None:
+        return "-"
+    return f"{v * scale:.2f}" if scale == 1.0 else f"{v * scale:.1f}"
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """A markdown table, one row per policy (seconds unless the header says ms)."""
+    head = (["policy"] + [c[1] for c in _COLUMNS]
+            + ["SLO attainment", "effective", "rejected (early/late)", "cache hit"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, s in results.items():
+        row = [name] + [_fmt(s[k], scale) for k, _, scale in _COLUMNS]
+        row += [f"{s['slo_attainment']:.3f}", str(s["effective_requests"]),
+                f"{s['rejected']} ({s['rejected_early']}/{s['rejected_late']})",
+                f"{s['cache_hit_ratio']:.3f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, dict[str, Any]], ttfts: dict[str, list[float]], path: Path,
+          title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    x = np.arange(len(names))
+    ax1.bar(x - 0.2, [results[n]["avg_ttft_s"] or 0 for n in names], 0.4, label="average")
+    ax1.bar(x + 0.2, [results[n]["p90_ttft_s"] or 0 for n in names], 0.4, label="p90")
+    ax1.set_xticks(x, names, rotation=15)
+    ax1.set_ylabel("TTFT (s)")
+    ax1.legend()
+    for n in names:
+        v = np.sort(np.array(ttfts[n]))
+        if v.size:
+            ax2.plot(v, np.arange(1, v.size + 1) / v.size, label=n)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("TTFT (s)")
+    ax2.set_ylabel("fraction of requests")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    if not trace:
+        raise CliError(f"{args.trace}: no requests")
+    requests = requests_from_trace(trace, speed=args.speed, limit=args.limit)
+    slo = Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
+    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, cache_blocks=args.cache_blocks,
+                       kv_capacity_tokens=args.kv_capacity_tokens or a800_kv_capacity_tokens())
+    if args.prefill_mfu > 1:
+        raise CliError(f"--prefill-mfu must be <= 1, got {args.prefill_mfu:g}")
+    cost = PolyCostModel.a800_llama2_70b(prefill_mfu=args.prefill_mfu)
+    policies = list(POLICIES) if args.compare else [args.policy]
+    results: dict[str, dict[str, Any]] = {}
+    ttfts: dict[str, list[float]] = {}
+    started = time.monotonic()
+    for name in policies:
+        run = simulate(requests, spec=spec, cost=cost, policy=name, rejection=args.rejection,
+                       slo=slo, seed=args.seed)
+        s = summarize(run.records, slo, duration_s=run.duration_s)
+        s["wasted_prefill_s"] = run.wasted_prefill_s
+        results[name] = s
+        ttfts[name] = [r.ttft_s for r in run.records if r.served and r.ttft_s is not None]
+    wall = time.monotonic() - started
+    settings = (f"{len(requests)} requests of {args.trace}, speed {args.speed:g}, "
+                f"{args.prefill} prefill + {args.decode} decode, rejection {args.rejection}, "
+                f"SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1000:g} ms")
+    table = format_table(results)
+    print(settings)
+    print(table)
+    print(f"simulated in {wall:.1f} s wall")
+    if args.compare or args.out is not None:
+        out = args.out if args.out is not None else DEFAULT_OUT
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / ("conductor_compare" if args.compare else f"conductor_{args.policy}")
+        stem.with_suffix(".md").write_text(settings + "\n\n" + table + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"settings": vars_json(args), "results": results}, indent=2) + "\n")
+        _plot(results, ttfts, stem.with_suffix(".png"), settings)
+        print(f"wrote {stem}.md, .json and .png")
+    if args.json:
+        print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+def vars_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if k != "func"}
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+class CliError(Exception):
+    """A failure to report in one line."""
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    add_simulate,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conductor",
+                                description="Mooncake-style KV-cache-aware scheduler.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (CliError, ValueError) as exc:
+        print(f"conductor {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"conductor {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
