@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint bench proto clean
+.PHONY: setup demo test test-all lint bench proto docs clean
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -34,6 +34,9 @@ bench: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. kvstore/proto/kvstore.proto
+
+docs: $(STAMP)
+	$(PY) scripts/gen_reference.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

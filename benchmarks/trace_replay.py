@@ -69,6 +69,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from conductor.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.keys import BlockKey
 from tiers.dram import DramTier
@@ -498,11 +500,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     traces: dict[str, dict[str, Any]] = {}
-    for path in [t for t in (args.trace or "").split(",") if t]:
+    paths = [t for t in (args.trace or "").split(",") if t]
+    # One step per (trace, policy, capacity) cell; on stderr, and only on a terminal.
+    bar = tqdm(total=len(paths) * len(args.policy) * len(args.capacity_blocks), unit="cell",
+               file=sys.stderr, disable=None, leave=False)
+    for path in paths:
         t0 = time.perf_counter()
         try:
             requests = load_trace(path)
         except (OSError, ValueError) as exc:
+            bar.close()
             print(f"kvstore bench trace: error: {exc}", file=sys.stderr)
             return 1
         prepared = prepare(requests, full_blocks_only=args.full_blocks_only)
@@ -513,20 +520,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ceiling_hit_ratio": ceil_hits / lookups if lookups else 0.0,
                 "full_only": args.full_blocks_only, "load_seconds": load_s}
         traces[name] = info
-        print(f"{name}: {len(requests)} requests, {lookups} full-block lookups, loaded in "
-              f"{load_s:.2f} s; infinite-capacity hit ratio {info['ceiling_hit_ratio']:.4f}",
-              flush=True)
+        tqdm.write(f"{name}: {len(requests)} requests, {lookups} full-block lookups, loaded "
+                   f"in {load_s:.2f} s; infinite-capacity hit ratio "
+                   f"{info['ceiling_hit_ratio']:.4f}", file=sys.stdout)
+        sys.stdout.flush()
         for policy in args.policy:
             for cap in args.capacity_blocks:
+                bar.set_description(f"{name} {policy} {cap}")
                 r = run_cell(prepared, policy=policy, capacity_blocks=cap, rounds=args.rounds,
                              with_data=args.with_data, block_bytes=args.block_bytes)
                 r["trace"] = name
                 r["inserted_blocks"] = "full" if args.full_blocks_only else "all"
+                bar.update(1)
                 if r["content_mismatches"]:
+                    bar.close()
                     print(f"kvstore bench trace: error: {r['content_mismatches']} hit blocks "
                           f"had the wrong content", file=sys.stderr)
                     return 1
                 runs.append(r)
+    bar.close()
 
     if runs:
         print()

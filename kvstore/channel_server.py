@@ -15,12 +15,16 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvstore import wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
 from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
 from kvstore.wire import HEADER, Mode, Op, ProtocolError
+
+if TYPE_CHECKING:
+    from kvstore.metrics import NodeMetrics
 
 log = logging.getLogger("kvstore.channel")
 
@@ -38,7 +42,8 @@ class _Abandon(Exception):
 class _Connection:
     """One client stream."""
 
-    def __init__(self, node: Node, sock: socket.socket, mode: Mode) -> None:
+    def __init__(self, node: Node, sock: socket.socket, mode: Mode,
+                 metrics: NodeMetrics | None = None) -> None:
         self.node = node
         self.sock = sock
         self.mode = mode
@@ -61,6 +66,9 @@ class _Connection:
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
             }
+        if metrics is not None:  # each op's dispatch timed under its name
+            self.handlers = {op: metrics.timed_channel_op(Op(op).name, handler)
+                             for op, handler in self.handlers.items()}
 
     def serve(self) -> None:
         reader = self.reader
@@ -248,9 +256,10 @@ class ChannelServer:
     """Accepts transfer-channel connections on TCP and (same host) a Unix socket."""
 
     def __init__(self, node: Node, *, host: str, port: int, token: bytes,
-                 unix_name: str | None) -> None:
+                 unix_name: str | None, metrics: NodeMetrics | None = None) -> None:
         self.node = node
         self.token = token
+        self._metrics = metrics
         self._tcp = socket.create_server((host, port), backlog=128)
         self._unix: socket.socket | None = None
         self.unix_path = ""
@@ -297,7 +306,7 @@ class ChannelServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             mode = self._handshake(sock)
             if mode is not None:
-                _Connection(self.node, sock, mode).serve()
+                _Connection(self.node, sock, mode, metrics=self._metrics).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it

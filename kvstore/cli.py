@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import threading
@@ -62,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="least severe records logged (default info)")
+    s.add_argument("--log-format", choices=["text", "json"],
+                   help="log lines as text, or one JSON object per line (default text)")
+    s.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     c = s.add_argument_group("cluster (with --etcd)")
     c.add_argument("--etcd", help="join the cluster whose etcd is at HOST:PORT")
     c.add_argument("--node-id", help="this node's name in the cluster (default: its address)")
@@ -144,17 +148,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.config import load_config
+    from kvstore.logs import announce
+    from kvstore.logs import setup as setup_logging
+    from kvstore.metrics import NodeMetrics
     from kvstore.node import Node, NodeSettings
     from kvstore.server import NodeServer
 
     overrides = {k: getattr(args, k) for k in (
+        "log_format", "metrics_listen",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval")}
     cfg = load_config(args.config, overrides)
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
+    fmt = cfg.log_format
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -163,9 +171,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
                              ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io))
+    exporter = None
     try:
+        metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
-                            grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm)
+                            grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
+                            metrics=metrics)
+        if metrics is not None:
+            exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
         node.close()
         raise
@@ -187,19 +200,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tiers.append(f"ssd {format_size(cfg.ssd_bytes)} at {cfg.ssd_path} "
                      f"({info.get('ssd_io')} I/O, {info.get('recovered_blocks', 0)} blocks "
                      f"recovered)")
-    print(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
-          f"{', '.join(tiers)}, policy {cfg.policy})", flush=True)
+    if exporter is not None:
+        announce(f"kvstore: metrics on {exporter.url}", fmt=fmt)
+    announce(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
+             f"{', '.join(tiers)}, policy {cfg.policy})", fmt=fmt)
     if role is not None:
-        print(f"kvstore: joined cluster {cfg.etcd} as {role.member.node_id}", flush=True)
+        announce(f"kvstore: joined cluster {cfg.etcd} as {role.member.node_id}", fmt=fmt)
     while not stop.wait(0.5):
         pass
     if role is not None:
         role.leave()  # first, so clients stop sending new work here
     drained = server.stop(grace=cfg.drain_timeout)
+    if exporter is not None:
+        exporter.stop()  # before close: a scrape reads the node
     node.close()
-    print("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
-          flush=True)
+    announce("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
+             fmt=fmt)
     return 0
+
+
+def _start_exporter(metrics: Any, listen: str, server: Any) -> Any:
+    """The /metrics endpoint; on failure (a bad or busy address) ``server`` is stopped."""
+    from kvstore.metrics import MetricsExporter
+
+    try:
+        return MetricsExporter(metrics, listen)
+    except BaseException:
+        server.stop(grace=0)
+        raise
 
 
 def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:

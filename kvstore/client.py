@@ -10,7 +10,8 @@ Transports (``transport=``):
 
 Errors: every failure reaches the caller as a ``kvstore.errors`` exception,
 mapped at one choke point (``_errors``): gRPC status codes by code, socket
-failures as ``Unavailable``.
+failures as ``Unavailable``. A gRPC failure the node reported ends with
+``(request id ID)``: the id under which the node logged it.
 
 Retry policy: none for errors the node reports. A call that fails with a
 transport error is retried once on a fresh connection (every kvstore operation
@@ -35,6 +36,7 @@ from kvstore.channel_client import (
 )
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, error_for_code
 from kvstore.keys import BlockKey
+from kvstore.logs import REQUEST_ID_HEADER
 from kvstore.node import MAX_BATCH, check_key, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -116,7 +118,8 @@ class Client:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise error_for_code(code, f"{self.addr}: {details}") from None
+            raise error_for_code(code, f"{self.addr}: {details}{_request_id_note(exc)}"
+                                 ) from None
         except OSError as exc:
             raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from None
 
@@ -366,6 +369,16 @@ def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:
         total += n
     if lo < len(sizes) or not sizes:
         yield lo, len(sizes)
+
+
+
+def _request_id_note(exc: grpc.RpcError) -> str:
+    """`` (request id ID)`` if the node sent the call's id back, for grepping its log."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == REQUEST_ID_HEADER:
+            return f" (request id {value})"
+    return ""
 
 
 __all__ = ["BlockKey", "Client"]

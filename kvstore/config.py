@@ -27,6 +27,8 @@ class NodeConfig:
     grpc_workers: int = 16
     drain_timeout: float = 10.0
     log_level: str = "info"
+    log_format: str = "text"  # "text" | "json" (one object per line, stdout and stderr)
+    metrics_listen: str = ""  # HOST:PORT of the Prometheus /metrics endpoint; "": none
     hbm_bytes: int = 0  # 0: no HBM tier
     hbm_device: str = ""  # "": CUDA when present, else the CPU (and stat says so)
     ssd_path: str = ""  # "": no SSD tier
@@ -69,6 +71,13 @@ class NodeConfig:
             raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
         if self.ssd_io not in ("auto", "uring", "python"):
             raise ValueError(f"ssd_io must be auto, uring or python, got {self.ssd_io!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.metrics_listen:
+            host, _, port = self.metrics_listen.rpartition(":")
+            if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"metrics_listen must be HOST:PORT, got "
+                                 f"{self.metrics_listen!r}")
 
 
 _SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"}

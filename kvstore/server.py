@@ -29,6 +29,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from kvstore.metrics import NodeMetrics
     from replication.replicator import Replicator
 
 log = logging.getLogger("kvstore.server")
@@ -216,7 +217,9 @@ class NodeServer:
     """A Node served over gRPC and the transfer channel; ``stop`` drains first."""
 
     def __init__(self, node: Node, *, listen: str, data_port: int = 0, grpc_workers: int = 16,
-                 enable_shm: bool = True, peer_timeout: float = 10.0) -> None:
+                 enable_shm: bool = True, peer_timeout: float = 10.0,
+                 metrics: NodeMetrics | None = None) -> None:
+        from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
         from replication.peers import PeerPool  # replication builds on the client: import late
         from replication.replicator import Replicator
 
@@ -229,10 +232,11 @@ class NodeServer:
         self._host_id = host_id()
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
         self.channel = ChannelServer(node, host=host, port=data_port, token=self._token,
-                                     unix_name=unix_name)
+                                     unix_name=unix_name, metrics=metrics)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
-                                 options=GRPC_OPTIONS)
+                                 options=GRPC_OPTIONS,
+                                 interceptors=[RequestInterceptor(metrics)])
         bound = self._grpc.add_insecure_port(f"{_bracket(host)}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen on {listen}")

@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
+import time
+from typing import Any
 
 from kvstore.errors import KVStoreError
 from kvstore.sizes import format_size
@@ -35,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st = csub.add_parser("status", help="live nodes with capacity, use and health")
     st.add_argument("--etcd", required=True, help="HOST:PORT of the cluster's etcd")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--watch", action="store_true",
+                    help="first wait until the total repair backlog is 0, with a progress "
+                         "bar on stderr when it is a terminal")
+    st.add_argument("--interval", type=float, default=1.0,
+                    help="seconds between polls with --watch (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +108,8 @@ def cluster_status(etcd: str) -> list[dict]:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.watch:
+        watch_repair(args.etcd, interval=args.interval)
     rows = cluster_status(args.etcd)
     if args.json:
         print(json.dumps({"etcd": args.etcd, "nodes": rows}, indent=2))
@@ -113,6 +123,47 @@ def _status(args: argparse.Namespace) -> int:
     for t in table:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)))
     return 0 if all(r["health"] == "ok" for r in rows) else 1
+
+
+def watch_repair(etcd: str, *, interval: float = 1.0) -> None:
+    """Returns once the live nodes' repair backlogs add up to 0, polling every ``interval`` s.
+
+    The bar (stderr, only when it is a terminal) counts blocks repaired out of the
+    highest total backlog seen, which grows if a new membership change adds work.
+    A backlog is what each node's last repair pass had left to check, so right after
+    a change, before any pass started, it can already read 0.
+    """
+    if interval <= 0:
+        raise KVStoreError(f"--interval must be positive, got {interval}")
+    bar: Any = None
+    high = 0
+    try:
+        while True:
+            backlog = sum(int(r.get("repair_backlog", 0)) for r in cluster_status(etcd))
+            high = max(high, backlog)
+            if bar is None:
+                bar = _progress_bar(high)
+            if bar is not None:
+                bar.total = high
+                bar.n = high - backlog
+                bar.set_postfix_str(f"{backlog} left", refresh=False)
+                bar.refresh()
+            if backlog == 0:
+                return
+            time.sleep(interval)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar on stderr (disabled unless stderr is a terminal), or None without tqdm:
+    the bar is optional (the bench extra installs it); the wait is not."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="repair backlog", unit="block", file=sys.stderr, disable=None)
 
 
 def _cell(row: dict, col: str) -> str:

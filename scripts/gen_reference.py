@@ -1,0 +1,140 @@
+"""Writes the configuration and metrics references into README.md (``make docs``).
+
+Why generated: a hand-written table drifts from the code. The configuration
+table is read from the ``kvstore serve`` argument parser and the ``NodeConfig``
+dataclass, the metrics table from the exporter's own declaration
+(``kvstore.metrics.METRICS``), and ``tests/test_reference_docs.py`` fails when
+README.md differs from what this script writes.
+
+Each table replaces what lies between ``<!-- BEGIN GENERATED: NAME -->`` and
+``<!-- END GENERATED: NAME -->`` (NAME ``config`` or ``metrics``); nothing else
+in the file changes. ``--check`` writes nothing and exits 1 if README.md is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from kvstore.cli import build_parser  # noqa: E402
+from kvstore.config import _SIZE_FIELDS, NodeConfig  # noqa: E402
+from kvstore.metrics import METRICS  # noqa: E402
+
+README = ROOT / "README.md"
+BEGIN = "<!-- BEGIN GENERATED: {} -->"
+END = "<!-- END GENERATED: {} -->"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as the largest binary unit that divides it exactly (``1GiB``, ``0``)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _toml(name: str, value: object) -> str:
+    """A default as it would be written in the TOML config file."""
+    if name in _SIZE_FIELDS:
+        return f'`"{_size(int(value))}"`' if value else "`0`"  # type: ignore[call-overload]
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value}`"
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The ``kvstore serve`` subparser of ``kvstore.cli.build_parser()``."""
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise LookupError("kvstore.cli.build_parser() has no serve command")
+
+
+def config_table() -> str:
+    """One row per ``kvstore serve`` flag (in the parser's order), then any config key
+    without a flag. Defaults come from ``NodeConfig``, never from the help text."""
+    fields = {f.name: f for f in dataclasses.fields(NodeConfig)}
+    defaults = NodeConfig()
+    rows = ["| flag | config key | default | meaning |", "|---|---|---|---|"]
+    seen: set[str] = set()
+    for action in serve_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = ", ".join(f"`{o}`" for o in action.option_strings)
+        if action.metavar:
+            flag += f" `{action.metavar}`"
+        if action.choices:
+            flag += " (" + " \\| ".join(f"`{c}`" for c in action.choices) + ")"
+        key = action.dest if action.dest in fields else ""
+        default = _toml(key, getattr(defaults, key)) if key else ""
+        seen.add(key)
+        rows.append(f"| {flag} | {f'`{key}`' if key else ''} | {default} | "
+                    f"{_cell(action.help or '')} |")
+    for name in fields:
+        if name not in seen:
+            rows.append(f"| | `{name}` | {_toml(name, getattr(defaults, name))} | "
+                        f"(config file only) |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    """One row per family the exporter declares, in its order."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for m in METRICS:
+        labels = ", ".join(f"`{label}`" for label in m.labels)
+        suffix = "_bucket, _sum, _count" if m.type == "histogram" else ""
+        name = f"`{m.name}`" + (f" ({suffix})" if suffix else "")
+        rows.append(f"| {name} | {m.type} | {labels} | {_cell(m.help)} |")
+    return "\n".join(rows)
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"config": config_table, "metrics": metrics_table}
+
+
+def render(text: str) -> str:
+    """``text`` (README.md) with every generated section rewritten."""
+    for name, make in SECTIONS.items():
+        begin, end = BEGIN.format(name), END.format(name)
+        head, found, rest = text.partition(begin)
+        _, found_end, tail = rest.partition(end)
+        if not found or not found_end:
+            raise ValueError(f"README.md lacks the markers {begin} ... {end}")
+        text = f"{head}{begin}\n{make()}\n{end}{tail}"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Regenerate the reference tables in README.md.")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if README.md is out of date")
+    p.add_argument("--readme", type=Path, default=README)
+    args = p.parse_args(argv)
+    current = args.readme.read_text()
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            print(f"{args.readme} is out of date: run `make docs`", file=sys.stderr)
+            return 1
+        return 0
+    if wanted != current:
+        args.readme.write_text(wanted)
+        print(f"updated {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
