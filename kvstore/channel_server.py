@@ -10,9 +10,10 @@ released when it closes, however it closes.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
+import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from kvstore import wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
 from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
+from kvstore.security import Principal
 from kvstore.wire import HEADER, Mode, Op, ProtocolError
 
 if TYPE_CHECKING:
@@ -42,11 +44,12 @@ class _Abandon(Exception):
 class _Connection:
     """One client stream."""
 
-    def __init__(self, node: Node, sock: socket.socket, mode: Mode,
+    def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
                  metrics: NodeMetrics | None = None) -> None:
         self.node = node
         self.sock = sock
         self.mode = mode
+        self.p = principal  # salts every key this connection names
         self.leases = LeaseSet(node)
         self.reservations = ReservationSet(node)
         self.reader = wire.StreamReader(sock)
@@ -141,7 +144,7 @@ class _Connection:
 
     def on_get(self, count: int, meta: bytes) -> None:
         node = self.node
-        entries = node.acquire_reads(wire.unpack_keys(meta, count))
+        entries = node.acquire_reads(self.p.keys(wire.unpack_keys(meta, count)))
         try:
             views = [None if e is None else node.block_view(e) for e in entries]
             lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
@@ -164,10 +167,11 @@ class _Connection:
                 self.discard(nbytes)
                 continue
             try:
+                p = self.p
                 with self.node.put_slot(
-                    BlockKey(key), nbytes,
-                    parent=BlockKey(parent) if flags & wire.FLAG_PARENT else None,
-                    pin=bool(flags & wire.FLAG_PIN),
+                    p.key(BlockKey(key)), nbytes,
+                    parent=p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None,
+                    pin=bool(flags & wire.FLAG_PIN), owner=p.owner, quota=p.quota,
                 ) as slot:
                     if slot is None:
                         self.discard(nbytes)
@@ -188,15 +192,15 @@ class _Connection:
         self.reader.discard(nbytes, self.scratch)
 
     def on_exists(self, count: int, meta: bytes) -> None:
-        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        keys = self.p.keys([BlockKey(k) for k in wire.unpack_keys(meta, count)])
         self.reply(count, bytes(self.node.exists(keys)))
 
     def on_prefix(self, count: int, meta: bytes) -> None:
-        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        keys = self.p.keys([BlockKey(k) for k in wire.unpack_keys(meta, count)])
         self.reply(self.node.prefix_match(keys), b"")
 
     def on_remove(self, count: int, meta: bytes) -> None:
-        keys = [BlockKey(k) for k in wire.unpack_keys(meta, count)]
+        keys = self.p.keys([BlockKey(k) for k in wire.unpack_keys(meta, count)])
         self.reply(count, bytes(self.node.remove(k) for k in keys))
 
     def on_lease(self, count: int, meta: bytes) -> None:
@@ -255,11 +259,16 @@ class _Connection:
 class ChannelServer:
     """Accepts transfer-channel connections on TCP and (same host) a Unix socket."""
 
-    def __init__(self, node: Node, *, host: str, port: int, token: bytes,
-                 unix_name: str | None, metrics: NodeMetrics | None = None) -> None:
+    def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
+                 ssl_context: ssl.SSLContext | None = None,
+                 metrics: NodeMetrics | None = None) -> None:
         self.node = node
-        self.token = token
+        self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
+        # HELLO token -> the principal it was issued to (one per tenant, by OpenChannel,
+        # which is authenticated); guarded by _lock.
+        self._principals: dict[bytes, Principal] = {}
+        self._tokens: dict[str, bytes] = {}
         self._tcp = socket.create_server((host, port), backlog=128)
         self._unix: socket.socket | None = None
         self.unix_path = ""
@@ -272,6 +281,16 @@ class ChannelServer:
         self._conns: set[socket.socket] = set()  # guarded by _lock
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
+
+    def token_for(self, principal: Principal) -> bytes:
+        """The HELLO token of ``principal``'s connections (made on first use)."""
+        name = "" if principal.tenant is None else principal.tenant.name
+        with self._lock:
+            token = self._tokens.get(name)
+            if token is None:
+                token = self._tokens[name] = secrets.token_bytes(wire.TOKEN_BYTES)
+                self._principals[token] = principal
+            return token
 
     @property
     def tcp_address(self) -> tuple[str, int]:
@@ -304,9 +323,16 @@ class ChannelServer:
         try:
             if sock.family == socket.AF_INET or sock.family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            mode = self._handshake(sock)
-            if mode is not None:
-                _Connection(self.node, sock, mode, metrics=self._metrics).serve()
+                if self._ssl is not None:
+                    sock.settimeout(10.0)
+                    tls = self._ssl.wrap_socket(sock, server_side=True)
+                    with self._lock:
+                        self._conns.discard(sock)
+                        self._conns.add(tls)
+                    sock = tls
+            accepted = self._handshake(sock)
+            if accepted is not None:
+                _Connection(self.node, sock, *accepted, metrics=self._metrics).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it
@@ -318,12 +344,14 @@ class ChannelServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> Mode | None:
+    def _handshake(self, sock: socket.socket) -> tuple[Mode, Principal] | None:
         sock.settimeout(10.0)  # a silent peer must not hold a thread forever
         hello = wire.recv_exact(sock, wire.HELLO.size)
         sock.settimeout(None)
         magic, token, mode_code = wire.HELLO.unpack(hello)
-        if magic != wire.MAGIC or not hmac.compare_digest(token, self.token):
+        with self._lock:
+            principal = self._principals.get(token) if magic == wire.MAGIC else None
+        if principal is None:
             sock.sendall(wire.HELLO_REPLY.pack(16, 0))  # UNAUTHENTICATED
             return None
         try:
@@ -334,12 +362,15 @@ class ChannelServer:
         if mode is Mode.SHM and sock.family != socket.AF_UNIX:
             sock.sendall(wire.HELLO_REPLY.pack(3, 0))  # shared memory only on this host
             return None
+        if mode is Mode.SHM and not principal.may_map_region:
+            sock.sendall(wire.HELLO_REPLY.pack(7, 0))  # PERMISSION_DENIED: other tenants' bytes
+            return None
         reply = wire.HELLO_REPLY.pack(0, self.node.region_bytes)
         if mode is Mode.SHM:
             socket.send_fds(sock, [reply], [self.node.region_fd])
         else:
             sock.sendall(reply)
-        return mode
+        return mode, principal
 
     def stop(self) -> None:
         """Stops accepting and ends every connection (their leases and reservations go too)."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
@@ -67,8 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log lines as text, or one JSON object per line (default text)")
     s.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    t = s.add_argument_group("security (see kvstore/security.py)")
+    t.add_argument("--tls-cert", help="server certificate (PEM): TLS on gRPC and the channel")
+    t.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    t.add_argument("--tls-ca", help="CA bundle that client and peer certificates chain to")
+    t.add_argument("--tls-client-auth", action="store_const", const=True,
+                   help="require client certificates (mutual TLS; needs --tls-ca)")
+    t.add_argument("--auth-file", help="TOML of tenants and bearer tokens; every call must "
+                   "then carry a token")
+    t.add_argument("--peer-token-file", help="file holding the token this node presents to "
+                   "its peers (a cluster-role token in their auth files)")
+    t.add_argument("--insecure", action="store_const", const=True,
+                   help="allow plaintext on a non-loopback --listen address")
     c = s.add_argument_group("cluster (with --etcd)")
     c.add_argument("--etcd", help="join the cluster whose etcd is at HOST:PORT")
+    c.add_argument("--etcd-ca", help="reach etcd over TLS: CA of etcd's certificate")
+    c.add_argument("--etcd-cert", help="client certificate for etcd (mutual TLS)")
+    c.add_argument("--etcd-key", help="the etcd client certificate's key")
     c.add_argument("--node-id", help="this node's name in the cluster (default: its address)")
     c.add_argument("--zone", help="failure zone; replicas go to distinct zones first")
     c.add_argument("--advertise", help="address peers and clients use (default: --listen)")
@@ -85,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_ADDR})")
         sp.add_argument("--transport", default="auto", choices=["auto", "grpc", "tcp", "shm"])
         sp.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+        sp.add_argument("--token-file", help="bearer token for a node with tenants "
+                        "(default: $KVSTORE_TOKEN)")
+        sp.add_argument("--tls-ca", help="CA bundle to verify the node (turns TLS on)")
+        sp.add_argument("--tls-cert", help="client certificate, for mutual TLS")
+        sp.add_argument("--tls-key", help="the client certificate's key")
         sp.add_argument("--etcd", help="talk to the whole cluster at this etcd HOST:PORT "
                         "instead of one node")
         sp.add_argument("--replicas", type=int, default=2,
@@ -108,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(s)
     s.add_argument("keys", nargs="+", help="32 hex characters each")
 
+    s = sub.add_parser("drain", help="a cluster node leaves, hands its blocks to their new "
+                       "owners, then stops (rolling upgrades)")
+    client_args(s)
+    s.set_defaults(timeout=3600.0)  # a hand-off moves data at the repair rate
+
     s = sub.add_parser("stat", help="capacity, use and counters per tier")
     client_args(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -117,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     s.add_argument("--service", default="",
                    help="grpc.health.v1 service name (default '': the whole node)")
+    s.add_argument("--tls-ca", help="CA bundle to verify a node that serves TLS")
+    s.add_argument("--tls-cert", help="client certificate, for a node that requires one")
+    s.add_argument("--tls-key", help="the client certificate's key")
 
     from replication.cluster_cli import add_parser as add_cluster_parser
 
@@ -159,7 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
-        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval")}
+        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "tls_cert", "tls_key",
+        "tls_ca", "tls_client_auth", "auth_file", "peer_token_file", "insecure", "etcd_ca",
+        "etcd_cert", "etcd_key")}
     cfg = load_config(args.config, overrides)
     setup_logging(cfg.log_level, cfg.log_format)
     fmt = cfg.log_format
@@ -176,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
-                            metrics=metrics)
+                            **_security(cfg), metrics=metrics)
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
@@ -206,6 +238,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
              f"{', '.join(tiers)}, policy {cfg.policy})", fmt=fmt)
     if role is not None:
         announce(f"kvstore: joined cluster {cfg.etcd} as {role.member.node_id}", fmt=fmt)
+
+        def drain_and_stop() -> dict[str, float]:
+            server.health.enter_graceful_shutdown()  # readiness drops as the node leaves
+            try:
+                return role.drain()
+            finally:
+                stop.set()  # the reply goes out first: stop() waits for in-flight calls
+
+        server.servicer.drain_handler = drain_and_stop
     while not stop.wait(0.5):
         pass
     if role is not None:
@@ -217,6 +258,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announce("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
              fmt=fmt)
     return 0
+
+
+def _security(cfg: Any) -> dict[str, Any]:
+    """NodeServer's security arguments from the config (files read and checked here)."""
+    from kvstore.security import ServerTls, TenantRegistry
+
+    tls = (ServerTls(cert=cfg.tls_cert, key=cfg.tls_key, ca=cfg.tls_ca or None,
+                     client_auth=cfg.tls_client_auth) if cfg.tls_cert else None)
+    auth = TenantRegistry.load(cfg.auth_file) if cfg.auth_file else None
+    return {"tls": tls, "auth": auth, "insecure": cfg.insecure,
+            "peer_token": _read_token(cfg.peer_token_file) if cfg.peer_token_file else None}
+
+
+def _etcd_tls(cfg: Any) -> Any:
+    from kvstore.security import ClientTls
+
+    if not (cfg.etcd_ca or cfg.etcd_cert):
+        return None
+    return ClientTls(ca=cfg.etcd_ca or None, cert=cfg.etcd_cert or None,
+                     key=cfg.etcd_key or None)
+
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise CliError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise CliError(f"token file {path} is empty")
+    return token
 
 
 def _start_exporter(metrics: Any, listen: str, server: Any) -> Any:
@@ -238,7 +309,8 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
     role = ClusterRole(node, server.peers, ClusterSettings(
         etcd=cfg.etcd, node_id=cfg.node_id or addr, addr=addr, zone=cfg.zone,
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
-        repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval))
+        repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
+        etcd_tls=_etcd_tls(cfg)))
     role.join()
     return role
 
@@ -247,11 +319,17 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
 
 def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import Client
+    from kvstore.security import ClientTls
 
+    token = _read_token(args.token_file) if args.token_file else os.environ.get("KVSTORE_TOKEN")
+    tls = (ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+           if args.tls_ca or args.tls_cert else None)
+    common: dict[str, Any] = {"transport": args.transport, "timeout": args.timeout,
+                              "token": token or None, "tls": tls}
     if args.etcd:
         return Client(etcd=args.etcd, replicas=args.replicas, write_quorum=args.write_quorum,
-                      transport=args.transport, timeout=args.timeout)
-    return Client(args.addr, transport=args.transport, timeout=args.timeout)
+                      **common)
+    return Client(args.addr, **common)
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -341,7 +419,13 @@ def cmd_health(args: argparse.Namespace) -> int:
         raise CliError(f"address must be HOST:PORT, got {args.addr!r}")
     if not args.timeout > 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
-    with grpc.insecure_channel(args.addr) as channel:
+    from kvstore.security import ClientTls
+
+    tls = (ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+           if args.tls_ca or args.tls_cert else None)
+    channel = (grpc.secure_channel(args.addr, tls.grpc_credentials()) if tls
+               else grpc.insecure_channel(args.addr))
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -375,7 +459,21 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from kvstore.proto import kvstore_pb2 as pb
+
+    if args.etcd:
+        raise CliError("drain names one node: give --addr, not --etcd")
+    with _client(args) as c:
+        reply = c._grpc("Drain", pb.DrainRequest())
+    print(f"drained {args.addr}: {reply.blocks} blocks; {reply.copies} copies made on their "
+          f"owners ({format_size(reply.bytes_copied)}) in {reply.seconds:.1f}s; the node is "
+          f"stopping")
+    return 0
+
+
 COMMANDS = {
+    "drain": cmd_drain,
     "cluster": cmd_cluster,
     "serve": cmd_serve,
     "put": cmd_put,

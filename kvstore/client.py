@@ -40,6 +40,7 @@ from kvstore.logs import REQUEST_ID_HEADER
 from kvstore.node import MAX_BATCH, check_key, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.security import ClientTls
 from kvstore.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
 from kvstore.wire import Mode
 
@@ -59,20 +60,26 @@ class Client:
             from replication.cluster_client import ClusterClient  # builds on this module
 
             return ClusterClient(**options)
-        cluster_only = set(options) - {"transport", "timeout"}
+        cluster_only = set(options) - {"transport", "timeout", "token", "tls"}
         if cluster_only:
             raise InvalidArgument(f"{', '.join(sorted(cluster_only))}: cluster options need "
                                   f"etcd= or members= instead of a node address")
         return super().__new__(cls)
 
-    def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0
-                 ) -> None:
+    def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
+                 token: str | None = None, tls: ClientTls | None = None) -> None:
+        """``token``: the bearer token a node with tenants requires (see
+        ``kvstore.security``); ``tls``: connect over TLS (gRPC and the TCP channel)."""
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
         self.timeout = timeout
         self._requested = transport
-        self._grpc_channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls = tls
+        self._grpc_channel = (
+            grpc.secure_channel(addr, tls.grpc_credentials(), options=GRPC_OPTIONS) if tls
+            else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
         self._stub = pb_grpc.KVStoreStub(self._grpc_channel)
         self._lock = threading.Lock()
         # guarded by _lock:
@@ -125,7 +132,8 @@ class Client:
 
     def _grpc(self, method: str, request: Any) -> Any:
         with self._errors():
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
 
     # ---- transfer channel ----------------------------------------------------------------
 
@@ -142,7 +150,8 @@ class Client:
         host = info.tcp_host or self.addr.rpartition(":")[0].strip("[]")
         session = ChannelSession(tcp_host=host, tcp_port=info.tcp_port,
                                  unix_path=info.unix_path, token=info.token,
-                                 region_bytes=info.region_bytes)
+                                 region_bytes=info.region_bytes,
+                                 tls=self._tls.ssl_context() if self._tls else None)
         candidates = {"auto": [Mode.SHM, Mode.TCP, None], "tcp": [Mode.TCP],
                       "shm": [Mode.SHM]}[self._requested]
         if not (info.same_host and info.unix_path):

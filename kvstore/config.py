@@ -43,6 +43,17 @@ class NodeConfig:
     replicas: int = 2  # copies repair keeps of every block
     repair_bytes_per_s: int = 100 << 20
     repair_interval: float = 30.0  # seconds between periodic repair passes
+    # security (see kvstore/security.py):
+    tls_cert: str = ""  # server certificate (PEM); with tls_key: TLS on gRPC and the channel
+    tls_key: str = ""
+    tls_ca: str = ""  # CA of client and peer certificates
+    tls_client_auth: bool = False  # require client certificates (mutual TLS)
+    auth_file: str = ""  # TOML of tenants and their bearer tokens; "": no auth
+    peer_token_file: str = ""  # token this node presents to its peers (a cluster-role token)
+    insecure: bool = False  # allow plaintext on a non-loopback address
+    etcd_ca: str = ""  # etcd over TLS: the CA of etcd's certificate
+    etcd_cert: str = ""  # client certificate for etcd (with --client-cert-auth)
+    etcd_key: str = ""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,6 +80,10 @@ class NodeConfig:
             raise ValueError("repair_interval must be positive")
         if self.etcd and ":" not in self.etcd:
             raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        if self.tls_client_auth and not self.tls_ca:
+            raise ValueError("tls_client_auth needs tls_ca (the CA client certificates chain to)")
         if self.ssd_io not in ("auto", "uring", "python"):
             raise ValueError(f"ssd_io must be auto, uring or python, got {self.ssd_io!r}")
         if self.log_format not in ("text", "json"):

@@ -23,10 +23,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import wire
 from kvstore.channel_server import ChannelServer
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.security import (
+    OPEN,
+    Principal,
+    ServerTls,
+    TenantRegistry,
+    bearer_token,
+    is_loopback,
+)
 
 if TYPE_CHECKING:
     from kvstore.metrics import NodeMetrics
@@ -56,8 +64,9 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(method)
     def wrapper(self: KVStoreServicer, request: Any, context: grpc.ServicerContext) -> R:
         try:
+            principal = self.authenticate(context)  # before anything about keys is read
             with self.node.request():
-                return method(self, request, context)
+                return method(self, request, context, principal)
         except KVStoreError as exc:
             context.abort(exc.code, str(exc))
         except ValueError as exc:
@@ -71,58 +80,77 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, node: Node, channel_info: Callable[[str], pb.OpenChannelResponse],
-                 replicator: Replicator | None = None) -> None:
+    """Every method gets the caller's ``Principal``; keys pass through ``principal.key``
+    (a tenant's namespace salt) before the node sees them."""
+
+    def __init__(self, node: Node,
+                 channel_info: Callable[[str, Principal], pb.OpenChannelResponse],
+                 replicator: Replicator | None = None,
+                 auth: TenantRegistry | None = None) -> None:
         self.node = node
         self._channel_info = channel_info
         self._replicator = replicator
+        self._auth = auth
+        # Set by a node that joined a cluster: leaves, hands off, and stops the node.
+        self.drain_handler: Callable[[], dict[str, float]] | None = None
+
+    def authenticate(self, context: grpc.ServicerContext) -> Principal:
+        if self._auth is None:
+            return OPEN
+        return self._auth.authenticate(bearer_token(context.invocation_metadata()))
 
     @_rpc
-    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
-        stored = self.node.put(check_key(request.key), memoryview(request.value),
-                               parent=check_parent(request.parent), pin=request.pin)
+    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext, p: Principal
+            ) -> pb.PutResponse:
+        stored = self.node.put(p.key(check_key(request.key)), memoryview(request.value),
+                               parent=p.parent(check_parent(request.parent)), pin=request.pin,
+                               owner=p.owner, quota=p.quota)
         return pb.PutResponse(stored=stored)
 
     @_rpc
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
-        value = self.node.get(check_key(request.key))
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext, p: Principal
+            ) -> pb.GetResponse:
+        value = self.node.get(p.key(check_key(request.key)))
         return pb.GetResponse(found=False) if value is None else pb.GetResponse(found=True,
                                                                                  value=value)
 
     @_rpc
-    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext, p: Principal
                ) -> pb.RemoveResponse:
-        return pb.RemoveResponse(removed=self.node.remove(check_key(request.key)))
+        return pb.RemoveResponse(removed=self.node.remove(p.key(check_key(request.key))))
 
     @_rpc
-    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext, p: Principal
                ) -> pb.ExistsResponse:
-        return pb.ExistsResponse(exists=self.node.exists(check_keys(request.keys)))
+        return pb.ExistsResponse(exists=self.node.exists(p.keys(check_keys(request.keys))))
 
     @_rpc
-    def PrefixMatch(self, request: pb.PrefixMatchRequest, context: grpc.ServicerContext
-                    ) -> pb.PrefixMatchResponse:
-        return pb.PrefixMatchResponse(matched=self.node.prefix_match(check_keys(request.keys)))
+    def PrefixMatch(self, request: pb.PrefixMatchRequest, context: grpc.ServicerContext,
+                    p: Principal) -> pb.PrefixMatchResponse:
+        return pb.PrefixMatchResponse(
+            matched=self.node.prefix_match(p.keys(check_keys(request.keys))))
 
     @_rpc
-    def BatchPut(self, request: pb.BatchPutRequest, context: grpc.ServicerContext
-                 ) -> pb.BatchPutResponse:
+    def BatchPut(self, request: pb.BatchPutRequest, context: grpc.ServicerContext,
+                 p: Principal) -> pb.BatchPutResponse:
         items = [(check_key(i.key), check_parent(i.parent), i) for i in request.items]
         check_keys([k for k, _, _ in items])
-        stored = [self.node.put(k, memoryview(i.value), parent=p, pin=i.pin) for k, p, i in items]
+        stored = [self.node.put(p.key(k), memoryview(i.value), parent=p.parent(par), pin=i.pin,
+                                owner=p.owner, quota=p.quota) for k, par, i in items]
         return pb.BatchPutResponse(stored=stored)
 
     @_rpc
-    def BatchGet(self, request: pb.BatchGetRequest, context: grpc.ServicerContext
-                 ) -> pb.BatchGetResponse:
-        keys = check_keys(request.keys)
+    def BatchGet(self, request: pb.BatchGetRequest, context: grpc.ServicerContext,
+                 p: Principal) -> pb.BatchGetResponse:
+        keys = p.keys(check_keys(request.keys))
         with self.node.reading_many(keys) as views:
             items = [pb.GetResponse(found=False) if v is None else
                      pb.GetResponse(found=True, value=bytes(v)) for v in views]
         return pb.BatchGetResponse(items=items)
 
     @_rpc
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext, p: Principal
+              ) -> pb.StatsResponse:
         stats = self.node.stats()
         tiers = [
             pb.TierStats(name=name, counters={k: v for k, v in t.items() if isinstance(v, int)})
@@ -132,27 +160,42 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(tiers=tiers, node=node)
 
     @_rpc
-    def Locate(self, request: pb.LocateRequest, context: grpc.ServicerContext
+    def Locate(self, request: pb.LocateRequest, context: grpc.ServicerContext, p: Principal
                ) -> pb.LocateResponse:
-        tiers = self.node.locate(check_keys(request.keys))
+        tiers = self.node.locate(p.keys(check_keys(request.keys)))
         return pb.LocateResponse(tiers=[t or "" for t in tiers])
 
     @_rpc
-    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext
-                  ) -> pb.ReplicateResponse:
+    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext,
+                  p: Principal) -> pb.ReplicateResponse:
         if self._replicator is None:
             raise Unavailable("this node does not replicate")
+        raw = check_keys(request.keys)
+        stored = p.keys(raw)
         orders = [list(o.index) for o in request.orders] if request.orders else None
-        out = self._replicator.replicate(check_keys(request.keys), list(request.targets),
+        out = self._replicator.replicate(stored, list(request.targets),
                                          copies=request.copies or 1,
                                          write_quorum=request.write_quorum or 1, orders=orders)
-        return pb.ReplicateResponse(copies=out.copies, missing=out.missing,
+        back = dict(zip(stored, raw, strict=True))  # report the keys as the caller named them
+        return pb.ReplicateResponse(copies=out.copies, missing=[back[k] for k in out.missing],
                                     stored_on=out.stored_on, failed=out.failed)
 
     @_rpc
-    def OpenChannel(self, request: pb.OpenChannelRequest, context: grpc.ServicerContext
-                    ) -> pb.OpenChannelResponse:
-        return self._channel_info(request.client_host_id)
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext, p: Principal
+              ) -> pb.DrainResponse:
+        if p.tenant is not None and p.tenant.salts:
+            raise PermissionDenied("draining a node needs a cluster-role token")
+        if self.drain_handler is None:
+            raise InvalidArgument("this node is not in a cluster: there is no one to hand its "
+                                  "blocks to (stop it with SIGTERM)")
+        out = self.drain_handler()
+        return pb.DrainResponse(blocks=int(out["blocks"]), copies=int(out["copies"]),
+                                bytes_copied=int(out["bytes_copied"]), seconds=out["seconds"])
+
+    @_rpc
+    def OpenChannel(self, request: pb.OpenChannelRequest, context: grpc.ServicerContext,
+                    p: Principal) -> pb.OpenChannelResponse:
+        return self._channel_info(request.client_host_id, p)
 
 
 def decoding_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
@@ -218,7 +261,12 @@ class NodeServer:
 
     def __init__(self, node: Node, *, listen: str, data_port: int = 0, grpc_workers: int = 16,
                  enable_shm: bool = True, peer_timeout: float = 10.0,
+                 tls: ServerTls | None = None, auth: TenantRegistry | None = None,
+                 peer_token: str | None = None, insecure: bool = False,
                  metrics: NodeMetrics | None = None) -> None:
+        """``tls``/``auth``: see ``kvstore.security``. ``peer_token`` is what this node
+        presents to its peers (a cluster-role token) when it replicates or repairs.
+        Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
         from replication.peers import PeerPool  # replication builds on the client: import late
         from replication.replicator import Replicator
@@ -228,36 +276,45 @@ class NodeServer:
         if not host or not port.isdigit():
             raise InvalidArgument(f"listen address must be HOST:PORT, got {listen!r}")
         host = host.strip("[]")
-        self._token = secrets.token_bytes(wire.TOKEN_BYTES)
+        if tls is None and not insecure and not is_loopback(host):
+            raise InvalidArgument(f"refusing to listen on {listen} without TLS: give --tls-cert "
+                                  f"and --tls-key, or --insecure to accept plaintext")
+        self._tls = tls
         self._host_id = host_id()
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
-        self.channel = ChannelServer(node, host=host, port=data_port, token=self._token,
-                                     unix_name=unix_name, metrics=metrics)
+        self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
+                                     ssl_context=tls.ssl_context() if tls else None,
+                                     metrics=metrics)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
                                  options=GRPC_OPTIONS,
                                  interceptors=[RequestInterceptor(metrics)])
-        bound = self._grpc.add_insecure_port(f"{_bracket(host)}:{port}")
+        where = f"{_bracket(host)}:{port}"
+        bound = (self._grpc.add_secure_port(where, tls.grpc_credentials()) if tls
+                 else self._grpc.add_insecure_port(where))
         if bound == 0:
             raise OSError(f"cannot listen on {listen}")
         self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)
-        self.peers = PeerPool(timeout=peer_timeout)
+        self.peers = PeerPool(timeout=peer_timeout, token=peer_token,
+                              tls=tls.peer() if tls else None)
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
-        self._grpc.add_generic_rpc_handlers(
-            (decoding_handlers(KVStoreServicer(node, self._open_channel, self.replicator)),))
+        self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
+        self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
         self.health = NodeHealth(node)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
 
-    def _open_channel(self, client_host_id: str) -> pb.OpenChannelResponse:
-        same_host = bool(client_host_id) and client_host_id == self._host_id
+    def _open_channel(self, client_host_id: str, principal: Principal
+                      ) -> pb.OpenChannelResponse:
+        same_host = (bool(client_host_id) and client_host_id == self._host_id
+                     and principal.may_map_region)
         return pb.OpenChannelResponse(
             protocol_version=wire.PROTOCOL_VERSION,
             tcp_host="",  # empty: the host the client used for gRPC
             tcp_port=self.channel.tcp_address[1],
             unix_path=self.channel.unix_path if same_host else "",
-            token=self._token,
+            token=self.channel.token_for(principal),
             same_host=same_host,
             region_bytes=self.node.region_bytes,
         )

@@ -272,3 +272,47 @@ def test_a_node_joining_empty_is_warmed_at_the_repair_rate(tmp_path: Path) -> No
               f"{took:.1f}s at a {rate >> 20} MiB/s per-node repair cap")
     finally:
         c.down(timeout=10)
+
+
+def test_drain_hands_off_every_block_then_stops_the_node(tmp_path: Path) -> None:
+    args = [*NODE_ARGS, "--replicas", "1"]  # the last flag wins: one copy per block
+    cluster = LocalCluster.up(tmp_path / "one-copy", 3, node_args=args)
+    try:
+        keys = [_key(i) for i in range(400)]
+        values = [_value(i) for i in range(400)]
+        with Client(etcd=cluster.etcd, replicas=1) as client:
+            client.put_batch(keys, values)
+            victim = cluster.node("node-2")
+            with Client(victim.addr, transport="grpc") as direct:
+                held = sum(direct.exists(keys))  # only node-2 holds these
+                assert direct.stats()["tiers"]["dram"]["blocks"] == held > 50
+            out = subprocess.run([sys.executable, "-m", "kvstore", "drain", "--addr",
+                                  victim.addr], capture_output=True, text=True, cwd=REPO,
+                                 timeout=120)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.startswith(
+                f"drained {victim.addr}: {held} blocks; {held} copies made"), out.stdout
+            cluster._procs[victim.pid].wait(timeout=30)
+            assert cluster._procs[victim.pid].returncode == 0
+            assert "node-2" not in {m.node_id for m in client.members()}
+            assert client.get_batch(keys) == values  # nothing lost, served by the two left
+        assert _copies(cluster, keys, {"node-2"}) == [1] * 400
+        bad = subprocess.run([sys.executable, "-m", "kvstore", "drain", "--addr",
+                              "127.0.0.1:1", "--timeout", "3"], capture_output=True, text=True,
+                             cwd=REPO, timeout=60)
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    finally:
+        cluster.down(timeout=10)
+
+
+def test_drain_of_a_single_node_is_refused(tmp_path: Path) -> None:
+    from conftest import start_node
+
+    n = start_node(tmp_path)
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvstore", "drain", "--addr", n.addr],
+                             capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode == 1 and "not in a cluster" in out.stderr
+        assert n.proc.poll() is None  # still serving
+    finally:
+        n.stop()
