@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint bench proto docs clean
+.PHONY: setup demo demo-serving test test-all lint bench proto docs clean
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -18,6 +18,9 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo
+
+demo-serving: $(STAMP)
+	$(VENV)/bin/kvstore demo serving
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,4 +1,4 @@
-"""``conductor``: run the KV-cache-aware scheduler (simulated for now).
+"""``conductor``: run the KV-cache-aware scheduler, simulated or in front of live workers.
 
 Every failure a user can cause ends in one line on stderr and a non-zero exit,
 never a traceback: 1 for a run that failed (unreadable or malformed trace), 2 for
@@ -224,8 +224,59 @@ class CliError(Exception):
     """A failure to report in one line."""
 
 
+def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("serve", help="schedule requests onto live prefill/decode workers",
+                       description="Run the Conductor as an HTTP service in front of live "
+                       "workers (python -m workers prefill|decode) and a kvstore node.")
+    s.add_argument("--store", required=True, help="kvstore node HOST:PORT (the global cache)")
+    s.add_argument("--prefill", required=True, help="prefill workers, HOST:PORT,HOST:PORT")
+    s.add_argument("--decode", required=True, help="decode workers, HOST:PORT,HOST:PORT")
+    s.add_argument("--ttft-slo", type=_duration, default=2.0, help="e.g. 2s (default 2s)")
+    s.add_argument("--tbt-slo", type=_duration, default=0.1, help="e.g. 100ms (default 100ms)")
+    s.add_argument("--policy", choices=sorted(POLICIES), default="global-cache-aware")
+    s.add_argument("--rejection", choices=sorted(REJECTION_MODES), default="predictive")
+    s.add_argument("--listen", default="127.0.0.1:7700", help="HOST:PORT (default "
+                   "127.0.0.1:7700; port 0 picks one)")
+    s.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from conductor.live import LiveConductor
+    from conductor.service import ConductorService
+    from kvstore.client import Client
+
+    def addrs(text: str) -> list[str]:
+        out = [a.strip() for a in text.split(",") if a.strip()]
+        if not out:
+            raise CliError(f"need at least one HOST:PORT, got {text!r}")
+        return out
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with Client(args.store) as store:
+        live = LiveConductor(store=store, prefill=addrs(args.prefill),
+                             decode=addrs(args.decode),
+                             slo=Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
+                             policy=args.policy, rejection=args.rejection)
+        service = ConductorService(live, listen=args.listen)
+        service.start()
+        print(f"conductor: serving on {service.addr} (policy {args.policy}, rejection "
+              f"{args.rejection}, TTFT SLO {args.ttft_slo:g}s, TBT SLO {args.tbt_slo:g}s)",
+              flush=True)
+        while not stop.wait(0.5):
+            pass
+        service.stop()
+    print("conductor: stopped", flush=True)
+    return 0
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     add_simulate,
+    add_serve,
 ]
 
 
@@ -240,9 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kvstore.errors import KVStoreError
+    from workers.client import WorkerError
+
     try:
         return int(args.func(args))
-    except (CliError, ValueError) as exc:
+    except (CliError, ValueError, KVStoreError, WorkerError) as exc:
         print(f"conductor {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parser(sub)
 
+    s = sub.add_parser("demo", help="store: one node caching prompt prefixes; serving: "
+                       "prefill/decode workers and the Conductor on the store")
+    s.add_argument("which", nargs="?", choices=["store", "serving"], default="store")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="options of that demo")
+
     s = sub.add_parser("bench", help="benchmarks (not tests)")
     s.add_argument("which", choices=sorted(BENCHMARKS),
                    help="api: put/get vs Redis and raw TCP; tiers: each tier vs its limit")
@@ -472,7 +477,21 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.which == "serving":
+        try:
+            from conductor.demo import main as serving_demo
+        except ImportError as exc:
+            raise CliError(f"the serving demo needs the torch extra (pip install "
+                           f"'kvstore[torch]'): {exc}") from None
+        return int(serving_demo(args.args) or 0)
+    from kvstore.demo import main as store_demo
+
+    return int(store_demo(args.args) or 0)
+
+
 COMMANDS = {
+    "demo": cmd_demo,
     "drain": cmd_drain,
     "cluster": cmd_cluster,
     "serve": cmd_serve,

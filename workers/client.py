@@ -60,9 +60,9 @@ class WorkerClient:
         """The worker's load: ``queued``, ``active``, ``tokens_per_s``, ... (see status())."""
         return self._call("GET", "/health")
 
-    def prefill(self, token_ids: Sequence[int], *, request_id: str | None = None
-                ) -> dict[str, Any]:
-        body: dict[str, Any] = {"token_ids": list(token_ids)}
+    def prefill(self, token_ids: Sequence[int], *, request_id: str | None = None,
+                use_cache: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {"token_ids": list(token_ids), "use_cache": use_cache}
         if request_id is not None:
             body["request_id"] = request_id
         return self._call("POST", "/prefill", body)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvstore import KVStoreError
-from workers.kv_blocks import FetchResult, KVBlockStore
+from workers.kv_blocks import FetchResult, KVBlockStore, kv_shape
 from workers.metrics import Ema, RateMeter
 from workers.model import KVCache, LlamaModel
 
@@ -193,6 +193,7 @@ class DecodeWorker:
                 "block_tokens": self.block_tokens,
                 "namespace": self.namespace,
                 "model": self.model.name,
+                **kv_shape(self.model),
             }
 
     def close(self) -> None:

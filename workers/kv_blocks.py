@@ -76,6 +76,14 @@ def tail_key(namespace: str, request_id: str, token_ids: Sequence[int]) -> Block
         + encode_token_ids(list(token_ids))))
 
 
+def kv_shape(model: LlamaModel) -> dict[str, int]:
+    """What a scheduler needs to price a KV transfer and to name a block's last layer."""
+    c = model.config
+    return {"n_layers": c.n_layers,
+            "kv_bytes_per_token": 2 * c.n_layers * c.n_kv_heads * c.head_dim
+            * c.torch_dtype.itemsize}
+
+
 def default_namespace(model: LlamaModel, block_tokens: int) -> str:
     c = model.config
     return (f"{model.name}/{c.dtype}/L{c.n_layers}-kvh{c.n_kv_heads}-hd{c.head_dim}"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvstore import BlockKey, KVStoreError
-from workers.kv_blocks import FetchResult, KVBlockStore
+from workers.kv_blocks import FetchResult, KVBlockStore, kv_shape
 from workers.metrics import Ema, RateMeter
 from workers.model import KVCache, LlamaModel
 
@@ -162,7 +162,9 @@ class PrefillWorker:
         self._total_tokens = 0
 
     def prefill(self, token_ids: Sequence[int], *, request_id: str | None = None,
-                keep_logits: bool = False) -> PrefillResult:
+                keep_logits: bool = False, use_cache: bool = True) -> PrefillResult:
+        """``use_cache=False`` skips the cached-prefix lookup (computes every token, still
+        writes the blocks decode reads): the baseline a cache is measured against."""
         tokens = [int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids
         if not tokens:
             raise ValueError("token_ids must not be empty")
@@ -179,7 +181,7 @@ class PrefillWorker:
                 self._waiting -= 1
                 self._active += 1
             try:
-                result = self._prefill(tokens, rid, t_call, keep_logits)
+                result = self._prefill(tokens, rid, t_call, keep_logits, use_cache)
             finally:
                 with self._stats_lock:
                     self._active -= 1
@@ -192,8 +194,8 @@ class PrefillWorker:
             self._total_tokens += len(tokens)
         return result
 
-    def _prefill(self, tokens: list[int], rid: str, t_call: float, keep_logits: bool
-                 ) -> PrefillResult:
+    def _prefill(self, tokens: list[int], rid: str, t_call: float, keep_logits: bool,
+                 use_cache: bool = True) -> PrefillResult:
         B = self.block_tokens
         n = len(tokens)
         t0 = time.perf_counter()
@@ -201,7 +203,7 @@ class PrefillWorker:
         n_full = len(keys)
         errors: list[str] = []
         try:
-            matched = self.kv.cached_blocks(keys)
+            matched = self.kv.cached_blocks(keys) if use_cache else 0
         except KVStoreError as exc:  # degrade to a cold prefill; the store is only a cache
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
             matched = 0
@@ -275,4 +277,5 @@ class PrefillWorker:
                 "block_tokens": self.block_tokens,
                 "namespace": self.namespace,
                 "model": self.model.name,
+                **kv_shape(self.model),
             }

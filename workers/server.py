@@ -89,9 +89,13 @@ class Service:
 
     def handle(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.role == "prefill" and path == "/prefill":
-            _check_fields(body, {"token_ids", "request_id"})
+            _check_fields(body, {"token_ids", "request_id", "use_cache"})
             tokens = _int_list(body, "token_ids")
-            return self.worker.prefill(tokens, request_id=_request_id(body)).to_json()
+            use_cache = body.get("use_cache", True)
+            if not isinstance(use_cache, bool):
+                raise ValueError("use_cache must be true or false")
+            return self.worker.prefill(tokens, request_id=_request_id(body),
+                                       use_cache=use_cache).to_json()
         if self.role == "decode" and path == "/decode":
             _check_fields(body, {"token_ids", "first_token", "max_new_tokens", "request_id",
                                  "stop_token_ids"})
