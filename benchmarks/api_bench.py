@@ -69,6 +69,7 @@ from benchmarks.stats import (
     format_table,
     paired_median_ratio,
     plot_panels,
+    progress,
     size_label,
     verdict,
     write_json,
@@ -198,8 +199,10 @@ def measure_group(cells: list[Cell], s: Settings, rng: random.Random, label: str
     A cell whose op fails (an error, or a wrong answer) is reported and left out of
     the remaining rounds, so one broken path does not cost the other figures.
     """
+    bar = progress(len(cells) * (s.rounds + 1), label, unit="cell")
     for c in cells:
         _guarded(c, functools.partial(run_round, c, s, record=False, ops=s.warmup_ops))
+        bar.update()
     for r in range(s.rounds):
         order = [c for c in cells if c.error is None]
         rng.shuffle(order)  # no cell always runs right after the same neighbour
@@ -207,8 +210,10 @@ def measure_group(cells: list[Cell], s: Settings, rng: random.Random, label: str
         for c in order:
             gc.collect()
             _guarded(c, functools.partial(run_round, c, s))
+            bar.update()
         print(f"  {label}: round {r + 1}/{s.rounds} ({time.monotonic() - t0:.1f} s)",
               file=sys.stderr, flush=True)
+    bar.close()
 
 
 def _guarded(cell: Cell, fn: Callable[[], object]) -> None:

@@ -32,7 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.stats import Panel, format_table, median, plot_panels, size_label, write_json
+from benchmarks.stats import (
+    Panel,
+    format_table,
+    median,
+    plot_panels,
+    progress,
+    size_label,
+    write_json,
+)
 from kvstore.client import Client
 from replication.cluster_client import ClusterClient
 from replication.local_cluster import LocalCluster
@@ -195,16 +203,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-cluster-") as tmp:
         cluster = LocalCluster.up(Path(tmp) / "main", 3,
                                   node_args=["--dram-bytes", "1GiB", "--no-prefault"])
+        bar = progress(3, "cluster bench", unit="part")
         try:
             print("throughput ...", flush=True)
             result["throughput"] = throughput(cluster, sizes, total, rounds)
+            bar.update()
             print("fan-out ...", flush=True)
             result["fanout"] = fanout(cluster, 3000 if quick else 30_000, 1000, 50.0)
+            bar.update()
         finally:
             cluster.down(timeout=10)
         print("repair ...", flush=True)
         result["repair"] = repair(Path(tmp) / "repair", blocks, args.repair_bytes_per_s,
                                   args.lease_ttl)
+        bar.update()
+        bar.close()
     report(result)
     if args.out_dir:
         out = Path(args.out_dir)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,3 +309,21 @@ def _draw(ax: Any, panel: Panel) -> None:
     ax.grid(True, alpha=0.3)
     if panel.series:
         ax.legend(fontsize=7)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "step") -> Any:
+    """A progress bar on stderr (tqdm; drawn only when stderr is a terminal), or a
+    no-op bar when tqdm is not installed. ``update(n)`` and ``close()``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.stats import progress
 from kvstore.keys import BlockKey
 from tiers.dram import DramTier
 from tiers.manager import TierManager, Watermarks
@@ -120,6 +121,7 @@ def bench_hbm(size: int, rounds: int, ops: int) -> dict[str, Any] | None:
 def run(sizes: Sequence[int], *, quick: bool, ssd_path: str | None) -> dict[str, Any]:
     rounds, ops = (3, 8) if quick else (5, 20)
     out: dict[str, Any] = {"dram": {}, "hbm": {}, "ssd": None}
+    bar = progress(len(sizes), "memory tiers", unit="size")
     for size in sizes:
         n = max(2, ops if size <= (4 << 20) else ops // 4)
         d = bench_mapped_tier(size, rounds, n)
@@ -131,6 +133,8 @@ def run(sizes: Sequence[int], *, quick: bool, ssd_path: str | None) -> dict[str,
             h["put_ratio"] = h["put"]["gbps"] / d["memcpy_in"]["gbps"]
             h["get_ratio"] = h["get"]["gbps"] / d["memcpy_out"]["gbps"]
             out["hbm"][str(size)] = h
+        bar.update()
+    bar.close()
     if ssd_path:
         from benchmarks.ssd_bench import run_ssd_bench
 

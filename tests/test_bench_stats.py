@@ -360,3 +360,13 @@ def test_measure_group_drops_a_failing_cell_and_keeps_the_others(capsys) -> None
     assert bad.error == "BenchError: wrong answer"
     assert bad.stats.rounds == [] and len(good.stats.rounds) == 3
     assert "kvstore-tcp/get/1 failed" in capsys.readouterr().err
+
+
+def test_progress_draws_nothing_when_stderr_is_not_a_terminal(capsys) -> None:
+    from benchmarks.stats import progress
+
+    bar = progress(3, "cells", unit="cell")
+    for _ in range(3):
+        bar.update()
+    bar.close()
+    assert capsys.readouterr().err == ""
