@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
@@ -38,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st = csub.add_parser("status", help="live nodes with capacity, use and health")
     st.add_argument("--etcd", required=True, help="HOST:PORT of the cluster's etcd")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--token-file", help="bearer token for nodes with tenants "
+                    "(default: $KVSTORE_TOKEN)")
+    st.add_argument("--tls-ca", help="CA bundle to verify nodes that serve TLS")
+    st.add_argument("--etcd-ca", help="reach etcd over TLS: CA of etcd's certificate")
+    st.add_argument("--etcd-cert", help="client certificate for etcd")
+    st.add_argument("--etcd-key", help="the etcd client certificate's key")
     st.add_argument("--watch", action="store_true",
                     help="first wait until the total repair backlog is 0, with a progress "
                          "bar on stderr when it is a terminal")
@@ -75,16 +83,30 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def cluster_status(etcd: str) -> list[dict]:
+def credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """Token and TLS settings for ``cluster_status`` from the flags (and $KVSTORE_TOKEN)."""
+    from kvstore.security import ClientTls
+
+    token = (Path(args.token_file).read_text().strip() if args.token_file
+             else os.environ.get("KVSTORE_TOKEN")) or None
+    etcd_tls = (ClientTls(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key)
+                if args.etcd_ca or args.etcd_cert else None)
+    return {"token": token, "tls": ClientTls(ca=args.tls_ca) if args.tls_ca else None,
+            "etcd_tls": etcd_tls}
+
+
+def cluster_status(etcd: str, *, token: str | None = None, tls: Any = None,
+                   etcd_tls: Any = None) -> list[dict]:
     """One row per live member: its registration and what its Stats RPC says."""
     from replication.cluster_client import ClusterClient
     from replication.membership import EtcdMembership
 
-    with EtcdMembership(etcd) as membership:
+    with EtcdMembership(etcd, tls=etcd_tls) as membership:
         members = membership.members()
         if not members:
             return []
-        with ClusterClient(membership=membership, node_timeout=3.0) as client:
+        with ClusterClient(membership=membership, node_timeout=3.0, token=token,
+                           tls=tls) as client:
             stats = client.stats()
     rows = []
     for m in members:
@@ -108,9 +130,10 @@ def cluster_status(etcd: str) -> list[dict]:
 
 
 def _status(args: argparse.Namespace) -> int:
+    creds = credentials(args)
     if args.watch:
-        watch_repair(args.etcd, interval=args.interval)
-    rows = cluster_status(args.etcd)
+        watch_repair(args.etcd, interval=args.interval, **creds)
+    rows = cluster_status(args.etcd, **creds)
     if args.json:
         print(json.dumps({"etcd": args.etcd, "nodes": rows}, indent=2))
         return 0
@@ -125,7 +148,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if all(r["health"] == "ok" for r in rows) else 1
 
 
-def watch_repair(etcd: str, *, interval: float = 1.0) -> None:
+def watch_repair(etcd: str, *, interval: float = 1.0, **creds: Any) -> None:
     """Returns once the live nodes' repair backlogs add up to 0, polling every ``interval`` s.
 
     The bar (stderr, only when it is a terminal) counts blocks repaired out of the
@@ -139,7 +162,8 @@ def watch_repair(etcd: str, *, interval: float = 1.0) -> None:
     high = 0
     try:
         while True:
-            backlog = sum(int(r.get("repair_backlog", 0)) for r in cluster_status(etcd))
+            backlog = sum(int(r.get("repair_backlog", 0))
+                          for r in cluster_status(etcd, **creds))
             high = max(high, backlog)
             if bar is None:
                 bar = _progress_bar(high)
