@@ -1,0 +1,1 @@
+"""Adapters that let serving engines use kvstore (optional; each imports only what it needs)."""
