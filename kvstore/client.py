@@ -49,7 +49,26 @@ T = TypeVar("T")
 _GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
 
 
-class Client:
+class SingleKeyCalls:
+    """``put``, ``get`` and ``get_into`` of one key, as the batch calls of one item: the
+    single-node ``Client`` and the ``ClusterClient`` share these."""
+
+    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
+            pin: bool = False) -> bool:
+        """Stores ``value`` under ``key``: True if stored, False if the key already existed
+        (cluster-wide: on its master)."""
+        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]  # type: ignore[attr-defined]
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value of ``key``, or None on a miss."""
+        return self.get_batch([key])[0]  # type: ignore[attr-defined]
+
+    def get_into(self, key: bytes, buf: object) -> int | None:
+        """Writes the value of ``key`` into ``buf``; its length, or None on a miss."""
+        return self.get_batch_into([key], [buf])[0]  # type: ignore[attr-defined]
+
+
+class Client(SingleKeyCalls):
     """A connection to one kvstore node. Thread-safe; use as a context manager."""
 
     def __new__(cls, addr: str | None = None, **options: Any) -> Any:
@@ -235,11 +254,6 @@ class Client:
 
     # ---- API -----------------------------------------------------------------------------
 
-    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
-            pin: bool = False) -> bool:
-        """Stores ``value`` under ``key``: True if stored, False if the key already existed."""
-        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]
-
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
                   parents: Sequence[bytes | None] | None = None, pin: bool = False
                   ) -> list[bool]:
@@ -258,14 +272,6 @@ class Client:
                      for k, v, p in zip(ks[lo:hi], views[lo:hi], ps[lo:hi], strict=True)]
             stored.extend(self._grpc("BatchPut", pb.BatchPutRequest(items=items)).stored)
         return stored
-
-    def get(self, key: bytes) -> bytes | None:
-        """The value of ``key``, or None on a miss."""
-        return self.get_batch([key])[0]
-
-    def get_into(self, key: bytes, buf: object) -> int | None:
-        """Writes the value of ``key`` into ``buf``; its length, or None on a miss."""
-        return self.get_batch_into([key], [buf])[0]
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = [check_key(k) for k in keys]

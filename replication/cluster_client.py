@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.client import Client, check_put_batch
+from kvstore.client import Client, SingleKeyCalls, check_put_batch
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.node import check_key
@@ -93,7 +93,7 @@ class _View:
         return hit
 
 
-class ClusterClient:
+class ClusterClient(SingleKeyCalls):
     """A client of a whole cluster; thread-safe; use as a context manager."""
 
     def __init__(self, *, etcd: str | None = None, members: Sequence[Member] | None = None,
@@ -222,11 +222,6 @@ class ClusterClient:
 
     # ---- writes --------------------------------------------------------------------------
 
-    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
-            pin: bool = False) -> bool:
-        """Stores ``value`` on ``replicas`` nodes; True if the master had not stored it yet."""
-        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]
-
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
                   parents: Sequence[bytes | None] | None = None, pin: bool = False
                   ) -> list[bool]:
@@ -352,16 +347,10 @@ class ClusterClient:
             self._note_reads(view, keys)
         return results
 
-    def get(self, key: bytes) -> bytes | None:
-        return self.get_batch([key])[0]
-
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = [check_key(k) for k in keys]
         return self._rounds(ks, lambda c, idx: c.get_batch([ks[i] for i in idx]),
                             lambda r: r is not None, record_reads=True)
-
-    def get_into(self, key: bytes, buf: object) -> int | None:
-        return self.get_batch_into([key], [buf])[0]
 
     def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
         ks = [check_key(k) for k in keys]
