@@ -8,7 +8,9 @@
    fetch + prefill time of the tokens it would compute (``CostModel``); the
    policy picks the instance and plan (``conductor.policies``);
 3. predict every decode instance's load when the request would reach it and its
-   TBT with the request admitted, and pick the best decode instance;
+   TBT with the request admitted, and pick the best decode instance (output
+   lengths are not known at arrival: every request is assumed to generate
+   ``expected_output_tokens``, see ``conductor.rejection``);
 4. reject if the mode says the SLOs cannot be met (``conductor.rejection``);
    otherwise commit: append the work to the prefill queue, record the request's
    blocks in that instance's cache (they will be there once it runs: computed or
@@ -48,7 +50,8 @@ class Conductor:
     def __init__(self, *, prefill: Sequence[PrefillInstance], decode: Sequence[DecodeInstance],
                  cost: CostModel, policy: PrefillPolicy | str = "global-cache-aware",
                  rejection: RejectionMode | str = "none", slo: Slo | None = None,
-                 pool: GlobalCache | None = None, seed: int = 0) -> None:
+                 pool: GlobalCache | None = None, seed: int = 0,
+                 mean_output_tokens: float | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode instance")
         ids = [p.id for p in prefill] + [d.id for d in decode]
@@ -68,6 +71,12 @@ class Conductor:
         self.pool: GlobalCache = pool
         self._kv_bytes = cost.kv_bytes_per_token
         self._predicted = PredictedLoad()
+        if mean_output_tokens is not None and mean_output_tokens < 1:
+            raise ValueError("mean_output_tokens must be >= 1")
+        self.mean_output_tokens = mean_output_tokens
+        """Fixed expected output length; None: the running mean of the requests seen."""
+        self._seen_output_tokens = 0
+        self._seen_requests = 0
         self._where: dict[RequestId, tuple[InstanceId, InstanceId]] = {}
 
     # ---- step 1-2: prefill plans ---------------------------------------------------------
@@ -102,6 +111,17 @@ class Conductor:
 
     # ---- step 3: decode ------------------------------------------------------------------
 
+    def expected_output_tokens(self) -> int:
+        """The output length assumed for every request in decode-load predictions (the
+        paper's uniform decode time, in tokens): ``mean_output_tokens`` if fixed, else
+        the mean ``output_tokens`` of the requests scheduled so far (the current one
+        included), rounded; at least 1."""
+        if self.mean_output_tokens is not None:
+            return max(1, round(self.mean_output_tokens))
+        if not self._seen_requests:
+            return 1
+        return max(1, round(self._seen_output_tokens / self._seen_requests))
+
     def kv_ready_s(self, req: Request, now: float, ttft_s: float) -> float:
         """When the request's KV cache is estimated to reach its decode instance."""
         return now + ttft_s + self.cost.transfer_s(req.prompt_tokens * self._kv_bytes)
@@ -111,20 +131,22 @@ class Conductor:
         """The decode instance for ``req`` (reaching decode at ``at_s``), its predicted
         TBT, and why the rejection mode's arrival view finds it overloaded (None if
         it does not, or if the mode does not check at arrival)."""
+        out = self.expected_output_tokens()
         best: tuple[bool, float] | None = None
         chosen = self.decode[0]
         chosen_tbt = 0.0
         for d in self.decode:
-            load = self._predicted.load(d, now=now, at_s=at_s, cost=self.cost)
-            tbt, reason = self._check(d, load, req.prompt_tokens, req.output_tokens)
+            load = self._predicted.load(d, now=now, at_s=at_s, cost=self.cost,
+                                        output_tokens=out)
+            tbt, reason = self._check(d, load, req.prompt_tokens, out)
             key = (reason is not None, tbt)
             if best is None or key < best:
                 best, chosen, chosen_tbt = key, d, tbt
         view = self.rejection.arrival_view
         if view is None:
             return chosen, chosen_tbt, None
-        load = view.load(chosen, now=now, at_s=at_s, cost=self.cost)
-        tbt, reason = self._check(chosen, load, req.prompt_tokens, req.output_tokens)
+        load = view.load(chosen, now=now, at_s=at_s, cost=self.cost, output_tokens=out)
+        tbt, reason = self._check(chosen, load, req.prompt_tokens, out)
         return chosen, tbt, reason
 
     def _check(self, d: DecodeInstance, load: DecodeLoad, prompt_tokens: int,
@@ -142,6 +164,8 @@ class Conductor:
         """Choose a (prefill, decode) pair for ``req`` at time ``now``, or reject it."""
         if req.id in self._where:
             raise ValueError(f"request {req.id} is already scheduled")
+        self._seen_output_tokens += req.output_tokens
+        self._seen_requests += 1
         plan = self.policy.choose(req, self.candidates(req, now))
         at_s = self.kv_ready_s(req, now, plan.ttft_s)
         d, tbt, overload = self.choose_decode(req, now, at_s)
@@ -183,6 +207,8 @@ class Conductor:
             d.incoming[rid].ready_s = now
         if not self.rejection.decode_check:
             return None
+        # The decode instance checks with the request's real size and the real sizes of
+        # the requests waiting at it: it is the one reserving their memory.
         load = CurrentLoad().load(d, now=now, at_s=now, cost=self.cost, exclude=rid)
         _, reason = self._check(d, load, prompt_tokens, output_tokens)
         if reason is not None:

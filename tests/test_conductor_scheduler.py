@@ -23,14 +23,15 @@ COST = PolyCostModel(kv_bytes_per_token=1, p_token=0.001, net_bytes_per_s=51_200
 
 def cluster(*, prefill: int = 2, decode: int = 1, policy: str = "global-cache-aware",
             rejection: str = "none", slo: Slo | None = None, cost: PolyCostModel = COST,
-            kv: int = 10**9, seed: int = 0) -> Conductor:
+            kv: int = 10**9, seed: int = 0, mean_output: float | None = None) -> Conductor:
     pool = PoolIndex()
     return Conductor(
         prefill=[PrefillInstance(id=InstanceId(f"p{i}"), cache=LocalPrefixCache(100, pool))
                  for i in range(prefill)],
         decode=[DecodeInstance(id=InstanceId(f"d{i}"), kv_capacity_tokens=kv)
                 for i in range(decode)],
-        cost=cost, policy=policy, rejection=rejection, slo=slo, pool=pool, seed=seed)
+        cost=cost, policy=policy, rejection=rejection, slo=slo, pool=pool, seed=seed,
+        mean_output_tokens=mean_output)
 
 
 def req(i: int, prompt: int, keys: tuple[str, ...] = (), output: int = 10) -> Request:
@@ -209,30 +210,85 @@ def test_baseline_admits_at_decode_when_it_fits() -> None:
 
 
 def test_predictive_admits_what_load_rejects_when_decode_frees_in_time() -> None:
-    # The resident request ends after 100 steps of 10 ms = 1.0 s; the new one reaches
-    # decode at 1.0 s of prefill + 19.5 ms of transfer: predicted to fit.
-    load = cluster(rejection="load", kv=3_000)
-    full_decode(load, remaining=100)
-    assert not load.schedule(req(1, 1_000), now=0.0).accepted
-    pred = cluster(rejection="predictive", kv=3_000)
-    full_decode(pred, remaining=100)
+    # Every request is assumed to generate 101 tokens: 100 decode steps of 10 ms = 1.0 s.
+    # The resident request has run 0 steps; the new one reaches decode after 1.0 s of
+    # prefill + 19.5 ms of transfer = 101.95 steps: the resident is predicted gone.
+    # Its real length (1,000 more steps) is not used: the prediction is system-level.
+    load = cluster(rejection="load", kv=3_000, mean_output=101)
+    full_decode(load, remaining=1_000)
+    d = load.schedule(req(1, 1_000), now=0.0)
+    assert not d.accepted and d.reason == "decode KV cache full"  # 2,100 + 1,101 > 3,000
+    pred = cluster(rejection="predictive", kv=3_000, mean_output=101)
+    full_decode(pred, remaining=1_000)
     d = pred.schedule(req(1, 1_000), now=0.0)
-    assert d.accepted and d.decode == "d0"
-    # One step longer than the prefill horizon, and predictive rejects too.
-    late = cluster(rejection="predictive", kv=3_000)
-    full_decode(late, remaining=103)
+    assert d.accepted and d.decode == "d0" and d.est_tbt_s == pytest.approx(0.01)
+    # The resident ran 0 steps; with t_d = 103 steps it is predicted to be still there
+    # at 101.95 steps, and predictive rejects too, although it really leaves at step 5.
+    late = cluster(rejection="predictive", kv=3_000, mean_output=104)
+    full_decode(late, remaining=5)
     d = late.schedule(req(1, 1_000), now=0.0)
     assert not d.accepted and d.reason == "decode KV cache full"
+    # Steps already run count: after 2 of its 103 steps it is predicted gone by 101.95.
+    ran = cluster(rejection="predictive", kv=3_000, mean_output=104)
+    full_decode(ran, remaining=5)
+    ran.decode[0].step()
+    ran.decode[0].step()
+    assert ran.schedule(req(1, 1_000), now=0.0).accepted
+
+
+def test_predicted_load_uses_the_uniform_output_length_only() -> None:
+    # Hand-built decode state at now = 0, steps of 1/64 s, prediction for at_s = 0.5 s
+    # (32 steps ahead), t_d = 50 decode steps (51 tokens):
+    #   1: ran 45 steps      -> predicted gone after 5 more  (really 500 more)
+    #   2: ran 10 steps      -> predicted there until step 40 (really ends in 1 step)
+    #   3: KV ready at 0.25 s -> has run 16 steps by 0.5 s, counted with 3,000 + 51
+    #   4: KV ready at 0.75 s -> after 0.5 s, not counted
+    cost = PolyCostModel(kv_bytes_per_token=1, p_token=0.001, net_bytes_per_s=51_200,
+                         d_fixed=1 / 64)
+    d = DecodeInstance(id=InstanceId("d0"), kv_capacity_tokens=10**6)
+    d.start(RequestId(1), 1_000, 545, 546)
+    for _ in range(35):
+        d.step()
+    d.start(RequestId(2), 2_000, 11, 12)
+    for _ in range(10):
+        d.step()
+    d.expect(RequestId(3), 0.25, 3_000, 7)
+    d.expect(RequestId(4), 0.75, 4_000, 7)
+    view = REJECTION_MODES["predictive"].arrival_view
+    assert view is not None
+    load = view.load(d, now=0.0, at_s=0.5, cost=cost, output_tokens=51)
+    assert (load.batch, load.context_tokens, load.reserved_tokens) == (
+        2, 2_000 + 10 + 32 + 3_000 + 16, 2_012 + 3_051)
+    # The current view: 1 and 2 as they are, nothing waiting at the instance yet.
+    current = REJECTION_MODES["load"].arrival_view
+    assert current is not None
+    cur = current.load(d, now=0.0, at_s=0.5, cost=cost, output_tokens=51)
+    assert (cur.batch, cur.context_tokens, cur.reserved_tokens) == (
+        2, 1_045 + 2_010, 1_546 + 2_012)
+    with pytest.raises(ValueError, match="expected output"):
+        view.load(d, now=0.0, at_s=0.5, cost=cost)
+
+
+def test_expected_output_is_the_running_mean_of_requests_seen() -> None:
+    c = cluster()
+    assert c.expected_output_tokens() == 1
+    c.schedule(req(1, 100, output=10), now=0.0)
+    c.schedule(req(2, 100, output=31), now=0.0)
+    assert c.expected_output_tokens() == 20  # 41 / 2 = 20.5, rounded half to even
+    assert cluster(mean_output=342.6).expected_output_tokens() == 343
+    with pytest.raises(ValueError, match="mean_output_tokens"):
+        cluster(mean_output=0.5)
 
 
 def test_predictive_counts_requests_predicted_to_arrive_first() -> None:
-    # Request 1 (3,000 tokens reserved) reaches decode at 2.04 s and decodes for ~10 s.
-    # Request 2 (2,100 tokens) queues behind it on the one prefill instance and would
-    # reach decode at 3.54 s, when request 1 is there: 5,100 > 5,000 tokens. Only the
+    # Every request is assumed to generate 1,000 tokens. Request 1 (2,000 + 1,000
+    # tokens reserved) reaches decode at 2.04 s and decodes for ~10 s. Request 2
+    # (1,500 + 1,000) queues behind it on the one prefill instance and would reach
+    # decode at 3.53 s, when request 1 is there: 5,500 > 5,000 tokens. Only the
     # predictive mode sees it; the others see an empty decode instance now.
     for mode, accepted in (("none", True), ("baseline", True), ("load", True),
                            ("predictive", False)):
-        c = cluster(prefill=1, rejection=mode, kv=5_000)
+        c = cluster(prefill=1, rejection=mode, kv=5_000, mean_output=1_000)
         assert c.schedule(req(1, 2_000, output=1_000), now=0.0).accepted
         d = c.schedule(req(2, 1_500, output=600), now=0.0)
         assert d.accepted is accepted, mode

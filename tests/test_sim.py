@@ -87,8 +87,10 @@ def test_baseline_rejects_late_and_wastes_the_prefill() -> None:
 
 
 def test_predictive_rejects_the_same_request_before_its_prefill() -> None:
+    # At r1's arrival the expected output is the mean so far, round(201 / 2) = 100: r0
+    # is predicted in decode at 1.33 s (reserving 1,000 + 100), r1 needs 300 + 100.
     reqs = [r(0, 0.0, 1_000, 101), r(1, 0.0, 300, 100)]
-    run = simulate(reqs, conductor=one_by_one(rejection="predictive", kv=1_500))
+    run = simulate(reqs, conductor=one_by_one(rejection="predictive", kv=1_450))
     assert run.records[1].rejected == "decode KV cache full"
     assert not run.records[1].rejected_late and run.wasted_prefill_s == 0.0
     assert run.records[0].finish_s == pytest.approx(2.6, abs=EPS)
