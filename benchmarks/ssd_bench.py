@@ -11,9 +11,20 @@ For each block size it measures, in one run and on one file:
   tier's own helper, with no checksum or index work). The best variant is taken
   as the physical limit; every variant is printed and saved;
 
-and then 64 KiB random reads at queue depth 32: the tier reading batches of 32
-random blocks, against 32 threads issuing raw ``preadv`` back to back and (if
-available) raw io_uring at QD32; the better raw figure is the limit.
+and then 64 KiB random reads at queue depth 32, against 32 threads issuing raw
+``preadv`` back to back and (if available) raw io_uring at QD32 (the better raw
+figure is the limit), with the tier read three ways, 32 blocks in flight each:
+
+* ``batch``: one caller, ``read_blocks_into`` of 32 random blocks per call (the
+  queue drains at the end of every call);
+* ``callers4x8``: 4 threads, each calling ``read_blocks_into`` with 8 blocks;
+* ``node``: 32 threads, each reading one block per call into its own buffer, which
+  is how a node reads a block for a client (``leased_block_view``).
+
+Every case runs ``--rounds`` times (default 3), tier and raw alternating inside each
+round, so a slow spell of the shared disk hits both; figures are medians over rounds
+(each raw variant's too), the raw limit is the variant with the best median, and
+each ratio is the tier's median over that limit's median (per-round ratios saved).
 
 Latencies: the tier's are per call (one batch); the raw ones are per request.
 
@@ -33,6 +44,7 @@ import platform
 import random
 import shutil
 import stat
+import statistics
 import sys
 import threading
 import time
@@ -49,6 +61,9 @@ KiB, MiB, GB = 1 << 10, 1 << 20, 1e9
 RANDOM_BLOCK = 64 * KiB
 RANDOM_QD = 32
 RAW_QDS = (1, 4, 32)
+ROUNDS = 3
+# Random-read tier cases: (name, concurrent callers); 32 blocks in flight in total.
+RANDOM_CALLERS = (("batch", 1), ("callers4x8", 4), ("node", RANDOM_QD))
 
 
 def _pct(samples: Sequence[float], q: float) -> float:
@@ -151,7 +166,8 @@ def _raw_uring(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: bo
         raise RuntimeError("io_uring_queue_init failed")
     try:
         t0 = time.perf_counter()
-        rc = lib.kv_ring_run(ringp[0], fd, n, is_write, offs, iovs, counts, results, qd)
+        rc = lib.kv_ring_run(ringp[0], fd, n, is_write, offs, iovs, counts, results, qd,
+                             ffi.NULL, ffi.NULL, ffi.NULL)  # no verification
         if write:
             os.fdatasync(fd)
         dt = time.perf_counter() - t0
@@ -230,40 +246,47 @@ def _raw_sequential(path: Path, size: int, n: int, src: mmap.mmap,
     return out
 
 
-def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
-                  seed: int) -> dict[str, float]:
-    nblocks = region // RANDOM_BLOCK
-    src = _aligned(RANDOM_BLOCK, fill=True)
-    view = memoryview(src)
-    locs: list[SsdLocation] = []
-    for start in range(0, nblocks, 256):
-        got = tier.write_blocks([(_key(i), None, view)
-                                 for i in range(start, min(nblocks, start + 256))])
-        locs.extend(loc for loc in got if loc is not None)
-    rng = random.Random(seed)
-    picks = [rng.randrange(len(locs)) for _ in range(ops)]
+def _tier_random(tier: SsdTier, locs: Sequence[SsdLocation], picks: Sequence[int],
+                 callers: int) -> tuple[float, list[float]]:
+    """GB/s of ``callers`` threads reading the picked blocks, RANDOM_QD // callers per
+    ``read_blocks_into`` call (RANDOM_QD in flight in all), and per-call latencies."""
+    per_call = RANDOM_QD // callers
+    lat: list[float] = []
+    lock = threading.Lock()
+    calls = [picks[i:i + per_call] for i in range(0, len(picks), per_call)]
 
-    # Tier: batches of RANDOM_QD random blocks per read_blocks_into call.
-    outs = [_aligned(RANDOM_BLOCK, fill=False) for _ in range(RANDOM_QD)]
-    out_views = [memoryview(o) for o in outs]
-    tlat: list[float] = []
+    def worker(w: int) -> None:
+        outs = [_aligned(RANDOM_BLOCK, fill=False) for _ in range(per_call)]
+        views = [memoryview(o) for o in outs]
+        mine: list[float] = []
+        for call in calls[w::callers]:
+            chunk = [locs[p] for p in call]
+            t0 = time.perf_counter()
+            ok = tier.read_blocks_into(chunk, views[: len(chunk)])
+            mine.append(time.perf_counter() - t0)
+            if not all(ok):
+                raise RuntimeError("checksum failure during the benchmark")
+        for v in views:
+            v.release()
+        with lock:
+            lat.extend(mine)
+
     t_start = time.perf_counter()
-    for start in range(0, ops, RANDOM_QD):
-        chunk = [locs[p] for p in picks[start:start + RANDOM_QD]]
-        t0 = time.perf_counter()
-        ok = tier.read_blocks_into(chunk, out_views[: len(chunk)])
-        tlat.append(time.perf_counter() - t0)
-        if not all(ok):
-            raise RuntimeError("checksum failure during the benchmark")
-    t_tier = time.perf_counter() - t_start
+    if callers == 1:
+        worker(0)
+    else:
+        with ThreadPoolExecutor(max_workers=callers) as pool:
+            for f in [pool.submit(worker, w) for w in range(callers)]:
+                f.result()
+    return len(picks) * RANDOM_BLOCK / (time.perf_counter() - t_start) / GB, lat
 
-    # Raw: RANDOM_QD threads, each issuing preadv back to back (always QD in flight),
-    # and, when the native module is available, one io_uring batch at QD RANDOM_QD.
-    offsets = [locs[p].extent.offset for p in picks]
+
+def _raw_random_threads(path: Path, offsets: Sequence[int]) -> tuple[float, list[float]]:
+    """GB/s of RANDOM_QD threads each issuing raw O_DIRECT preadv back to back (always
+    RANDOM_QD in flight), and per-request latencies."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    raw_variants: dict[str, float] = {}
-    rlat: list[float] = []
-    lat_lock = threading.Lock()
+    lat: list[float] = []
+    lock = threading.Lock()
 
     def worker(w: int) -> None:
         buf = _aligned(RANDOM_BLOCK, fill=False)
@@ -274,45 +297,115 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int,
                 raise RuntimeError("short raw read")
             mine.append(time.perf_counter() - t0)
         buf.close()
-        with lat_lock:
-            rlat.extend(mine)
+        with lock:
+            lat.extend(mine)
 
     try:
         t_start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=RANDOM_QD) as pool:
             for f in [pool.submit(worker, w) for w in range(RANDOM_QD)]:
                 f.result()
-        raw_variants[f"threads_qd{RANDOM_QD}"] = ops * RANDOM_BLOCK / (
-            time.perf_counter() - t_start) / GB
-        if _uring_lib() is not None:
-            raw_variants[f"uring_qd{RANDOM_QD}"] = _raw_uring(
-                fd, RANDOM_BLOCK, offsets, RANDOM_QD, write=False)
+        gbps = len(offsets) * RANDOM_BLOCK / (time.perf_counter() - t_start) / GB
     finally:
         os.close(fd)
-    for v in out_views:
-        v.release()
+    return gbps, lat
+
+
+def _random_reads(tier: SsdTier, path: Path, region: int, ops: int, seed: int,
+                  rounds: int) -> dict[str, Any]:
+    nblocks = region // RANDOM_BLOCK
+    src = _aligned(RANDOM_BLOCK, fill=True)
+    view = memoryview(src)
+    locs: list[SsdLocation] = []
+    for start in range(0, nblocks, 256):
+        got = tier.write_blocks([(_key(i), None, view)
+                                 for i in range(start, min(nblocks, start + 256))])
+        locs.extend(loc for loc in got if loc is not None)
+    rng = random.Random(seed)
+    tier_runs: dict[str, list[float]] = {name: [] for name, _ in RANDOM_CALLERS}
+    tier_lat: dict[str, list[float]] = {name: [] for name, _ in RANDOM_CALLERS}
+    raw_runs: dict[str, list[float]] = {}
+    rlat: list[float] = []
+    for _ in range(rounds):
+        # Fresh random blocks each round; tier cases and raw variants read the same ones.
+        picks = [rng.randrange(len(locs)) for _ in range(ops)]
+        offsets = [locs[p].extent.offset for p in picks]
+        for name, callers in RANDOM_CALLERS:
+            gbps, lat = _tier_random(tier, locs, picks, callers)
+            tier_runs[name].append(gbps)
+            tier_lat[name].extend(lat)
+        gbps, lat = _raw_random_threads(path, offsets)
+        raw_runs.setdefault(f"threads_qd{RANDOM_QD}", []).append(gbps)
+        rlat.extend(lat)
+        if _uring_lib() is not None:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                raw_runs.setdefault(f"uring_qd{RANDOM_QD}", []).append(
+                    _raw_uring(fd, RANDOM_BLOCK, offsets, RANDOM_QD, write=False))
+            finally:
+                os.close(fd)
     view.release()
     tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
-    total = ops * RANDOM_BLOCK
-    tier_gbps = total / t_tier / GB
+    raw_variants = {k: statistics.median(v) for k, v in raw_runs.items()}
     raw_best = max(raw_variants, key=raw_variants.__getitem__)
     raw_gbps = raw_variants[raw_best]
+    cases = {}
+    for name, callers in RANDOM_CALLERS:
+        g = statistics.median(tier_runs[name])
+        cases[name] = {
+            "callers": callers,
+            "blocks_per_call": RANDOM_QD // callers,
+            "tier_gbps": g,
+            "tier_iops": g * GB / RANDOM_BLOCK,
+            "tier_call_ms_p50": _pct(tier_lat[name], 0.5),
+            "tier_call_ms_p99": _pct(tier_lat[name], 0.99),
+            "ratio": g / raw_gbps,
+            "ratio_rounds": [t / r for t, r in zip(tier_runs[name], raw_runs[raw_best],
+                                                   strict=True)],
+            "tier_gbps_rounds": tier_runs[name],
+        }
+    batch = cases["batch"]
     return {
         "block_size": RANDOM_BLOCK,
         "queue_depth": RANDOM_QD,
         "ops": ops,
-        "tier_gbps": tier_gbps,
-        "tier_iops": ops / t_tier,
-        "tier_call_ms_p50": _pct(tlat, 0.5),
-        "tier_call_ms_p99": _pct(tlat, 0.99),
+        "rounds": rounds,
+        # The single-caller batch (the figure earlier versions reported) at the top.
+        "tier_gbps": batch["tier_gbps"],
+        "tier_iops": batch["tier_iops"],
+        "tier_call_ms_p50": batch["tier_call_ms_p50"],
+        "tier_call_ms_p99": batch["tier_call_ms_p99"],
+        "ratio": batch["ratio"],
+        "cases": cases,
         "raw_gbps": raw_gbps,
         "raw_best": raw_best,
         "raw_variants_gbps": raw_variants,
+        "raw_variants_gbps_rounds": raw_runs,
         "raw_iops": raw_gbps * GB / RANDOM_BLOCK,
         "raw_op_ms_p50": _pct(rlat, 0.5),
         "raw_op_ms_p99": _pct(rlat, 0.99),
-        "ratio": tier_gbps / raw_gbps,
     }
+
+
+def _merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One sequential row from per-round rows: medians, best raw variant by median."""
+    out: dict[str, Any] = {}
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in runs)
+    for kind in ("write", "read"):
+        per = {name: [r[f"raw_{kind}_variants_gbps"][name] for r in runs]
+               for name in runs[0][f"raw_{kind}_variants_gbps"]}
+        med = {name: statistics.median(v) for name, v in per.items()}
+        best = max(med, key=med.__getitem__)
+        out[f"raw_{kind}_gbps"] = med[best]
+        out[f"raw_{kind}_best"] = best
+        out[f"raw_{kind}_variants_gbps"] = med
+        out[f"{kind}_ratio"] = out[f"tier_{kind}_gbps"] / med[best]
+        out[f"{kind}_ratio_rounds"] = [r[f"tier_{kind}_gbps"] / b
+                                       for r, b in zip(runs, per[best], strict=True)]
+        out[f"tier_{kind}_gbps_rounds"] = [r[f"tier_{kind}_gbps"] for r in runs]
+    return out
 
 
 def run_ssd_bench(
@@ -326,11 +419,12 @@ def run_ssd_bench(
     random_ops: int = 8192,
     seed: int = 0,
     raw_qds: Sequence[int] = RAW_QDS,
+    rounds: int = ROUNDS,
 ) -> dict[str, Any]:
     """Runs the benchmark on ``path`` (overwritten) and returns the figures.
 
-    Each block size moves ``total_bytes`` (at least one block) each way; the tier
-    writes batches of up to ``queue_depth`` blocks and ``max_batch_bytes``.
+    Each block size moves ``total_bytes`` (at least one block) each way per round;
+    the tier writes batches of up to ``queue_depth`` blocks and ``max_batch_bytes``.
     """
     p = Path(path)
     _prepare(p)
@@ -344,15 +438,20 @@ def run_ssd_bench(
             n = max(1, total_bytes // size)
             batch = max(1, min(queue_depth, max_batch_bytes // size, n))
             src = _aligned(size, fill=True)
-            row: dict[str, Any] = {"block_size": size, "blocks": n, "batch_blocks": batch}
-            row.update(_tier_sequential(tier, size, n, batch, src))
-            row.update(_raw_sequential(p, size, n, src, raw_qds))
+            runs = []
+            for _ in range(rounds):
+                run = _tier_sequential(tier, size, n, batch, src)
+                run.update(_raw_sequential(p, size, n, src, raw_qds))
+                runs.append(run)
             src.close()
-            row["write_ratio"] = row["tier_write_gbps"] / row["raw_write_gbps"]
-            row["read_ratio"] = row["tier_read_gbps"] / row["raw_read_gbps"]
+            row: dict[str, Any] = {"block_size": size, "blocks": n, "batch_blocks": batch,
+                                   "rounds": rounds}
+            row.update(_merge_rounds(runs))
             rows.append(row)
-        rand = _random_reads(tier, p, min(total_bytes, capacity - largest), random_ops, seed)
+        rand = _random_reads(tier, p, min(total_bytes, capacity - largest), random_ops, seed,
+                             rounds)
         stats = tier.stats()
+        tier_backend = tier._backend
     finally:
         tier.close()
     _prepare(p)  # leave no large file behind
@@ -370,10 +469,13 @@ def run_ssd_bench(
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "raw_queue_depths": list(raw_qds),
+            "rounds": rounds,
+            "verify_in_c": bool(getattr(tier_backend, "verifies", False)),
             "raw_uring": _uring_lib() is not None,
             "note": ("tier latencies are per call (one batch); raw latencies per request "
-                     "(the QD1 loop for sequential, the threads for random). The raw "
-                     "limit of each case is the best of its raw variants: O_DIRECT "
+                     "(the QD1 loop for sequential, the threads for random). Figures are "
+                     "medians over rounds (tier and raw alternating). The raw limit of "
+                     "each case is the raw variant with the best median: O_DIRECT "
                      "preadv/pwritev at QD1, threads at each other QD, and io_uring "
                      "(tiers._uring, no checksum or index work) at each QD > 1."),
         },
@@ -403,7 +505,13 @@ def print_table(res: dict[str, Any]) -> None:
               f"{r['tier_write_call_ms_p50']:8.2f}/{r['tier_write_call_ms_p99']:<8.2f} "
               f"{r['tier_read_call_ms_p50']:8.2f}/{r['tier_read_call_ms_p99']:<8.2f} "
               f"{r['raw_read_op_ms_p50']:7.2f}/{r['raw_read_op_ms_p99']:<8.2f}")
-    print("(GB/s; tier latencies per batch call, raw per request; raw = best variant)")
+    print("(GB/s, medians over rounds; tier latencies per batch call, raw per request; "
+          "raw = variant with the best median)")
+    for r in res["sequential"]:
+        if "read_ratio_rounds" in r:
+            print(f"  {_fmt_size(r['block_size']):>7} per-round ratios W "
+                  + " ".join(f"{x:.2f}" for x in r["write_ratio_rounds"]) + "  R "
+                  + " ".join(f"{x:.2f}" for x in r["read_ratio_rounds"]))
     print("raw variants (write/read GB/s):")
     for r in res["sequential"]:
         w, rd = r["raw_write_variants_gbps"], r["raw_read_variants_gbps"]
@@ -411,12 +519,17 @@ def print_table(res: dict[str, Any]) -> None:
             f"{k} {w[k]:.2f}/{rd[k]:.2f}" for k in w)
               + f"  | best W {r['raw_write_best']}, R {r['raw_read_best']}")
     rr = res["random_read"]
-    print(f"random 64 KiB reads, QD{rr['queue_depth']}, {rr['ops']} ops: "
-          f"tier {rr['tier_gbps']:.2f} GB/s ({rr['tier_iops']:.0f} IOPS, per-32 call p50 "
-          f"{rr['tier_call_ms_p50']:.2f} ms p99 {rr['tier_call_ms_p99']:.2f} ms) | raw "
+    print(f"random 64 KiB reads, QD{rr['queue_depth']}, {rr['ops']} ops x "
+          f"{rr.get('rounds', 1)} rounds: raw "
           f"{rr['raw_gbps']:.2f} GB/s ({rr['raw_iops']:.0f} IOPS, per-op p50 "
-          f"{rr['raw_op_ms_p50']:.2f} ms p99 {rr['raw_op_ms_p99']:.2f} ms) | "
-          f"ratio {rr['ratio']:.2f}")
+          f"{rr['raw_op_ms_p50']:.2f} ms p99 {rr['raw_op_ms_p99']:.2f} ms)")
+    for name, c in rr.get("cases", {"batch": {**rr, "callers": 1, "blocks_per_call": 32,
+                                              "ratio_rounds": [rr["ratio"]]}}).items():
+        print(f"  tier {name:<10} ({c['callers']:>2} callers x {c['blocks_per_call']:>2} "
+              f"blocks/call): {c['tier_gbps']:.2f} GB/s ({c['tier_iops']:.0f} IOPS, call "
+              f"p50 {c['tier_call_ms_p50']:.2f} ms p99 {c['tier_call_ms_p99']:.2f} ms) "
+              f"ratio {c['ratio']:.2f} (rounds "
+              + " ".join(f"{x:.2f}" for x in c["ratio_rounds"]) + ")")
     print("  raw random variants: " + "  ".join(
         f"{k} {v:.2f}" for k, v in rr["raw_variants_gbps"].items()) + f"  (best {rr['raw_best']})")
 
@@ -432,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--random-ops", type=int, default=8192)
     ap.add_argument("--raw-qds", default=",".join(map(str, RAW_QDS)),
                     help="queue depths of the raw sequential baselines")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="repetitions of every case (tier and raw alternate); medians")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     units = {"K": KiB, "M": MiB}
@@ -439,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              for s in args.sizes.split(",")]
     res = run_ssd_bench(args.path, sizes, args.total_mib * MiB, args.io,
                         queue_depth=args.queue_depth, random_ops=args.random_ops,
-                        raw_qds=[int(q) for q in args.raw_qds.split(",")])
+                        raw_qds=[int(q) for q in args.raw_qds.split(",")],
+                        rounds=args.rounds)
     print_table(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,29 +29,52 @@ _C_SOURCE = _HERE / "uring_io.c"
 # The helper's functions, declared once for both cffi and the compiler.
 PROTOTYPES = """
 struct kv_ring;
+int kv_ring_api_version(void);
+int kv_have_verify(void);
+uint64_t kv_xxh3_iov(const struct iovec *iov, int cnt, int64_t len);
 int kv_ring_open(unsigned depth, struct kv_ring **out);
 void kv_ring_close(struct kv_ring *r);
 int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                 const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results, int max_inflight);
+                int64_t *results, int max_inflight, const uint64_t *want,
+                const int64_t *verify_len, signed char *verdict);
 void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                    const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                   int64_t *results, int max_inflight);
+                   int64_t *results, int max_inflight, const uint64_t *want,
+                   const int64_t *verify_len, signed char *verdict);
 int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
 """
+# What tiers/ssd_io.py expects of a build (kv_ring_api_version()).
+API_VERSION = 2
 CDEF = "struct iovec { void *iov_base; size_t iov_len; ...; };\n" + PROTOTYPES
 
 _PREAMBLE = "#include <stdint.h>\n#include <sys/uio.h>\n" + PROTOTYPES
 
-ffibuilder = FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source(
-    "tiers._uring",
-    _PREAMBLE,
-    sources=[str(_C_SOURCE)],
-    libraries=["uring"],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
-)
+_INCLUDE_DIRS = ["/usr/include", "/usr/local/include"]
+
+
+def _have_header(name: str) -> bool:
+    return any((Path(d) / name).exists() for d in _INCLUDE_DIRS)
+
+
+def _make_builder(verify: bool) -> FFI:
+    """The cffi builder; ``verify`` compiles the xxh3 read verification in (header-only
+    xxHash, XXH_INLINE_ALL: nothing to link)."""
+    builder = FFI()
+    builder.cdef(CDEF)
+    builder.set_source(
+        "tiers._uring",
+        _PREAMBLE,
+        sources=[str(_C_SOURCE)],
+        libraries=["uring"],
+        define_macros=[("KV_HAVE_XXHASH", "1")] if verify else [],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    )
+    return builder
+
+
+# Without libxxhash-dev the helper still builds: reads are then verified in Python.
+ffibuilder = _make_builder(_have_header("xxhash.h"))
 
 
 def _have_liburing() -> str | None:
@@ -59,22 +82,31 @@ def _have_liburing() -> str | None:
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None and shutil.which("gcc") is None:
         return f"no C compiler ({cc!r} not found)"
-    include_dirs = ["/usr/include", "/usr/local/include"]
-    if not any((Path(d) / "liburing.h").exists() for d in include_dirs):
+    if not _have_header("liburing.h"):
         return "liburing.h not found (install liburing-dev)"
     return None
 
 
-def build(dest_dir: Path = _ROOT / "tiers") -> Path | None:
-    """Builds the extension into ``dest_dir``; returns its path, or None (with a warning)."""
+def build(dest_dir: Path = _ROOT / "tiers", *, verify: bool | None = None) -> Path | None:
+    """Builds the extension into ``dest_dir``; returns its path, or None (with a warning).
+
+    ``verify``: compile the in-C checksum verification (default: if ``xxhash.h`` is
+    installed, from libxxhash-dev).
+    """
     reason = _have_liburing()
     if reason is not None:
         print(f"warning: not building tiers._uring: {reason}", file=sys.stderr)
         return None
+    if verify is None:
+        verify = _have_header("xxhash.h")
+        if not verify:
+            print("warning: xxhash.h not found (install libxxhash-dev): tiers._uring "
+                  "will leave read checksums to Python", file=sys.stderr)
+    builder = _make_builder(verify)
     # Compile in a scratch directory so the generated .c/.o files stay out of the tree.
     with tempfile.TemporaryDirectory(prefix="kvstore-uring-build-") as tmp:
         try:
-            built = Path(ffibuilder.compile(tmpdir=tmp, verbose=False))
+            built = Path(builder.compile(tmpdir=tmp, verbose=False))
         except Exception as exc:  # cffi raises distutils/setuptools errors of varying types
             print(f"warning: not building tiers._uring: {exc}", file=sys.stderr)
             return None

@@ -6,6 +6,7 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 [ -f /usr/include/liburing.h ] || need+=(liburing-dev)
+[ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null 2>&1; then SUDO=sudo; else

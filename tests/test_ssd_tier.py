@@ -3,7 +3,9 @@
 Every test runs on the io_uring backend (skipped, with the reason, only if the
 native module cannot be built or the kernel refuses io_uring) and on the pure-Python
 one, each with O_DIRECT and with buffered I/O forced (``direct=False``: the path a
-filesystem without O_DIRECT support takes).
+filesystem without O_DIRECT support takes). On io_uring, reads are verified in C when
+the helper was built with xxHash; the ``uring-pyverify`` modes turn that off, so the
+Python verification behind the native backend is tested too.
 """
 
 from __future__ import annotations
@@ -58,19 +60,24 @@ def uring_status() -> tuple[bool, str | None]:
     return ok, reason
 
 
-MODES = [("python", True), ("python", False), ("uring", True), ("uring", False)]
+MODES = [("python", True, False), ("python", False, False), ("uring", True, False),
+         ("uring", False, False), ("uring", True, True), ("uring", False, True)]
 
 
-@pytest.fixture(params=MODES, ids=[f"{io}-{'direct' if d else 'buffered'}" for io, d in MODES])
+@pytest.fixture(params=MODES, ids=[f"{io}{'-pyverify' if pv else ''}-"
+                                   f"{'direct' if d else 'buffered'}" for io, d, pv in MODES])
 def mode(request: pytest.FixtureRequest, uring_status: tuple[bool, str | None]) -> dict:
-    io, direct = request.param
+    io, direct, py_verify = request.param
     if io == "uring" and not uring_status[0]:
         pytest.skip(f"io_uring backend unavailable: {uring_status[1]}")
-    return {"io": io, "direct": direct}
+    return {"io": io, "direct": direct, "py_verify": py_verify}
 
 
 def open_tier(path: Path, capacity: int, mode: dict, **kw: object) -> SsdTier:
-    tier = SsdTier(path / "data.img", capacity, **mode, **kw)  # type: ignore[arg-type]
+    args = {k: v for k, v in mode.items() if k != "py_verify"}
+    tier = SsdTier(path / "data.img", capacity, **args, **kw)  # type: ignore[arg-type]
+    if mode.get("py_verify"):
+        tier._backend.verifies = False  # type: ignore[union-attr]  # as a build without xxHash
     assert tier.io_backend == mode["io"]
     if mode["direct"]:
         # tmp_path may sit on a filesystem without O_DIRECT: then the tier must say why.
@@ -586,3 +593,120 @@ def test_inflight_depth_by_block_size() -> None:
     assert inflight_depth(1 << 30, 32) == MIN_INFLIGHT
     assert inflight_depth(4096, 1) == 1
     assert inflight_depth(0, 8) == 8
+
+
+# --------------------------------------------------------------------------- C verification
+
+
+def test_native_checksum_matches_python_xxh3(uring_status: tuple) -> None:
+    """The helper's xxh3 equals the on-disk format's (xxhash.xxh3_64), over split iovecs."""
+    import xxhash
+
+    if not uring_status[0]:
+        pytest.skip(f"io_uring backend unavailable: {uring_status[1]}")
+    from tiers import _uring
+
+    ffi, lib = _uring.ffi, _uring.lib
+    if not lib.kv_have_verify():
+        pytest.skip("tiers._uring built without xxhash.h (reads are verified in Python)")
+    rng = random.Random(7)
+    for n in [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4095, 4097, 65536 + 5,
+              MiB + 123]:
+        data = rng.randbytes(n)
+        cuts = sorted(rng.randrange(n + 1) for _ in range(2))
+        parts = [data[: cuts[0]], data[cuts[0]: cuts[1]], data[cuts[1]:] + b"slack"]
+        pins = [ffi.from_buffer(p) for p in parts]
+        iov = ffi.new("struct iovec[]", 3)
+        for k, part in enumerate(parts):
+            iov[k].iov_base = pins[k]
+            iov[k].iov_len = len(part)
+        assert lib.kv_xxh3_iov(iov, 3, n) == xxhash.xxh3_64_intdigest(data), n
+        assert lib.kv_xxh3_iov(iov, 1, min(n, len(parts[0]))) == \
+            xxhash.xxh3_64_intdigest(parts[0][:n]), n
+
+
+def test_uring_backend_verifies_in_c(tmp_path: Path, uring_status: tuple) -> None:
+    """With a helper built with xxHash, read ops get a verdict from C: good blocks 1, a
+    corrupted one 0; ops without a checksum (writes, raw reads) stay -1."""
+    from tiers.ssd_io import _Op, open_backend
+
+    if not uring_status[0]:
+        pytest.skip(f"io_uring backend unavailable: {uring_status[1]}")
+    import xxhash
+
+    path = tmp_path / "raw.img"
+    data = [payload(i, 8192) for i in range(8)]
+    path.write_bytes(b"".join(data))
+    fd = os.open(path, os.O_RDWR)
+    backend, _, _ = open_backend(fd, "uring", 4)
+    try:
+        if not backend.verifies:  # type: ignore[union-attr]
+            pytest.skip("tiers._uring built without xxhash.h")
+        outs = [bytearray(8192) for _ in range(8)]
+        tails = [bytearray(4096) for _ in range(8)]
+        sums = [xxhash.xxh3_64_intdigest(d[:5000]) for d in data]
+        sums[3] ^= 1  # block 3 "corrupt"
+        # Value of 5000 bytes read as 4096 in place + a 4096-byte bounce (a tail of 904).
+        ops = [_Op(is_write=False, offset=i * 8192,
+                   bufs=[memoryview(outs[i])[:4096], memoryview(tails[i])], nbytes=8192,
+                   checksum=sums[i], verify_bytes=5000) for i in range(8)]
+        seen: dict[int, int] = {}
+        res = backend.run(ops, 3, lambda i, r: seen.__setitem__(i, ops[i].verified))
+        assert res == [8192] * 8
+        assert seen == {i: 0 if i == 3 else 1 for i in range(8)}
+        raw = [_Op(is_write=False, offset=0, bufs=[memoryview(bytearray(4096))], nbytes=4096)]
+        backend.run(raw)
+        assert raw[0].verified == -1
+    finally:
+        backend.close()
+        os.close(fd)
+
+
+def test_stale_native_module_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path) -> None:
+    """A helper of another API version (an old build) is refused, never called."""
+    import types
+
+    fake = types.SimpleNamespace(ffi=None, lib=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "tiers._uring", fake)
+    ok, reason = uring_available()
+    assert not ok and "stale" in (reason or "")
+    tier = SsdTier(tmp_path / "a.img", MiB, io="auto")
+    assert tier.io_backend == "python"
+    assert "rebuild" in (tier.stats()["io_backend_reason"] or "")
+    tier.close()
+
+
+def test_helper_builds_without_xxhash(tmp_path: Path, uring_status: tuple) -> None:
+    """Without xxhash.h the helper still builds and runs; it just gives no verdicts."""
+    import importlib.util
+
+    if not uring_status[0]:
+        pytest.skip(f"io_uring backend unavailable: {uring_status[1]}")
+    from cffi_build.uring_build import API_VERSION, build
+
+    built = build(tmp_path, verify=False)
+    assert built is not None
+    spec = importlib.util.spec_from_file_location("_uring", built)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.lib.kv_ring_api_version() == API_VERSION
+    assert module.lib.kv_have_verify() == 0
+    from tiers.ssd_io import _Op, _UringBackend
+
+    path = tmp_path / "raw.img"
+    data = payload(3, 8192)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    backend = _UringBackend(fd, 4, module)
+    try:
+        assert not backend.verifies
+        out = bytearray(8192)
+        op = _Op(is_write=False, offset=0, bufs=[memoryview(out)], nbytes=8192,
+                 checksum=123, verify_bytes=8192)
+        assert backend.run([op]) == [8192]
+        assert op.verified == -1 and bytes(out) == data
+    finally:
+        backend.close()
+        os.close(fd)

@@ -28,7 +28,9 @@ I/O backends
 cffi_build.uring_build``) submits a batch of readv/writev through io_uring with up
 to ``queue_depth`` in flight. ``"python"``: ``os.preadv``/``os.pwritev`` on a
 thread pool of ``queue_depth`` threads (the syscalls release the GIL). ``"auto"``
-picks uring when the module imports and a ring can be created.
+picks uring when the module imports and a ring can be created. A helper built with
+xxHash verifies each read's checksum in C, without the GIL, as it lands; otherwise
+(and for the thread pool) the check runs in Python, with the same result.
 
 Concurrency: the allocator, counters and index mutations are guarded by one lock,
 so a node may call the batch methods from several threads; two callers must still

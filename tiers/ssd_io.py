@@ -7,7 +7,10 @@ EOF, so a result below ``op.nbytes`` means the transfer could not finish.
 
 ``"uring"``: the native helper ``tiers._uring`` (built by ``python -m
 cffi_build.uring_build``) submits a batch of readv/writev through io_uring with up to
-``queue_depth`` in flight; a ring whose run failed is closed, never reused.
+``queue_depth`` in flight; a ring whose run failed is closed, never reused. When the
+helper was built with xxHash (``kv_have_verify()``), a read op carrying a checksum is
+verified in C, without the GIL, as it completes (``_Op.verified``); otherwise, and
+for any read it could not check (short, failed), the caller verifies in Python.
 ``"python"``: ``os.preadv``/``os.pwritev`` on a thread pool of ``queue_depth``
 threads (the syscalls release the GIL). :func:`open_backend` picks between them.
 """
@@ -48,6 +51,9 @@ MIN_INFLIGHT = 2
 
 # on_complete(op index, bytes moved or -errno), called as each op of a batch finishes.
 OnComplete = Callable[[int, int], None]
+
+# The tiers._uring API this module calls (cffi_build/uring_build.py API_VERSION).
+URING_API_VERSION = 2
 
 
 def inflight_depth(op_bytes: int, queue_depth: int) -> int:
@@ -134,6 +140,12 @@ class _Op:
     offset: int
     bufs: list[memoryview]
     nbytes: int  # sum of the buffers' lengths: what a complete transfer moves
+    # Reads only: the xxh3-64 the first verify_bytes bytes must hash to (None: no check).
+    checksum: int | None = None
+    verify_bytes: int = 0
+    # Set by the backend before on_complete: 1 verified good, 0 failed the checksum,
+    # -1 not checked (the caller must verify).
+    verified: int = -1
 
 
 def _iov_from(bufs: list[memoryview], skip: int) -> list[memoryview]:
@@ -239,6 +251,12 @@ def _load_uring() -> tuple[ModuleType | None, str | None]:
     except ImportError as exc:
         return None, (f"native module tiers._uring not importable ({exc}); "
                       "build it with: python -m cffi_build.uring_build")
+    version = getattr(module.lib, "kv_ring_api_version", None)
+    if version is None or version() != URING_API_VERSION:
+        # An older build: its functions take other arguments. Never call them.
+        return None, ("native module tiers._uring is stale (API version "
+                      f"{version() if version else 1}, need {URING_API_VERSION}); "
+                      "rebuild it with: python -m cffi_build.uring_build")
     return module, None
 
 
@@ -255,6 +273,7 @@ class _UringBackend:
         self._lock = threading.Lock()
         self._idle: list[Any] = []
         self._closed = False
+        self.verifies = bool(self._lib.kv_have_verify())
         # Create one ring now: if the kernel refuses io_uring (seccomp, disabled,
         # too old) the constructor raises and the tier can fall back.
         self._idle.append(self._open_ring())
@@ -281,6 +300,13 @@ class _UringBackend:
         iovs = ffi.new("struct iovec[]", niov)
         results = ffi.new("int64_t[]", n)
         done_idx = ffi.new("int[]", n)
+        want = vlen = verdict = ffi.NULL
+        verifying = self.verifies and any(op.checksum is not None for op in ops)
+        if verifying:
+            want = ffi.new("uint64_t[]", [op.checksum or 0 for op in ops])
+            vlen = ffi.new("int64_t[]", [op.verify_bytes if op.checksum is not None else -1
+                                         for op in ops])
+            verdict = ffi.new("signed char[]", n)
         # The from_buffer handles pin the Python buffers until the batch is complete.
         pins = []
         j = 0
@@ -303,7 +329,8 @@ class _UringBackend:
         out = [0] * n
         reported = [False] * n
         rc = 0
-        lib.kv_ring_start(ring, self._fd, n, is_write, offsets, iovs, counts, results, depth)
+        lib.kv_ring_start(ring, self._fd, n, is_write, offsets, iovs, counts, results, depth,
+                          want, vlen, verdict)
         try:
             while True:
                 got = lib.kv_ring_step(ring, done_idx, n)
@@ -312,7 +339,9 @@ class _UringBackend:
                     break
                 for i in ffi.unpack(done_idx, got):
                     reported[i] = True
-                    out[i] = self._finish(ops[i], results[i])
+                    op = ops[i]
+                    out[i] = self._finish(op, results[i])
+                    op.verified = verdict[i] if verifying else -1
                     if on_complete is not None:
                         on_complete(i, out[i])
         except BaseException:
@@ -336,6 +365,8 @@ class _UringBackend:
         return out
 
     def _finish(self, op: _Op, r: int) -> int:
+        # (A read the helper verified moved all op.nbytes: the paths below, which
+        # re-read it, never follow a verdict.)
         if 0 < r < op.nbytes:
             # A short transfer (EOF, or a split request): finish it synchronously.
             return _run_op_sync(self._fd, op, r)

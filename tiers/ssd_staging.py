@@ -180,13 +180,16 @@ def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                         pos += _round_up(n)
                         bufs = [bounce]
                     total = sum(len(b) for b in bufs)
+                    # The value is the first n bytes of the iovec: the backend may
+                    # verify it as it lands (in C, without the GIL).
                     ops.append(_Op(is_write=False, offset=offsets[i], bufs=bufs,
-                                   nbytes=total))
+                                   nbytes=total, verify_bytes=n,
+                                   checksum=want if checksums is not None else None))
                     fixups.append((i, _ReadFixup(out=mv, head=head, bounce=bounce,
                                                  checksum=want), total))
                 # Each block is verified as it lands, while the rest are in flight.
                 backend.run(ops, _depth(ops),
-                            partial(_read_done, fixups, ok, checksums is not None, failed))
+                            partial(_read_done, ops, fixups, ok, checksums is not None, failed))
                 del ops, fixups
         finally:
             if arena is not None:
@@ -201,20 +204,25 @@ def _write_done(op_items: list[int], results: list[int], on_complete: OnComplete
         on_complete(op_items[k], r)
 
 
-def _read_done(fixups: list[tuple[int, _ReadFixup, int]], ok: list[bool], verify: bool,
-               failed: Callable[[str], None], k: int, r: int) -> None:
+def _read_done(ops: list[_Op], fixups: list[tuple[int, _ReadFixup, int]], ok: list[bool],
+               verify: bool, failed: Callable[[str], None], k: int, r: int) -> None:
     i, fx, total = fixups[k]
-    ok[i] = _finish_read(fx, r, total, verify, failed)
+    ok[i] = _finish_read(fx, r, total, verify, ops[k].verified, failed)
 
 
-def _finish_read(fx: _ReadFixup, result: int, total: int, verify: bool,
+def _finish_read(fx: _ReadFixup, result: int, total: int, verify: bool, verified: int,
                  failed: Callable[[str], None]) -> bool:
+    """Checks one read (``verified``: the backend's verdict, -1 if it gave none) and
+    copies its bounced bytes to the caller only if it is good."""
     if result != total:
         failed("io_errors")
         return False
     n = len(fx.out)
     tail = n - fx.head
-    if verify:
+    if verify and verified == 0:
+        failed("checksum_failures")
+        return False
+    if verify and verified != 1:
         h = xxhash.xxh3_64()
         if fx.head:
             h.update(fx.out[: fx.head])
