@@ -147,3 +147,13 @@ def test_rebuild_takes_exactly_the_given_extents() -> None:
     for bad in ([Extent(0, 64), Extent(32, 64)], [Extent(0, 100)], [Extent(1000, 64)]):
         with pytest.raises(ValueError):
             ExtentAllocator(1024, alignment=64).rebuild(bad)
+
+
+def test_live_extents_of_one_length_share_one_length_object() -> None:
+    a = ExtentAllocator(1 << 20, alignment=64)
+    x, y = a.allocate(4050), a.allocate(4090)
+    assert x is not None and y is not None
+    assert x.length == y.length == 4096 and x.length is y.length
+    a.free(x)
+    with pytest.raises(AllocatorError):
+        a.free(x)

@@ -311,3 +311,21 @@ def test_a_lease_without_access_counts_nothing_and_keeps_the_lru_order(make) -> 
     assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
     m.release_read(e)
     assert put(m, "d") == ["a"]  # a is still the least recently used
+
+
+def test_entry_keeps_no_extent_object_and_its_views_agree(make) -> None:
+    m = make(4)
+    put(m, "a")
+    e = m.entry(k("a"))
+    assert e is not None
+    ext = e.extent
+    assert ext is not None and ext.length == BLOCK and e.location is None
+    assert (e.place, e.length) == (ext.offset, ext.length)
+    assert not (e.pinned or e.moving or e.unlinked) and e.flags == 0
+    lease = m.acquire_read(k("a"))
+    assert lease is e and e.last_access == e.queue_seq  # one tick stamps the access and the push
+    m.remove(k("a"))
+    assert e.unlinked and e.extent == ext  # freed only when the lease ends
+    m.release_read(e)
+    assert e.extent is None and e.location is None
+    assert m.tier.used == 0

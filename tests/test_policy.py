@@ -109,3 +109,17 @@ def test_make_policy() -> None:
     assert make_policy("prefix").name == "prefix"
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_policy("fifo")
+
+
+def test_a_shared_clock_orders_pushes_and_may_be_drawn_by_the_owner() -> None:
+    import itertools
+
+    clock = itertools.count(1)
+    q1, q2 = EvictionQueue(LRUPolicy(), clock=clock), EvictionQueue(LRUPolicy(), clock=clock)
+    a, b, c = Block(last_access=5), Block(last_access=5), Block(last_access=5)
+    q1.push(k("a"), a)
+    q2.push(k("b"), b)
+    tick = next(clock)
+    q1.push(k("c"), c, tick)
+    assert (a.queue_seq, b.queue_seq, c.queue_seq) == (1, 2, 3)
+    assert drain(q1, {k("a"): a, k("c"): c}) == ["a", "c"]  # ties: pushed first goes first

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+_MAX_SHARED_LENGTHS = 256
+
 
 class AllocatorError(RuntimeError):
     """An extent was freed twice or never came from this allocator."""
@@ -43,8 +45,8 @@ class Extent:
 class ExtentAllocator:
     """Hands out aligned, non-overlapping extents of ``[0, capacity)``."""
 
-    __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_live",
-                 "_nonempty", "_used")
+    __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_lengths",
+                 "_live", "_nonempty", "_used")
 
     def __init__(self, capacity: int, *, alignment: int = 64) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -61,6 +63,9 @@ class ExtentAllocator:
         self._nonempty = 0  # bit k set iff bins[k] is non-empty: finds a bin without a scan
         # offset -> length of every live allocation: the proof that a free is legitimate.
         self._live: dict[int, int] = {}
+        # One int object per distinct extent length: the lengths of live extents (here and
+        # in their owners' records) share it instead of holding one int each (bounded).
+        self._lengths: dict[int, int] = {}
         self._used = 0
         if self._capacity:
             self._insert_free(0, self._capacity)
@@ -109,6 +114,11 @@ class ExtentAllocator:
         length = self._remove_free(start)
         if length > need:
             self._insert_free(start + need, length - need)
+        shared = self._lengths.get(need)
+        if shared is not None:
+            need = shared
+        elif len(self._lengths) < _MAX_SHARED_LENGTHS:
+            self._lengths[need] = need
         self._live[start] = need
         self._used += need
         return Extent(start, need)

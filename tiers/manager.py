@@ -41,6 +41,7 @@ Invariants, checked by tests:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,9 @@ from tiers.base import Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
 from tiers.records import (
+    MOVING,
+    PINNED,
+    UNLINKED,
     BlockEntry,
     Level,
     Move,
@@ -70,7 +74,6 @@ __all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "Reservation", "TierCount
 class _State:
     blocks: dict[BlockKey, BlockEntry] = field(default_factory=dict)
     orphans: dict[BlockKey, int] = field(default_factory=dict)
-    tick: int = 0
     evicted: list[BlockKey] = field(default_factory=list)  # events for the owner to drain
     promote: dict[BlockKey, None] = field(default_factory=dict)  # ordered set
 
@@ -93,10 +96,14 @@ class TierManager:
         flags = list(durable) if durable is not None else [False] * len(tier_list)
         self.policy = policy
         self.watermarks = watermarks or Watermarks()
+        # One clock stamps accesses (``last_access``) and orders every queue's pushes:
+        # an access pushed at once uses its tick as the heap seq (one int, not two).
+        self._clock = itertools.count(1)
         # The first tier uses the given policy object (tests inspect its state);
         # the others get fresh instances of the same policy.
         self.levels = [
-            Level(tier=t, queue=EvictionQueue(policy if i == 0 else make_policy(policy.name)),
+            Level(tier=t, queue=EvictionQueue(policy if i == 0 else make_policy(policy.name),
+                                              clock=self._clock),
                   durable=flags[i])
             for i, t in enumerate(tier_list)
         ]
@@ -218,19 +225,18 @@ class TierManager:
         if key in blocks:
             level.tier.free(reservation.extent)
             return False
-        s.tick += 1
-        parent = reservation.parent
+        tick = next(self._clock)
         entry = BlockEntry(
             key=key,
-            parent=parent,
+            parent=reservation.parent,
             nbytes=reservation.nbytes,
             level=self.landing,
             extent=reservation.extent,
             pinned=reservation.pin,
-            last_access=s.tick,
+            last_access=tick,
             children=s.orphans.pop(key, 0) if s.orphans else 0,
         )
-        self._index(entry)
+        self._index(entry, tick)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
@@ -244,19 +250,20 @@ class TierManager:
         s = self._s
         if key in s.blocks:
             return False
-        s.tick += 1
+        tick = next(self._clock)
         entry = BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, location=location,
-                           last_access=s.tick, children=s.orphans.pop(key, 0))
-        self._index(entry)
+                           last_access=tick, children=s.orphans.pop(key, 0))
+        self._index(entry, tick)
         return True
 
-    def _index(self, entry: BlockEntry) -> None:
+    def _index(self, entry: BlockEntry, tick: int) -> None:
+        """Indexes a new entry whose ``last_access`` is ``tick``, just drawn from the clock."""
         self._s.blocks[entry.key] = entry
         self.levels[entry.level].blocks += 1
         if entry.parent is not None:
             self._add_child(entry.parent)
-        if not entry.pinned:
-            self.levels[entry.level].queue.push(entry.key, entry)
+        if not entry.flags:  # not pinned
+            self.levels[entry.level].queue.push(entry.key, entry, tick)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -280,12 +287,14 @@ class TierManager:
         entry.readers += 1
         entry.hits += 1
         entry.tier_hits += 1
-        s.tick += 1
-        entry.last_access = s.tick
+        tick = next(self._clock)
+        entry.last_access = tick
         level = self.levels[entry.level]
-        if not (entry.pinned or entry.moving or (self.policy.leaves_only and entry.children > 0)):
-            level.queue.push(key, entry)
-        if entry.level > 0 and entry.tier_hits >= PROMOTE_AFTER_HITS and not entry.moving:
+        # An indexed entry is never unlinked: any flag means pinned or moving.
+        if not (entry.flags or (self.policy.leaves_only and entry.children > 0)):
+            level.queue.push(key, entry, tick)
+        if entry.level > 0 and entry.tier_hits >= PROMOTE_AFTER_HITS and \
+                not entry.flags & MOVING:
             s.promote[key] = None
         level.counters.hits += 1
         level.counters.bytes_out += entry.nbytes
@@ -301,14 +310,14 @@ class TierManager:
         if entry.readers <= 0:
             raise RuntimeError(f"release of a read lease not held: {entry.key.hex()}")
         entry.readers -= 1
-        if entry.readers == 0 and entry.unlinked:
+        if entry.readers == 0 and entry.flags & UNLINKED:
             return self._free_space(entry)
         return None
 
     def report_corrupt(self, entry: BlockEntry) -> None:
         """A read found the block torn or corrupted: it leaves the index (freed on release)."""
         self.levels[entry.level].counters.checksum_failures += 1
-        if not entry.unlinked:
+        if not entry.flags & UNLINKED:
             self._unlink(entry)
 
     # ---- removal and eviction ------------------------------------------------------------
@@ -332,29 +341,31 @@ class TierManager:
             s.orphans[entry.key] = s.orphans.get(entry.key, 0) + entry.children
         if entry.parent is not None:
             self._drop_child(entry.parent)
-        entry.unlinked = True
+        entry.flags |= UNLINKED
         if entry.readers == 0:
-            if entry.extent is not None:  # the memory-tier case of ``_free_space``, inlined
-                self.levels[entry.level].tier.free(entry.extent)
-                entry.extent = None
+            if entry.length:  # the memory-tier case of ``_free_space``, inlined
+                self.levels[entry.level].tier.free(Extent(entry.place, entry.length))
+                entry.place = None
+                entry.length = 0
                 return None
             return self._free_space(entry)
         return None
 
     def _free_space(self, entry: BlockEntry) -> Any:
         """Frees a memory extent now; returns a durable location for the owner to delete."""
-        if entry.extent is not None:
-            self.levels[entry.level].tier.free(entry.extent)
-            entry.extent = None
+        location = entry.place
+        entry.place = None
+        if entry.length:
+            self.levels[entry.level].tier.free(Extent(location, entry.length))
+            entry.length = 0
             return None
-        location, entry.location = entry.location, None
         return (entry.key, location) if location is not None else None
 
     def _held_by_children(self, entry: BlockEntry) -> bool:
         return self.policy.leaves_only and entry.children > 0
 
     def _eligibility(self, entry: BlockEntry) -> Eligibility:
-        if entry.pinned or entry.moving or self._held_by_children(entry):
+        if entry.flags or self._held_by_children(entry):  # pinned or moving
             return Eligibility.DROP
         if entry.readers:
             return Eligibility.DEFER
@@ -376,9 +387,10 @@ class TierManager:
 
         def eligibility(entry: BlockEntry) -> Eligibility:
             # ``_eligibility`` inlined, after the protection of the put's parent.
-            if entry.key == protect and not entry.pinned:
+            flags = entry.flags
+            if entry.key == protect and not flags & PINNED:
                 return Eligibility.DEFER
-            if entry.pinned or entry.moving or (leaves_only and entry.children > 0):
+            if flags or (leaves_only and entry.children > 0):  # pinned or moving
                 return Eligibility.DROP
             if entry.readers:
                 return Eligibility.DEFER
@@ -437,7 +449,7 @@ class TierManager:
                     if move.dst_extent is None:
                         lv.queue.push(key, entry)  # the tier below is full: try later
                         break
-                entry.moving = True
+                entry.flags |= MOVING
                 entry.readers += 1
                 moves.append(move)
                 planned += entry.nbytes
@@ -457,7 +469,7 @@ class TierManager:
         while s.promote and len(moves) < limit:
             key = next(iter(s.promote))
             entry = s.blocks.get(key)
-            if entry is None or entry.moving or entry.level == 0:
+            if entry is None or entry.flags & MOVING or entry.level == 0:
                 del s.promote[key]
                 continue
             dst = entry.level - 1
@@ -471,7 +483,7 @@ class TierManager:
             if extent is None:
                 return moves, (dst, self.target_bytes(dst, entry.nbytes))
             del s.promote[key]
-            entry.moving = True
+            entry.flags |= MOVING
             entry.readers += 1
             EvictionQueue.forget(entry)
             moves.append(Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent))
@@ -483,13 +495,14 @@ class TierManager:
         to_delete: list[Any] = []
         for m in moves:
             e = m.entry
-            e.moving = False
+            e.flags &= ~MOVING
             e.readers -= 1
+            unlinked = e.flags & UNLINKED
             src = self.levels[m.src]
-            ok = m.copied and not e.unlinked and e.readers == 0
+            ok = m.copied and not unlinked and e.readers == 0
             if m.dst is None:
                 # A drop from the last tier: unlink (space freed now or on last release).
-                if not e.unlinked:
+                if not unlinked:
                     if e.readers == 0:
                         gone = self._unlink(e)
                         if gone is not None:
@@ -510,12 +523,12 @@ class TierManager:
                     dst.tier.free(m.dst_extent)
                 if m.dst_location is not None:
                     to_delete.append((e.key, m.dst_location))
-                if e.unlinked:
+                if unlinked:
                     if e.readers == 0:
                         gone = self._free_space(e)
                         if gone is not None:
                             to_delete.append(gone)
-                elif not (e.pinned or self._held_by_children(e)):
+                elif not (e.flags & PINNED or self._held_by_children(e)):
                     src.queue.push(e.key, e)
                 continue
             old = self._free_space(e)
@@ -524,14 +537,16 @@ class TierManager:
             src.blocks -= 1
             dst.blocks += 1
             e.level = m.dst
-            e.extent = m.dst_extent
-            e.location = m.dst_location
+            if m.dst_extent is not None:
+                e.place, e.length = m.dst_extent.offset, m.dst_extent.length
+            else:
+                e.place, e.length = m.dst_location, 0
             e.tier_hits = 0
             if m.dst < m.src:
                 dst.counters.promotions += 1
             else:
                 src.counters.demotions += 1
-            if not (e.pinned or self._held_by_children(e)):
+            if not (e.flags & PINNED or self._held_by_children(e)):
                 dst.queue.push(e.key, e)
         return to_delete
 
@@ -556,7 +571,7 @@ class TierManager:
                 del s.orphans[parent]
             return
         p.children -= 1
-        if (p.children == 0 and self.policy.leaves_only and not p.pinned and not p.moving
+        if (p.children == 0 and self.policy.leaves_only and not p.flags  # not pinned or moving
                 and not p.queue_seq):
             # It became a leaf: eligible again, at the priority of its last access.
             self.levels[p.level].queue.push(p.key, p)

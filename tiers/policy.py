@@ -2,7 +2,11 @@
 
 The mechanism (``EvictionQueue``) is a min-heap of ``(priority, seq, key)``
 with lazy invalidation: every push gets a fresh ``seq``, and a heap item is
-live only while the block's ``queue_seq`` still equals it. A policy is just
+live only while the block's ``queue_seq`` still equals it. Seqs come from a
+clock (an ``itertools.count``) that the owner may share with its own access
+clock: the TierManager stamps an access with ``tick = next(clock)``, sets
+``last_access = tick`` and pushes with ``seq=tick``, so for LRU the item's
+priority and seq are one int object (no second int per block). A policy is just
 
 * ``priority(block)``: lower is evicted first; computed when the block is pushed
   (insert or access), so it may depend on policy state at that moment;
@@ -17,7 +21,8 @@ and reproducible: tests assert it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from typing import Protocol
 
@@ -126,12 +131,13 @@ _heappop = heapq.heappop
 class EvictionQueue:
     """The shared mechanism: pops the lowest-priority eligible blocks."""
 
-    __slots__ = ("_heap", "_next_seq", "_on_evict", "_priority", "policy")
+    __slots__ = ("_clock", "_heap", "_on_evict", "_priority", "policy")
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, *, clock: Iterator[int] | None = None) -> None:
         self.policy = policy
         self._heap: list[tuple[float, int, BlockKey]] = []
-        self._next_seq = 1
+        # Seqs only need to grow: queues of one owner may share a clock.
+        self._clock = clock if clock is not None else itertools.count(1)
         # Bound once: push and pop_victim run per block access and per eviction.
         self._priority = policy.priority
         self._on_evict = policy.on_evict
@@ -139,10 +145,14 @@ class EvictionQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, key: BlockKey, block: QueuedBlock) -> None:
-        """(Re)queues ``block`` at its current priority; earlier heap items for it go stale."""
-        seq = self._next_seq
-        self._next_seq = seq + 1
+    def push(self, key: BlockKey, block: QueuedBlock, seq: int | None = None) -> None:
+        """(Re)queues ``block`` at its current priority; earlier heap items for it go stale.
+
+        ``seq``, if given, must be a value just drawn from this queue's clock (no other
+        push in between): it saves a second draw when the caller stamped an access with it.
+        """
+        if seq is None:
+            seq = next(self._clock)
         prio = self._priority(block)
         block.queue_seq = seq
         block.queue_priority = prio

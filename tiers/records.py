@@ -24,26 +24,106 @@ class NeedsRoom(TierError):
         self.nbytes = nbytes
 
 
-@dataclass(slots=True, kw_only=True)
-class BlockEntry:
-    """Metadata of one stored block."""
+PINNED = 1
+MOVING = 2
+UNLINKED = 4
 
-    key: BlockKey
-    parent: BlockKey | None
-    nbytes: int
-    level: int = 0  # index of the tier holding it
-    extent: Extent | None = None  # memory tiers
-    location: Any = None  # durable tiers: the tier's own location record
-    pinned: bool = False
-    readers: int = 0
-    unlinked: bool = False  # removed from the index; freed when readers reaches 0
-    moving: bool = False
-    children: int = 0
-    hits: int = 0
-    tier_hits: int = 0  # hits since it entered its current tier
-    last_access: int = 0
-    queue_seq: int = 0
-    queue_priority: float = 0.0
+
+class BlockEntry:
+    """Metadata of one stored block: one slotted object, no other object per block.
+
+    Compact on purpose (a node indexes millions of blocks): the three booleans share
+    ``flags`` (``PINNED | MOVING | UNLINKED``; any bit set makes a block ineligible for
+    eviction), and the block's place is ``place`` plus ``length``: the extent's offset and
+    length in a memory tier (no ``Extent`` object is kept), or the durable tier's own
+    location record with ``length == 0``. ``extent``, ``location``, ``pinned``, ``moving``
+    and ``unlinked`` are views of those slots for callers.
+    """
+
+    __slots__ = ("children", "flags", "hits", "key", "last_access", "length", "level",
+                 "nbytes", "parent", "place", "queue_priority", "queue_seq", "readers",
+                 "tier_hits")
+
+    def __init__(self, *, key: BlockKey, parent: BlockKey | None, nbytes: int, level: int = 0,
+                 extent: Extent | None = None, location: Any = None, pinned: bool = False,
+                 children: int = 0, last_access: int = 0) -> None:
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.level = level  # index of the tier holding it
+        if extent is not None:
+            self.place: Any = extent.offset
+            self.length = extent.length
+        else:
+            self.place = location
+            self.length = 0
+        self.flags = PINNED if pinned else 0
+        self.readers = 0
+        self.children = children
+        self.hits = 0
+        self.tier_hits = 0  # hits since it entered its current tier
+        self.last_access = last_access
+        self.queue_seq: Any = 0
+        self.queue_priority: Any = 0
+
+    def __repr__(self) -> str:
+        return (f"BlockEntry(key={self.key!r}, parent={self.parent!r}, nbytes={self.nbytes}, "
+                f"level={self.level}, extent={self.extent}, location={self.location!r}, "
+                f"flags={self.flags}, readers={self.readers}, children={self.children}, "
+                f"hits={self.hits}, tier_hits={self.tier_hits}, "
+                f"last_access={self.last_access}, queue_seq={self.queue_seq})")
+
+    @property
+    def extent(self) -> Extent | None:
+        """Where the bytes are in a memory tier (None in a durable tier or once freed)."""
+        return Extent(self.place, self.length) if self.length else None
+
+    @extent.setter
+    def extent(self, extent: Extent | None) -> None:
+        if extent is not None:
+            self.place, self.length = extent.offset, extent.length
+        elif self.length:
+            self.place, self.length = None, 0
+
+    @property
+    def location(self) -> Any:
+        """The durable tier's location record (None in a memory tier or once freed)."""
+        return None if self.length else self.place
+
+    @location.setter
+    def location(self, location: Any) -> None:
+        if location is not None:
+            self.place, self.length = location, 0
+        elif not self.length:
+            self.place = None
+
+    def _flag(self, bit: int, on: bool) -> None:
+        self.flags = self.flags | bit if on else self.flags & ~bit
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.flags & PINNED)
+
+    @pinned.setter
+    def pinned(self, on: bool) -> None:
+        self._flag(PINNED, on)
+
+    @property
+    def moving(self) -> bool:
+        return bool(self.flags & MOVING)
+
+    @moving.setter
+    def moving(self, on: bool) -> None:
+        self._flag(MOVING, on)
+
+    @property
+    def unlinked(self) -> bool:
+        """Removed from the index; freed when ``readers`` reaches 0."""
+        return bool(self.flags & UNLINKED)
+
+    @unlinked.setter
+    def unlinked(self, on: bool) -> None:
+        self._flag(UNLINKED, on)
 
     # Back-compat name for single-tier callers.
     @property
