@@ -1,0 +1,133 @@
+"""Engine tests: a real serving engine (vLLM) with a real kvstore node.
+
+They run in their own environment (``make test-vllm``, built by
+``scripts/setup-vllm-env.sh``). Where vLLM is not installed (the main ``.venv``), the
+test files here are not collected at all, so ``make test`` neither runs nor reports
+them; with ``KVSTORE_VLLM_TESTS=1`` (set by ``make test-vllm``) a missing vLLM is an
+error, never a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# tests/engines is a package (its __init__.py), so this file is imported as
+# ``engines.conftest`` and never replaces the main suite's ``conftest`` module (which the
+# main tests import by that name). Helper modules beside the tests stay importable by
+# plain name, as they would be in a non-package folder:
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+REQUIRED = os.environ.get("KVSTORE_VLLM_TESTS") == "1"
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+if not HAVE_VLLM:
+    if REQUIRED:
+        raise pytest.UsageError(
+            "KVSTORE_VLLM_TESTS=1 but vLLM is not importable from "
+            f"{sys.executable}: build the engine environment with "
+            "scripts/setup-vllm-env.sh (make test-vllm does)")
+    collect_ignore_glob = ["test_vllm_*.py"]
+
+
+def _main_conftest():
+    """The main suite's conftest (start_node, free_port), loaded by path under its own
+    name so it cannot clash with this file's module."""
+    name = "kvstore_tests_main_conftest"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "conftest.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+main = _main_conftest()
+start_node = main.start_node
+free_port = main.free_port
+wait_until = main.wait_until
+NodeProcess = main.NodeProcess
+
+BLOCK = 32
+"""vLLM's CPU attention needs block sizes that are multiples of 32."""
+
+
+def make_tiny_llama(out: Path, *, seed: int = 0) -> Path:
+    """A random 2-layer Llama (head_dim 32, float32) saved as a local HF checkpoint.
+
+    Weights are drawn with a fixed seed and a large enough scale that greedy decoding
+    depends visibly on the KV cache; no tokenizer (engines run with
+    ``skip_tokenizer_init``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=2048, torch_dtype="float32",
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def store_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A real ``kvstore serve`` node for the module (256 MiB DRAM)."""
+    n = start_node(tmp_path_factory.mktemp("node"), dram="256MiB")
+    try:
+        yield n
+    finally:
+        code = n.stop()
+    assert code == 0, n.output()
+
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+@pytest.fixture(scope="session")
+def make_connector(tiny_llama: Path):
+    """``make_connector(role, addr, **extra)``: a KVStoreConnector built from a real
+    VllmConfig (EngineArgs on the tiny model) and a one-group KVCacheConfig, without
+    an engine. ``kv_role=`` picks the role (default kv_both)."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvstore.integrations.vllm_connector import KVStoreConnector
+
+    def make(role: str, addr: str, *, kv_role: str = "kv_both", **extra):
+        ktc = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.integrations.vllm_connector",
+            kv_role=kv_role, kv_connector_extra_config={"kvstore_addr": addr, **extra})
+        cfg = EngineArgs(model=str(tiny_llama), skip_tokenizer_init=True, block_size=BLOCK,
+                         max_model_len=512, dtype="float32", enforce_eager=True,
+                         kv_transfer_config=ktc).create_engine_config()
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                                 dtype=torch.float32)
+        kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_layout="LBHNC",
+                            kv_cache_groups=[KVCacheGroupSpec(layer_names=list(LAYERS),
+                                                              kv_cache_spec=spec)])
+        return KVStoreConnector(cfg, KVConnectorRole[role], kcc)
+
+    return make

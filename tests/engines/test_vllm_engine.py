@@ -1,0 +1,198 @@
+"""vLLM's own engine (CPU build) with KVStoreConnector and a real kvstore node.
+
+One engine for the module (start-up is the expensive part, ~20-45 s); every test uses
+its own prompt, so the tests do not depend on each other's blocks. The engine's
+external-cache hit count is read from vLLM's own metrics
+(``vllm:external_prefix_cache_hits``), its outputs are greedy token ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore import Client, block_keys
+from kvstore.integrations.vllm_blocks import HEADER_BYTES, parse_header, reseal
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 32  # vLLM's CPU attention wants multiples of 32
+NAMESPACE = f"engine-test-{time.time_ns()}"
+PROMPT_TOKENS = 200  # 6 full blocks of 32; 6*32 = 192 tokens loadable (< 200)
+LOADABLE = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+
+
+def prompt(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 500, PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kvstore_addr": store_node.addr, "namespace": NAMESPACE},
+    )
+    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, block_size=BLOCK,
+              max_model_len=512, dtype="float32", enforce_eager=True, seed=0,
+              disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
+              kv_transfer_config=ktc)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.fixture
+def client(store_node: Any) -> Iterator[Client]:
+    c = Client(store_node.addr)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def external_hits(llm: Any) -> int:
+    return int(sum(m.value for m in llm.get_metrics()
+                   if m.name == "vllm:external_prefix_cache_hits"))
+
+
+def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy output token ids and vLLM's external-hit count for this call."""
+    from vllm import SamplingParams
+
+    before = external_hits(llm)
+    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def keys_of(tokens: list[int]) -> list[bytes]:
+    return [bytes(k) for k in block_keys(tokens[: LOADABLE], BLOCK, NAMESPACE)]
+
+
+def wait_stored(client: Client, keys: list[bytes]) -> None:
+    """Saves are asynchronous (a saver thread in the worker): wait until they landed."""
+    wait_until(lambda: all(client.exists(keys)), timeout=30, what="the prompt's blocks saved")
+
+
+def sound(value: bytes) -> bool:
+    """The header's checksum matches the payload (what the connector checks)."""
+    return parse_header(value)["checksum"] == xxhash.xxh3_64_intdigest(value[HEADER_BYTES:])
+
+
+def garbled(value: bytes, seed: int) -> bytearray:
+    """``value`` with its payload replaced by other float32 KV values, header untouched."""
+    buf = bytearray(value)
+    n = (len(buf) - HEADER_BYTES) // 4
+    noise = np.random.default_rng(seed).normal(0, 3, n).astype("<f4")
+    buf[HEADER_BYTES:] = noise.tobytes()
+    return buf
+
+
+def replace(client: Client, key: bytes, value: bytes) -> None:
+    """Blocks are immutable in kvstore: replacing one is remove, then put."""
+    assert client.remove(key)
+    assert client.put_batch([key], [value]) == [True]
+
+
+def test_second_run_loads_the_prefix_from_kvstore(engine: Any, client: Client,
+                                                  store_node: Any) -> None:
+    tokens = prompt(1)
+    keys = keys_of(tokens)
+    assert client.prefix_match(keys) == 0
+
+    first, hits = generate(engine, tokens)
+    assert hits == 0
+    wait_stored(client, keys)
+    for value in client.get_batch(keys):
+        assert value is not None and sound(value)
+        assert parse_header(value)["num_layers"] == 2
+
+    assert engine.reset_prefix_cache()  # vLLM forgets its local copy
+    node_hits = client.stats()["tiers"]["dram"]["hits"]
+    second, hits = generate(engine, tokens)
+    assert hits == LOADABLE == 192, "vLLM reports the prefix as an external cache hit"
+    assert second == first, "identical greedy tokens with the prefix loaded from kvstore"
+    assert client.stats()["tiers"]["dram"]["hits"] >= node_hits + len(keys)
+
+
+def test_well_formed_foreign_bytes_change_the_output(engine: Any, client: Client) -> None:
+    """Blocks replaced in the store by other (checksum-valid) KV: the engine's output
+    changes, so what it computes with comes from kvstore; restoring them restores it."""
+    tokens = prompt(2)
+    keys = keys_of(tokens)
+    first, _ = generate(engine, tokens)
+    wait_stored(client, keys)
+    originals = client.get_batch(keys)
+
+    for i, (key, value) in enumerate(zip(keys, originals, strict=True)):
+        assert value is not None
+        replace(client, key, reseal(garbled(value, seed=i)))
+    assert engine.reset_prefix_cache()
+    forged, hits = generate(engine, tokens)
+    assert hits == LOADABLE
+    assert forged != first, "the engine attended over the bytes kvstore returned"
+
+    for key, value in zip(keys, originals, strict=True):
+        assert value is not None
+        replace(client, key, value)
+    assert engine.reset_prefix_cache()
+    restored, hits = generate(engine, tokens)
+    assert hits == LOADABLE
+    assert restored == first
+
+
+def test_corrupted_block_is_refused_and_recomputed(engine: Any, client: Client) -> None:
+    """A block whose bytes no longer match its checksum is refused: vLLM recomputes it
+    (kv_load_failure_policy="recompute"), the output stays the same, and the connector
+    replaces the bad value in the store with the recomputed block."""
+    tokens = prompt(3)
+    keys = keys_of(tokens)
+    first, _ = generate(engine, tokens)
+    wait_stored(client, keys)
+    bad = 2
+    value = client.get_batch([keys[bad]])[0]
+    assert value is not None
+    corrupted = bytes(garbled(value, seed=99))  # same noise as above, checksum not fixed
+    replace(client, keys[bad], corrupted)
+    assert not sound(client.get_batch([keys[bad]])[0] or b"")
+
+    assert engine.reset_prefix_cache()
+    second, hits = generate(engine, tokens)
+    assert hits == LOADABLE, "the scheduler planned the load; the worker refused block 2"
+    assert second == first, "the refused block was recomputed, not used"
+
+    def replaced() -> bool:
+        v = client.get_batch([keys[bad]])[0]
+        return v is not None and v != corrupted and sound(v)
+
+    wait_until(replaced, timeout=30, what="the recomputed block saved in place of the bad one")
+
+    assert engine.reset_prefix_cache()
+    third, hits = generate(engine, tokens)
+    assert hits == LOADABLE
+    assert third == first

@@ -1,0 +1,258 @@
+"""KVStoreConnector's scheduler side with vLLM's own Request and SchedulerOutput types and
+a real kvstore node, no engine (seconds, not a minute)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstore import Client, block_keys
+
+BLOCK = 32
+
+
+@pytest.fixture
+def client(store_node: Any) -> Iterator[Client]:
+    c = Client(store_node.addr)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class FakeManager:
+    """What the connector uses of vLLM's KVCacheManager: a request's block ids."""
+
+    block_pool = None
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+_ids = iter(range(10**9))
+
+
+def request(tokens: list[int], **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(f"req-{next(_ids)}", tokens, SamplingParams(max_tokens=64), None, **kw)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 500 + 3 for i in range(n)]
+
+
+def blocks_of(ids: list[int]) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def sched_output(new: list[tuple[Any, list[int]]] = (), cached: list[tuple[Any, int]] = (),
+                 scheduled: dict[str, int] | None = None) -> Any:
+    """A SchedulerOutput: ``new`` (request, block ids) scheduled for the first time,
+    ``cached`` (request, num_computed_tokens) scheduled before."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    c = CachedRequestData.make_empty()
+    c.req_ids = [r.request_id for r, _ in cached]
+    c.num_computed_tokens = [n for _, n in cached]
+    c.new_block_ids = [None for _ in cached]
+    c.new_token_ids = [[] for _ in cached]
+    c.num_output_tokens = [r.num_output_tokens for r, _ in cached]
+    scheduled = scheduled or {}
+    return SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(r, (ids,)) for r, ids in new],
+        scheduled_cached_reqs=c, num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+@pytest.fixture
+def sched(make_connector: Any, store_node: Any) -> Any:
+    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"sched-{time.time_ns()}")
+    conn.bind_kv_cache_manager(FakeManager())
+    return conn
+
+
+def store(client: Client, keys: list[bytes]) -> None:
+    client.put_batch(keys, [b"x" * 64 for _ in keys])
+
+
+def test_lookup_offers_the_stored_prefix_beyond_the_local_hit(sched: Any, client: Client
+                                                              ) -> None:
+    toks = tokens(200, 1)  # 6 full blocks
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    assert len(keys) == 6
+    assert sched.get_num_new_matched_tokens(request(toks), 0) == (0, False)
+
+    store(client, keys[:4])
+    assert sched.get_num_new_matched_tokens(request(toks), 0) == (128, True)
+    # vLLM's own prefix cache already has 2 blocks: only the rest is offered.
+    assert sched.get_num_new_matched_tokens(request(toks), 64) == (64, True)
+    assert sched.get_num_new_matched_tokens(request(toks), 128) == (0, False)
+
+    store(client, keys[4:])
+    assert sched.get_num_new_matched_tokens(request(toks), 0) == (192, True)
+    # A prompt of exactly 6 blocks: its last token is computed by vLLM, so 5 blocks.
+    assert sched.get_num_new_matched_tokens(request(toks[:192]), 0) == (160, True)
+    # Shorter than a block: nothing to look up.
+    assert sched.get_num_new_matched_tokens(request(toks[:31]), 0) == (0, False)
+
+
+def test_keys_carry_salt_and_differ_from_plain_text(sched: Any, client: Client) -> None:
+    toks = tokens(100, 2)
+    store(client, block_keys(toks, BLOCK, sched.namespace))
+    assert sched.get_num_new_matched_tokens(request(toks), 0) == (96, True)
+    assert sched.get_num_new_matched_tokens(request(toks, cache_salt="tenant-a"), 0) == (0, False)
+
+
+def test_an_unreachable_store_is_a_miss(make_connector: Any) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn = make_connector("SCHEDULER", f"127.0.0.1:{port}", timeout=3)
+    t0 = time.monotonic()
+    assert conn.get_num_new_matched_tokens(request(tokens(100, 3)), 0) == (0, False)
+    assert time.monotonic() - t0 < 10
+
+
+def test_load_spec_names_the_external_blocks(sched: Any, client: Client) -> None:
+    toks = tokens(200, 4)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys)
+    req = request(toks)
+    assert sched.get_num_new_matched_tokens(req, 64) == (128, True)
+    sched.update_state_after_alloc(req, blocks_of(list(range(40, 47))), 128)
+    meta = sched.build_connector_meta(sched_output())
+    assert len(meta.loads) == 1
+    load = meta.loads[0]
+    assert load.req_id == req.request_id
+    assert load.keys == keys[2:6]
+    assert load.block_ids == [42, 43, 44, 45]
+    assert meta.saves == []
+    # Handed over once.
+    assert sched.build_connector_meta(sched_output()).loads == []
+
+
+def test_saves_follow_computed_full_blocks_with_parents(sched: Any, client: Client) -> None:
+    toks = tokens(200, 5)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys[:2])  # the store has 2 blocks; vLLM computes everything itself
+    req = request(toks)
+    assert sched.get_num_new_matched_tokens(req, 192) == (0, False)  # local hit covers them
+    ids = list(range(7, 14))
+    sched._kv_cache_manager.blocks[req.request_id] = ids
+
+    # Chunked prefill: 100 tokens, then the other 100.
+    meta = sched.build_connector_meta(sched_output(new=[(req, ids)],
+                                                   scheduled={req.request_id: 100}))
+    (save,) = meta.saves
+    assert save.keys == keys[2:3] and save.block_ids == [9] and save.parent == keys[1]
+    req.num_computed_tokens = 100
+    meta = sched.build_connector_meta(sched_output(cached=[(req, 100)],
+                                                   scheduled={req.request_id: 100}))
+    (save,) = meta.saves
+    assert save.keys == keys[3:6] and save.block_ids == [10, 11, 12] and save.parent == keys[2]
+
+    # Decode: block 6 (tokens 192..223) is saved once its tokens are known and computed.
+    for n in range(200, 224):
+        meta = sched.build_connector_meta(sched_output(cached=[(req, n)],
+                                                       scheduled={req.request_id: 1}))
+        assert meta.saves == [], n
+        req.append_output_token_ids(300 + n % 100)
+    meta = sched.build_connector_meta(sched_output(cached=[(req, 223)],
+                                                   scheduled={req.request_id: 1}))
+    (save,) = meta.saves
+    expected = block_keys(list(req.all_token_ids), BLOCK, sched.namespace)
+    assert save.keys == [expected[6]] and save.block_ids == [13] and save.parent == keys[5]
+
+    assert sched.request_finished(req, ids) == (False, None)
+
+
+def test_a_refused_block_is_saved_again_after_recompute(sched: Any, client: Client) -> None:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    toks = tokens(200, 6)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys)
+    req = request(toks)
+    ids = list(range(20, 27))
+    sched._kv_cache_manager.blocks[req.request_id] = ids
+    assert sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    sched.update_state_after_alloc(req, blocks_of(ids), 192)
+    sched.build_connector_meta(sched_output())
+    # The worker refused block 3 (and so everything after it).
+    sched.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
+                                                    invalid_block_ids={23, 24, 25}))
+    # vLLM recomputes from block 3: those blocks are saved again.
+    req.num_computed_tokens = 96
+    meta = sched.build_connector_meta(sched_output(new=[(req, ids)],
+                                                   scheduled={req.request_id: 104}))
+    (save,) = meta.saves
+    assert save.keys == keys[3:6] and save.block_ids == [23, 24, 25]
+
+
+@pytest.mark.parametrize(("role", "loads", "saves"),
+                         [("kv_consumer", True, False), ("kv_producer", False, True)])
+def test_roles(make_connector: Any, store_node: Any, client: Client, role: str, loads: bool,
+               saves: bool) -> None:
+    conn = make_connector("SCHEDULER", store_node.addr, kv_role=role,
+                          namespace=f"role-{role}-{time.time_ns()}")
+    conn.bind_kv_cache_manager(FakeManager())
+    toks = tokens(100, 7)
+    keys = block_keys(toks, BLOCK, conn.namespace)
+    store(client, keys[:1])
+    req = request(toks)
+    assert conn.get_num_new_matched_tokens(req, 0) == ((32, True) if loads else (0, False))
+    conn._kv_cache_manager.blocks[req.request_id] = [1, 2, 3, 4]
+    meta = conn.build_connector_meta(sched_output(new=[(req, [1, 2, 3, 4])],
+                                                  scheduled={req.request_id: 100}))
+    assert [s.keys for s in meta.saves] == ([keys[1:3]] if saves else [])
+
+
+def test_default_namespace_names_model_dtype_and_shape(make_connector: Any, store_node: Any,
+                                                       tiny_llama: Any) -> None:
+    ns = make_connector("SCHEDULER", store_node.addr).namespace
+    assert ns.startswith("vllm-v1/")
+    for part in (f"model={tiny_llama}", "kv_dtype=torch.float32", "layers=2", "kv_heads=2",
+                 "head_size=32", "block=32", "layout=LBHNC", "device=cpu"):
+        assert part in ns.split("/") or part in ns, part
+
+
+def test_the_readme_server_line_parses_with_vllms_own_parser(tiny_llama: Any,
+                                                             store_node: Any) -> None:
+    """The `vllm serve` configuration the README gives, through vLLM's argument parser
+    into a config the connector starts from."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### vLLM", 1)[1].split("\n## ", 1)[0]
+    (line,) = re.findall(r"^vllm serve MODEL .*$", section, flags=re.M)
+    argv = shlex.split(line)[3:]
+    argv = [a.replace("127.0.0.1:7600", store_node.addr) for a in argv]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_llama), "--skip-tokenizer-init", *argv])
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    ktc = cfg.kv_transfer_config
+    assert ktc.kv_connector == "KVStoreConnector"
+    assert ktc.kv_load_failure_policy == "recompute"
+    assert ktc.is_kv_producer and ktc.is_kv_consumer
+    assert cfg.cache_config.block_size == BLOCK
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    assert cls.__module__ == "kvstore.integrations.vllm_connector"
