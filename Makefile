@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving test test-all lint bench proto docs clean test-vllm test-sglang
+.PHONY: setup demo demo-serving test test-all test-engines lint bench proto docs clean test-vllm test-sglang
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -48,6 +48,9 @@ clean:
 # a real node. Their own environment, built once into a cache outside the tree by
 # scripts/setup-vllm-env.sh (~1.5-2 min, ~3.6 GB; seconds when cached). KVSTORE_VLLM_TESTS=1
 # turns a missing vLLM into an error instead of an uncollected test.
+# The engine stage of CI: each engine's tests in its own cached environment.
+test-engines: test-vllm test-sglang
+
 test-vllm:
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
 	  echo "test-vllm: $$VLLM_PY" && \
@@ -57,9 +60,9 @@ test-vllm:
 # with SGLang's own pool classes and a real node. Their own environment, built once into a
 # cache outside the tree by scripts/setup-sglang-env.sh (~1.5 min, ~2.7 GB; seconds when
 # cached). KVSTORE_SGLANG_TESTS=1 turns a missing SGLang into an error instead of an
-# uncollected test; KVSTORE_ENGINE_TESTS is dropped (it demands vLLM, not installed there).
+# uncollected test; KVSTORE_VLLM_TESTS is dropped (it demands vLLM, not installed there).
 test-sglang:
 	@SGLANG_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-sglang-env.sh)/bin/python" && \
 	  echo "test-sglang: $$SGLANG_PY" && \
-	  env -u KVSTORE_ENGINE_TESTS KVSTORE_SGLANG_TESTS=1 "$$SGLANG_PY" -m pytest -q \
+	  env -u KVSTORE_VLLM_TESTS KVSTORE_SGLANG_TESTS=1 "$$SGLANG_PY" -m pytest -q \
 	    -p no:cacheprovider tests/engines/test_sglang_*.py
