@@ -99,7 +99,7 @@ def cluster_status(etcd: str, *, token: str | None = None, tls: Any = None,
                    etcd_tls: Any = None) -> list[dict]:
     """One row per live member: its registration and what its Stats RPC says."""
     from replication.cluster_client import ClusterClient
-    from replication.membership import EtcdMembership
+    from replication.etcd_membership import EtcdMembership
 
     with EtcdMembership(etcd, tls=etcd_tls) as membership:
         members = membership.members()

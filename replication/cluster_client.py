@@ -48,8 +48,9 @@ from kvstore.keys import BlockKey
 from kvstore.node import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.security import ClientTls
+from replication.etcd_membership import EtcdMembership
 from replication.hotness import HotnessTracker
-from replication.membership import EtcdMembership, Membership, StaticMembership
+from replication.membership import Membership, StaticMembership
 from replication.peers import PeerPool
 from replication.placement import Member, NodeId, Placement
 

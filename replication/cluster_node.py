@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvstore.errors import Unavailable
 from kvstore.node import Node
 from kvstore.security import ClientTls
-from replication.membership import EtcdMembership
+from replication.etcd_membership import EtcdMembership
 from replication.peers import PeerPool
 from replication.placement import Member, NodeId
 from replication.ratelimit import TokenBucket
