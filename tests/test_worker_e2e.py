@@ -30,24 +30,10 @@ B = 16
 
 
 @dataclass(slots=True, kw_only=True)
-class WorkerProcess:
-    addr: str
-    proc: subprocess.Popen
-    log: Path
+class WorkerProcess(NodeProcess):
+    """A worker process started for a test (``stop``/``output`` as for a node)."""
+
     role: str
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
 
 
 def spawn_worker(tmp_path: Path, role: str, store: str, *extra: str) -> WorkerProcess:
