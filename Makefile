@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving test test-all test-engines lint bench proto docs clean test-vllm test-sglang
+.PHONY: setup demo demo-serving test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -49,7 +49,7 @@ clean:
 # scripts/setup-vllm-env.sh (~1.5-2 min, ~3.6 GB; seconds when cached). KVSTORE_VLLM_TESTS=1
 # turns a missing vLLM into an error instead of an uncollected test.
 # The engine stage of CI: each engine's tests in its own cached environment.
-test-engines: test-vllm test-sglang
+test-engines: test-vllm test-sglang test-lmcache
 
 test-vllm:
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
@@ -66,3 +66,15 @@ test-sglang:
 	  echo "test-sglang: $$SGLANG_PY" && \
 	  env -u KVSTORE_VLLM_TESTS KVSTORE_SGLANG_TESTS=1 "$$SGLANG_PY" -m pytest -q \
 	    -p no:cacheprovider tests/engines/test_sglang_*.py
+
+# LMCache remote storage plugin tests (tests/engines/test_lmcache_*.py): LMCache's own
+# standalone engine (LMCacheEngineBuilder, CPU) storing through KVStoreRemoteConnector into
+# a real node. Their own environment, built once into a cache outside the tree by
+# scripts/setup-lmcache-env.sh (~1 min, ~1.7 GB; seconds when cached).
+# KVSTORE_LMCACHE_TESTS=1 turns a missing LMCache into an error instead of an uncollected
+# test; KVSTORE_VLLM_TESTS is dropped (it demands vLLM, not installed there).
+test-lmcache:
+	@LMCACHE_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-lmcache-env.sh)/bin/python" && \
+	  echo "test-lmcache: $$LMCACHE_PY" && \
+	  env -u KVSTORE_VLLM_TESTS KVSTORE_LMCACHE_TESTS=1 "$$LMCACHE_PY" -m pytest -q \
+	    -p no:cacheprovider tests/engines/test_lmcache_*.py

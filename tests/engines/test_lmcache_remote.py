@@ -1,0 +1,344 @@
+"""kvstore as an LMCache remote storage plugin, with LMCache's own standalone engine.
+
+Runs in the LMCache environment (``make test-lmcache``; ``scripts/setup-lmcache-env.sh``).
+Where LMCache is not installed (the main ``.venv``) this module collects no test; with
+``KVSTORE_LMCACHE_TESTS=1`` (set by ``make test-lmcache``) a missing LMCache fails the run.
+
+The engine is LMCache's ``LMCacheEngine`` built by ``LMCacheEngineBuilder`` from an
+``LMCacheEngineConfig`` whose ``remote_storage_plugins`` loads
+``kvstore.integrations.lmcache_connector.KVStoreRemoteConnector`` against a real node.
+There is no GPU: the engine's GPU connector is a small CPU one defined here that copies
+token slices between a ``[2, layers, tokens, hidden]`` CPU tensor and LMCache's chunks
+(LMCache's own ``MockGPUConnector`` copies nothing, which would not test the bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
+REQUIRED = os.environ.get("KVSTORE_LMCACHE_TESTS") == "1"
+
+if REQUIRED and not HAVE_LMCACHE:
+    raise ImportError(
+        f"KVSTORE_LMCACHE_TESTS=1 but LMCache is not importable from {sys.executable}: "
+        "build the engine environment with scripts/setup-lmcache-env.sh "
+        "(make test-lmcache does)")
+
+CHUNK = 16
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 8
+HIDDEN = HEADS * HEAD_DIM
+PLUGIN = "kvstore"
+
+# LMCache's logging goes through opentelemetry's deprecated LoggingHandler.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:opentelemetry.*")
+
+
+def _main_conftest():
+    name = "kvstore_tests_main_conftest"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "conftest.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def cpu_gpu_connector():
+    """A GPUConnectorInterface over a CPU tensor ``kvcaches`` [2, LAYERS, tokens, HIDDEN]
+    passed to ``store`` / ``retrieve``: token ``start:end`` of it <-> one chunk."""
+    import torch
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+
+    class CPUConnector(GPUConnectorInterface):
+        def from_gpu(self, memory_obj, start, end, **kwargs):
+            t = memory_obj.tensor
+            t.copy_(kwargs["kvcaches"][:, :, start:end].reshape(t.shape))
+
+        def to_gpu(self, memory_obj, start, end, **kwargs):
+            t = memory_obj.tensor
+            dst = kwargs["kvcaches"][:, :, start:end]
+            dst.copy_(t.reshape(dst.shape))
+
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for m, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.from_gpu(m, s, e, **kwargs)
+
+        def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
+            for m, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.to_gpu(m, s, e, **kwargs)
+
+        def get_shape(self, num_tokens):
+            return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+
+    return CPUConnector()
+
+
+def engine_config(addr: str, **extra):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, save_unfull_chunk=True,
+        remote_storage_plugins=[PLUGIN],
+        extra_config={
+            f"remote_storage_plugin.{PLUGIN}.module_path":
+                "kvstore.integrations.lmcache_connector",
+            f"remote_storage_plugin.{PLUGIN}.class_name": "KVStoreRemoteConnector",
+            "kvstore_addr": addr, **extra})
+
+
+def metadata():
+    import torch
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    return LMCacheMetadata(model_name="kvstore-test-model", world_size=1, local_world_size=1,
+                           worker_id=0, local_worker_id=0, kv_dtype=torch.float32,
+                           kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM), chunk_size=CHUNK)
+
+
+def build_engine(addr: str, **extra):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    name = f"kvstore-{uuid.uuid4().hex[:8]}"
+    engine = LMCacheEngineBuilder.get_or_create(
+        name, engine_config(addr, **extra), metadata(), cpu_gpu_connector(),
+        lambda t, src: None, lambda obj, src: obj)
+    engine.post_init()
+    return name, engine
+
+
+def remote_connector(engine):
+    """The KVStoreRemoteConnector inside the engine's RemoteBackend."""
+    from kvstore.integrations.lmcache_connector import KVStoreRemoteConnector
+
+    backends = engine.storage_manager.storage_backends
+    backend = backends[f"RemoteBackend-{PLUGIN}"]
+    conn = backend.connection
+    while not isinstance(conn, KVStoreRemoteConnector):  # audit / instrumented wrappers
+        conn = conn._connector
+    return backend, conn
+
+
+@pytest.fixture(scope="module")
+def store_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    n = _main_conftest().start_node(tmp_path_factory.mktemp("node"), dram="128MiB")
+    try:
+        yield n
+    finally:
+        code = n.stop()
+    assert code == 0, n.output()
+
+
+@pytest.fixture
+def engines(store_node):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    names: list[str] = []
+
+    def make(**extra):
+        name, engine = build_engine(store_node.addr, **extra)
+        names.append(name)
+        return engine
+
+    yield make
+    for name in names:
+        LMCacheEngineBuilder.destroy(name)
+
+
+def node_hits(addr: str) -> int:
+    from kvstore import Client
+
+    with Client(addr) as c:
+        return sum(int(t.get("hits", 0)) for t in c.stats()["tiers"].values())
+
+
+def tokens_and_kv(n: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 30000, (n,), generator=g)
+    kv = torch.randn(2, LAYERS, n, HIDDEN, generator=g)
+    return tokens, kv
+
+
+class TestLMCacheRemotePlugin:
+    __test__ = HAVE_LMCACHE  # no test at all where LMCache is not installed
+
+    def test_plugin_is_loaded(self, engines):
+        from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+        from kvstore.integrations.lmcache_connector import KVStoreRemoteConnector
+
+        _, conn = remote_connector(engines())
+        assert isinstance(conn, KVStoreRemoteConnector)
+        assert isinstance(conn, RemoteConnector)
+        assert conn.full_chunk_size_bytes == 2 * LAYERS * CHUNK * HIDDEN * 4
+
+    @pytest.mark.parametrize("n", [3 * CHUNK, 3 * CHUNK + 5])
+    def test_store_lookup_retrieve_through_kvstore(self, engines, store_node, n):
+        """Engine A stores; engine B (empty local cache, same model) finds every token
+        in kvstore, retrieves the same count, and the bytes are A's."""
+        import torch
+
+        from kvstore import Client
+        from kvstore.integrations.lmcache_connector import lmcache_key
+
+        tokens, kv = tokens_and_kv(n, seed=n)
+        a = engines()
+        a.store(tokens, kvcaches=kv)
+        _, conn_a = remote_connector(a)
+        chunks = -(-n // CHUNK)
+        written = wait_for(lambda: (k := asyncio.run(conn_a.list())) and len(k) == chunks and k,
+                           what="remote puts")
+        with Client(store_node.addr) as c:
+            assert all(c.exists([lmcache_key(k) for k in written]))
+
+        b = engines()
+        local_b = b.storage_manager.storage_backends["LocalCPUBackend"]
+        keys = [_key_of(b, tokens, i) for i in range(len(written))]
+        assert not any(local_b.contains(k) for k in keys)  # nothing of A's in B's memory
+        hits0 = node_hits(store_node.addr)
+        assert b.lookup(tokens) == n
+        out = torch.zeros_like(kv)
+        ret = b.retrieve(tokens, kvcaches=out)
+        assert int(ret.sum()) == n
+        assert torch.equal(out, kv)
+        assert node_hits(store_node.addr) - hits0 >= len(keys)  # read from kvstore
+
+    def test_prefix_hit_and_miss(self, engines):
+        """A longer request that shares the stored prefix hits only that prefix; an
+        unrelated one misses."""
+        import torch
+
+        tokens, kv = tokens_and_kv(2 * CHUNK, seed=7)
+        a = engines()
+        a.store(tokens, kvcaches=kv)
+        _, conn_a = remote_connector(a)
+        wait_for(lambda: len(asyncio.run(conn_a.list())) == 2, what="remote puts")
+
+        b = engines()
+        more, _ = tokens_and_kv(2 * CHUNK, seed=8)
+        assert b.lookup(torch.cat([tokens, more])) == 2 * CHUNK
+        other, _ = tokens_and_kv(2 * CHUNK, seed=9)
+        assert b.lookup(other) == 0
+
+    def test_connector_methods(self, engines, store_node):
+        """get / put / exists / exists_sync / batched variants / list / remove / ping /
+        close on the engine's own connector instance."""
+        from kvstore import Client
+        from kvstore.integrations.lmcache_connector import lmcache_key
+
+        tokens, kv = tokens_and_kv(2 * CHUNK + 3, seed=11)
+        a = engines()
+        a.store(tokens, kvcaches=kv)
+        _, conn = remote_connector(a)
+        names = wait_for(lambda: (k := asyncio.run(conn.list())) and len(k) == 3 and k,
+                         what="remote puts")
+        keys = [_key_of(a, tokens, i) for i in range(3)]
+        assert sorted(k.to_string() for k in keys) == names
+
+        async def run():
+            assert all([await conn.exists(k) for k in keys])
+            assert all(conn.exists_sync(k) for k in keys)
+            assert conn.batched_contains(keys) == 3
+            assert await conn.batched_async_contains("l", keys) == 3
+            objs = await conn.batched_get(keys)
+            sizes = [o.get_size() for o in objs]
+            full = conn.full_chunk_size_bytes
+            assert sizes == [full, full, 3 * full // CHUNK]
+            for i, o in enumerate(objs):  # chunk i holds tokens i*CHUNK..
+                want = kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous()
+                assert o.tensor.reshape(want.shape).equal(want)
+            one = await conn.get(keys[0])
+            assert one.tensor.equal(objs[0].tensor)
+            # a put under a new key of the bytes of chunk 0, read back
+            new = keys[0].with_new_worker_id(1) if hasattr(keys[0], "with_new_worker_id") \
+                else None
+            assert new is not None
+            assert not await conn.exists(new)
+            await conn.put(new, objs[0])
+            assert await conn.exists(new)
+            back = await conn.get(new)
+            assert back.tensor.equal(objs[0].tensor)
+            await conn.batched_put([new], [objs[1]])  # existing key: the value stays
+            again = await conn.get(new)
+            assert again.tensor.equal(objs[0].tensor)
+            assert new.to_string() in await conn.list()
+            # the non-blocking batched get stops at the first miss
+            assert conn.remove_sync(keys[1])
+            assert conn.batched_contains(keys) == 1
+            prefix = await conn.batched_get_non_blocking("l", keys)
+            assert len(prefix) == 1 and prefix[0].tensor.equal(objs[0].tensor)
+            assert await conn.get(keys[1]) is None
+            assert keys[1].to_string() not in await conn.list()
+            assert await conn.ping() == 0
+            for o in [*objs, one, back, again, *prefix]:
+                o.ref_count_down()
+
+        asyncio.run(run())
+        with Client(store_node.addr) as c:
+            assert c.exists([lmcache_key(keys[0]), lmcache_key(keys[1])]) == [True, False]
+
+    def test_node_down_is_a_miss(self, engines, tmp_path):
+        """A connector whose node is gone answers False / None / 1 and drops puts; the
+        engine then looks up nothing."""
+        node = _main_conftest().start_node(tmp_path)
+        try:
+            b = engines(kvstore_addr=node.addr, kvstore_timeout=2)
+            _, conn = remote_connector(b)
+        finally:
+            assert node.stop() == 0
+        tokens, kv = tokens_and_kv(CHUNK, seed=21)
+        key = _key_of(b, tokens, 0)
+
+        async def run():
+            assert not await conn.exists(key)
+            assert conn.batched_contains([key]) == 0
+            assert await conn.get(key) is None
+            assert await conn.ping() == 1
+
+        asyncio.run(run())
+        done = threading.Event()
+        put_many = conn._put_many
+
+        def put_and_tell(*args):
+            try:
+                put_many(*args)
+            finally:
+                done.set()
+
+        conn._put_many = put_and_tell
+        b.store(tokens, kvcaches=kv)  # kept in B's CPU memory; the remote put fails
+        assert done.wait(20), "no remote put"
+        assert asyncio.run(conn.list()) == []
+
+
+def _key_of(engine, tokens, i: int):
+    """The CacheEngineKey of chunk ``i`` of ``tokens`` in ``engine``."""
+    keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
+    return keys[i]
