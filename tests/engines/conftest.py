@@ -36,22 +36,8 @@ if not HAVE_VLLM:
     collect_ignore_glob = ["test_vllm_*.py"]
 
 
-def _main_conftest():
-    """The main suite's conftest (start_node, free_port), loaded by path under its own
-    name so it cannot clash with this file's module."""
-    name = "kvstore_tests_main_conftest"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parent.parent / "conftest.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from main_conftest import main  # noqa: E402  (needs the sys.path entry above)
 
-
-main = _main_conftest()
 start_node = main.start_node
 free_port = main.free_port
 wait_until = main.wait_until

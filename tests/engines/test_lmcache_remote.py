@@ -22,8 +22,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
+import main_conftest  # the engines conftest put this folder on sys.path
 import pytest
 
 HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
@@ -44,18 +44,6 @@ PLUGIN = "kvstore"
 
 # LMCache's logging goes through opentelemetry's deprecated LoggingHandler.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:opentelemetry.*")
-
-
-def _main_conftest():
-    name = "kvstore_tests_main_conftest"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
@@ -146,7 +134,7 @@ def remote_connector(engine):
 
 @pytest.fixture(scope="module")
 def store_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    n = _main_conftest().start_node(tmp_path_factory.mktemp("node"), dram="128MiB")
+    n = main_conftest.main.start_node(tmp_path_factory.mktemp("node"), dram="128MiB")
     try:
         yield n
     finally:
@@ -307,7 +295,7 @@ class TestLMCacheRemotePlugin:
     def test_node_down_is_a_miss(self, engines, tmp_path):
         """A connector whose node is gone answers False / None / 1 and drops puts; the
         engine then looks up nothing."""
-        node = _main_conftest().start_node(tmp_path)
+        node = main_conftest.main.start_node(tmp_path)
         try:
             b = engines(kvstore_addr=node.addr, kvstore_timeout=2)
             _, conn = remote_connector(b)

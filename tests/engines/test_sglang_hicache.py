@@ -13,7 +13,6 @@ the tests copy device rows into host pages with torch indexing (``to_host``).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import main_conftest
 import sglang_fixtures as sf
 
 if sf.REQUIRED and not sf.HAVE_SGLANG:
@@ -31,18 +31,6 @@ if sf.REQUIRED and not sf.HAVE_SGLANG:
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 ALLOCATORS = ["default", "shm"]
-
-
-def _main_conftest():
-    name = "kvstore_tests_main_conftest"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _keys(n: int) -> list[str]:
@@ -104,7 +92,7 @@ def sgl() -> None:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    n = _main_conftest().start_node(tmp_path_factory.mktemp("sgl-node"), dram="256MiB")
+    n = main_conftest.main.start_node(tmp_path_factory.mktemp("sgl-node"), dram="256MiB")
     try:
         yield n
     finally:
@@ -325,7 +313,7 @@ class TestSGLangHiCache:
     def test_node_down_gives_false_not_errors(self, tmp_path, kv):
         import torch
 
-        down = _main_conftest().start_node(tmp_path, dram="64MiB")
+        down = main_conftest.main.start_node(tmp_path, dram="64MiB")
         host = sf.host_pool(kv, "page_first", "shm")
         backend = sf.create_backend(
             sf.dynamic_extra(down.addr, allocator="shm", kvstore_timeout=2.0), host)
