@@ -62,7 +62,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -114,6 +114,30 @@ def mooncake_key(key: str | bytes) -> bytes:
     else:
         raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
     return xxhash.xxh3_128_digest(KEY_DOMAIN + raw)
+
+
+def _per_key_codes(n: int, call: Callable[[list[int]], None],
+                   split_on: tuple[type[KVStoreError], ...], idx: list[int],
+                   codes: list[int]) -> None:
+    """Runs ``call`` on positions ``0..n-1`` in one batch. An error of a ``split_on`` type
+    from a batch of several is retried key by key, so each key gets its own code; any
+    other kvstore error (or one key's) sets ``codes[idx[j]]`` for every ``j`` of the batch.
+    """
+    def run(sel: list[int]) -> None:
+        try:
+            call(sel)
+        except split_on as exc:
+            if len(sel) > 1:
+                for j in sel:
+                    run([j])
+                return
+            codes[idx[sel[0]]] = _code(exc)
+        except KVStoreError as exc:
+            for j in sel:
+                codes[idx[j]] = _code(exc)
+
+    if n:
+        run(list(range(n)))
 
 
 def _code(exc: BaseException) -> int:
@@ -343,28 +367,14 @@ class MooncakeDistributedStore:
                 continue
             idx.append(i)
             hks.append(mooncake_key(k))
-        if not idx:
-            return codes
 
-        def one_batch(sel: list[int]) -> None:
-            try:
-                client.put_batch([hks[j] for j in sel], [values[idx[j]] for j in sel], pin=pin)
-            except (InvalidArgument, ResourceExhausted) as exc:
-                if len(sel) > 1:  # find which key it was
-                    for j in sel:
-                        one_batch([j])
-                    return
-                codes[idx[sel[0]]] = _code(exc)
-                return
-            except KVStoreError as exc:
-                for j in sel:
-                    codes[idx[j]] = _code(exc)
-                return
+        def put(sel: list[int]) -> None:
+            client.put_batch([hks[j] for j in sel], [values[idx[j]] for j in sel], pin=pin)
             with self._lock:
                 for j in sel:
                     self._written[hks[j]] = keys[idx[j]]
 
-        one_batch(list(range(len(idx))))
+        _per_key_codes(len(idx), put, (InvalidArgument, ResourceExhausted), idx, codes)
         return codes
 
     def _get_into(self, keys: Sequence[str | bytes], outs: Sequence[memoryview | None]
@@ -378,25 +388,13 @@ class MooncakeDistributedStore:
                if o is not None and isinstance(k, (str, bytes))]
         hks = [mooncake_key(keys[i]) for i in idx]
 
-        def one_batch(sel: list[int]) -> None:
-            try:
-                got = client.get_batch_into([hks[j] for j in sel], [outs[idx[j]] for j in sel])
-            except InvalidArgument as exc:
-                if len(sel) > 1:  # a buffer too small for its value: find which
-                    for j in sel:
-                        one_batch([j])
-                    return
-                codes[idx[sel[0]]] = _code(exc)
-                return
-            except KVStoreError as exc:
-                for j in sel:
-                    codes[idx[j]] = _code(exc)
-                return
+        def get(sel: list[int]) -> None:
+            got = client.get_batch_into([hks[j] for j in sel], [outs[idx[j]] for j in sel])
             for j, n in zip(sel, got, strict=True):
                 codes[idx[j]] = OBJECT_NOT_FOUND if n is None else n
 
-        if idx:
-            one_batch(list(range(len(idx))))
+        # InvalidArgument: a buffer too small for its value; retried key by key to find it
+        _per_key_codes(len(idx), get, (InvalidArgument,), idx, codes)
         return codes
 
     # ---- existence ----------------------------------------------------------------------
