@@ -78,6 +78,22 @@ def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: 
     return node
 
 
+@pytest.fixture(scope="session")
+def uring_status() -> tuple[bool, str | None]:
+    """Whether the SSD tier's io_uring backend runs here; builds the native module if
+    needed (once per session)."""
+    from tiers.ssd import uring_available
+
+    ok, reason = uring_available()
+    if not ok:
+        build = subprocess.run([sys.executable, "-m", "cffi_build.uring_build"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        ok, reason = uring_available()
+        if not ok:
+            reason = f"{reason}; build output: {build.stderr.strip()[-500:]}"
+    return ok, reason
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[NodeProcess]:
     """A fresh node (64 MiB DRAM, LRU) for one test; must exit 0 on SIGTERM."""
