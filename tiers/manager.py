@@ -592,23 +592,7 @@ class TierManager:
     # ---- stats ---------------------------------------------------------------------------
 
     def level_stats(self, level: int) -> dict[str, int | str]:
-        lv = self.levels[level]
-        c = lv.counters
-        return {
-            "name": lv.tier.name,
-            "capacity": lv.tier.capacity,
-            "used": lv.tier.used,
-            "blocks": lv.blocks,
-            "hits": c.hits,
-            "misses": c.misses,
-            "evictions": c.evictions,
-            "demotions": c.demotions,
-            "promotions": c.promotions,
-            "checksum_failures": c.checksum_failures,
-            "puts": c.puts,
-            "bytes_in": c.bytes_in,
-            "bytes_out": c.bytes_out,
-        }
+        return self.levels[level].stats()
 
     def tier_stats(self) -> dict[str, int | str]:
         """Stats of the landing tier (single-tier callers)."""

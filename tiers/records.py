@@ -181,6 +181,25 @@ class Level:
     def mapped(self) -> bool:
         return hasattr(self.tier, "view")
 
+    def stats(self) -> dict[str, int | str]:
+        """The tier's capacity and use with this level's block count and counters."""
+        c = self.counters
+        return {
+            "name": self.tier.name,
+            "capacity": self.tier.capacity,
+            "used": self.tier.used,
+            "blocks": self.blocks,
+            "hits": c.hits,
+            "misses": c.misses,
+            "evictions": c.evictions,
+            "demotions": c.demotions,
+            "promotions": c.promotions,
+            "checksum_failures": c.checksum_failures,
+            "puts": c.puts,
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+        }
+
 
 @dataclass(slots=True, kw_only=True)
 class Move:
