@@ -62,16 +62,24 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
-from kvstore.errors import (
-    InvalidArgument,
-    KVStoreError,
-    ResourceExhausted,
-    Unavailable,
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
+from kvstore.integrations.mooncake_types import (
+    BUFFER_OVERFLOW,
+    INTERNAL_ERROR,
+    INVALID_KEY,
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    OK,
+    RPC_FAIL,
+    BufferHandle,
+    ReplicateConfig,
+    code_of,
+    mooncake_key,
+    per_key_codes,
 )
 
 __all__ = [
@@ -91,94 +99,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Mooncake ErrorCode values (mooncake-store/include/types.h); Python sees them as ints.
-OK = 0
-INTERNAL_ERROR = -1
-NO_AVAILABLE_HANDLE = -200  # no space: kvstore ResourceExhausted
-INVALID_KEY = -400
-INVALID_PARAMS = -600  # bad arguments, unregistered or too-small buffer: InvalidArgument
-OBJECT_NOT_FOUND = -704
-RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Unavailable
-BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
-
-KEY_DOMAIN = b"kvstore-mooncake-v1\x00"
 _DEFAULT_SEGMENT = 16 * 1024 * 1024
-
-
-def mooncake_key(key: str | bytes) -> bytes:
-    """The 16-byte kvstore key of a Mooncake key (see the module docstring)."""
-    if isinstance(key, str):
-        raw = key.encode("utf-8")
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
-        raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
-    return xxhash.xxh3_128_digest(KEY_DOMAIN + raw)
-
-
-def _per_key_codes(n: int, call: Callable[[list[int]], None],
-                   split_on: tuple[type[KVStoreError], ...], idx: list[int],
-                   codes: list[int]) -> None:
-    """Runs ``call`` on positions ``0..n-1`` in one batch. An error of a ``split_on`` type
-    from a batch of several is retried key by key, so each key gets its own code; any
-    other kvstore error (or one key's) sets ``codes[idx[j]]`` for every ``j`` of the batch.
-    """
-    def run(sel: list[int]) -> None:
-        try:
-            call(sel)
-        except split_on as exc:
-            if len(sel) > 1:
-                for j in sel:
-                    run([j])
-                return
-            codes[idx[sel[0]]] = _code(exc)
-        except KVStoreError as exc:
-            for j in sel:
-                codes[idx[j]] = _code(exc)
-
-    if n:
-        run(list(range(n)))
-
-
-def _code(exc: BaseException) -> int:
-    if isinstance(exc, InvalidArgument):
-        return INVALID_PARAMS
-    if isinstance(exc, ResourceExhausted):
-        return NO_AVAILABLE_HANDLE
-    if isinstance(exc, Unavailable):
-        return RPC_FAIL
-    return INTERNAL_ERROR
-
-
-class ReplicateConfig:
-    """Mooncake's ``ReplicateConfig``: the attributes engines set; see the module docstring
-    for which of them kvstore honours."""
-
-    def __init__(self) -> None:
-        self.replica_num = 1
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.preferred_segment = ""
-        self.preferred_segments: list[str] = []
-        self.prefer_alloc_in_same_node = False
-
-    def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, "
-                f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self.with_hard_pin})")
-
-
-class BufferHandle(bytearray):
-    """What ``get_buffer`` / ``batch_get_buffer`` return: the value in memory this object
-    owns, with the buffer protocol (``memoryview(h)``, ``np.asarray(h)``) and Mooncake's
-    ``ptr()`` (its address) and ``size()``."""
-
-    def ptr(self) -> int:
-        if not self:
-            return 0
-        return ctypes.addressof(ctypes.c_char.from_buffer(self))
-
-    def size(self) -> int:
-        return len(self)
 
 
 class _Region:
@@ -256,13 +177,13 @@ class MooncakeDistributedStore:
                 return INVALID_PARAMS
         except KVStoreError as exc:
             log.error("setup: %s", exc)
-            return _code(exc)
+            return code_of(exc)
         try:
             client.exists([mooncake_key("kvstore-mooncake-setup-probe")])
         except KVStoreError as exc:
             log.error("setup: kvstore at %s does not answer: %s", target, exc)
             client.close()
-            return _code(exc)
+            return code_of(exc)
         self.close()
         with self._lock:
             self._client = client
@@ -374,7 +295,7 @@ class MooncakeDistributedStore:
                 for j in sel:
                     self._written[hks[j]] = keys[idx[j]]
 
-        _per_key_codes(len(idx), put, (InvalidArgument, ResourceExhausted), idx, codes)
+        per_key_codes(len(idx), put, (InvalidArgument, ResourceExhausted), idx, codes)
         return codes
 
     def _get_into(self, keys: Sequence[str | bytes], outs: Sequence[memoryview | None]
@@ -394,7 +315,7 @@ class MooncakeDistributedStore:
                 codes[idx[j]] = OBJECT_NOT_FOUND if n is None else n
 
         # InvalidArgument: a buffer too small for its value; retried key by key to find it
-        _per_key_codes(len(idx), get, (InvalidArgument,), idx, codes)
+        per_key_codes(len(idx), get, (InvalidArgument,), idx, codes)
         return codes
 
     # ---- existence ----------------------------------------------------------------------
@@ -477,7 +398,7 @@ class MooncakeDistributedStore:
         try:
             value = client.get(mooncake_key(key))
         except KVStoreError as exc:
-            return _code(exc)
+            return code_of(exc)
         return OBJECT_NOT_FOUND if value is None else len(value)
 
     # ---- zero-copy API ------------------------------------------------------------------
@@ -582,7 +503,7 @@ class MooncakeDistributedStore:
         try:
             removed = client.remove(hk)
         except KVStoreError as exc:
-            return _code(exc)
+            return code_of(exc)
         with self._lock:
             self._written.pop(hk, None)
         return OK if removed else OBJECT_NOT_FOUND
