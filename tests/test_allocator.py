@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tiers import allocator
 from tiers.allocator import AllocatorError, Extent, ExtentAllocator
 
 
@@ -157,3 +158,38 @@ def test_live_extents_of_one_length_share_one_length_object() -> None:
     a.free(x)
     with pytest.raises(AllocatorError):
         a.free(x)
+
+
+def test_a_freed_extent_is_reused_first_by_its_length() -> None:
+    a = ExtentAllocator(4096, alignment=64)
+    x, y, z = (a.allocate(256) for _ in range(3))
+    assert x is not None and y is not None and z is not None
+    a.free(x)
+    a.free(z)
+    # Last freed first, before the free space past ``z``; other lengths go elsewhere.
+    assert a.allocate(64) == Extent(768, 64)
+    assert a.allocate(256) == z
+    assert a.allocate(256) == x
+    assert a.used == 3 * 256 + 64
+
+
+def test_recent_extents_coalesce_before_an_allocation_fails() -> None:
+    a = ExtentAllocator(512, alignment=64)
+    blocks = [a.allocate(64) for _ in range(8)]
+    for b in blocks[2:6]:
+        a.free(b)  # type: ignore[arg-type]
+    # Four adjacent 64-byte holes wait uncoalesced; a 256-byte request still fits there.
+    assert a.allocate(256) == Extent(128, 256)
+    assert a.free_extents() == []
+
+
+def test_frees_past_the_recent_bound_coalesce_at_once() -> None:
+    n = allocator.MAX_RECENT + 4
+    a = ExtentAllocator(64 * n, alignment=64)
+    blocks = [a.allocate(64) for _ in range(n)]
+    for b in blocks:
+        a.free(b)  # type: ignore[arg-type]
+    assert a._recent_count == allocator.MAX_RECENT  # the bound holds
+    assert a.free_extents() == [Extent(0, 64 * n)]
+    assert a._recent_count == 0
+

@@ -10,8 +10,16 @@ Free extents are found by *segregated fit*: bin ``k`` holds the free extents
 whose length lies in ``[2**k, 2**(k+1))``. A request of ``n`` bytes is served
 from the lowest non-empty bin above ``floor(log2(n))`` (every extent there
 fits), or, failing that, by a first-fit scan of bin ``floor(log2(n))`` itself.
-Freed extents coalesce with free neighbours at once, so two adjacent free
-extents never coexist.
+Freed extents coalesce with free neighbours, so two adjacent free extents
+never coexist in the coalesced view, with one exception kept off that view:
+the *recent* lists. A freed extent waits there, uncoalesced, for the next
+allocation of exactly its length (KV blocks of one model share a size, so an
+eviction is usually followed by a put of the same size): that pair costs a
+list append and a pop instead of a coalesce and a bin search. The lists are
+bounded (``MAX_RECENT`` extents in all; past it a free coalesces at once) and
+are merged into the coalesced view before every answer that depends on it: an
+allocation that finds no fit, ``largest_free``, ``free_extents``, ``rebuild``.
+So an allocation fails only when no coalesced free extent fits.
 
 The allocator is pure and single-owner: no I/O, no locks, no callbacks. Its
 owner serialises access. Broken invariants (double free, foreign extent) raise
@@ -24,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 _MAX_SHARED_LENGTHS = 256
+MAX_RECENT = 1024
 
 
 class AllocatorError(RuntimeError):
@@ -46,7 +55,7 @@ class ExtentAllocator:
     """Hands out aligned, non-overlapping extents of ``[0, capacity)``."""
 
     __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_lengths",
-                 "_live", "_nonempty", "_used")
+                 "_live", "_nonempty", "_recent", "_recent_count", "_used")
 
     def __init__(self, capacity: int, *, alignment: int = 64) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -66,6 +75,10 @@ class ExtentAllocator:
         # One int object per distinct extent length: the lengths of live extents (here and
         # in their owners' records) share it instead of holding one int each (bounded).
         self._lengths: dict[int, int] = {}
+        # length -> offsets of freed extents not yet coalesced (see the module docstring).
+        # Invariant: each is free (out of ``_used`` and ``_live``) and in no bin.
+        self._recent: dict[int, list[int]] = {}
+        self._recent_count = 0
         self._used = 0
         if self._capacity:
             self._insert_free(0, self._capacity)
@@ -97,6 +110,7 @@ class ExtentAllocator:
         return (nbytes + a - 1) // a * a
 
     def largest_free(self) -> int:
+        self._flush_recent()
         if not self._nonempty:
             return 0
         return max(self._free_by_start[s] for s in self._bins[self._nonempty.bit_length() - 1])
@@ -108,9 +122,22 @@ class ExtentAllocator:
         need = self.rounded(nbytes)
         if need > self._capacity:
             return None
+        recent = self._recent.get(need)
+        if recent:
+            start = recent.pop()
+            self._recent_count -= 1
+            need = self._lengths.get(need, need)
+            self._live[start] = need
+            self._used += need
+            return Extent(start, need)
         start = self._find_fit(need)
         if start is None:
-            return None
+            if not self._recent_count:
+                return None
+            self._flush_recent()
+            start = self._find_fit(need)
+            if start is None:
+                return None
         length = self._remove_free(start)
         if length > need:
             self._insert_free(start + need, length - need)
@@ -124,13 +151,25 @@ class ExtentAllocator:
         return Extent(start, need)
 
     def free(self, extent: Extent) -> None:
-        """Returns ``extent`` to the free space, merging it with free neighbours."""
+        """Returns ``extent`` to the free space: to its length's recent list, or (that
+        list full) merged with its free neighbours at once."""
         length = self._live.get(extent.offset)
         if length is None or length != extent.length:
             raise AllocatorError(f"free of an extent that is not live: {extent}")
         del self._live[extent.offset]
         self._used -= length
-        start, end = extent.offset, extent.end
+        if self._recent_count < MAX_RECENT:
+            recent = self._recent.get(length)
+            if recent is None:
+                recent = self._recent[length] = []
+            recent.append(extent.offset)
+            self._recent_count += 1
+            return
+        self._coalesce(extent.offset, length)
+
+    def _coalesce(self, start: int, length: int) -> None:
+        """Makes ``[start, start + length)`` free in the coalesced view, merged with neighbours."""
+        end = start + length
         if end in self._free_by_start:
             end += self._remove_free(end)
         left = self._free_by_end.get(start)
@@ -147,6 +186,8 @@ class ExtentAllocator:
         """
         if self._live:
             raise RuntimeError("rebuild() needs an allocator with no live extents")
+        self._recent.clear()
+        self._recent_count = 0
         a, cap = self._alignment, self._capacity
         ordered = sorted(live, key=lambda e: e.offset)
         prev_end = 0
@@ -175,10 +216,19 @@ class ExtentAllocator:
 
     def free_extents(self) -> list[Extent]:
         """Every free extent, by offset (for tests and diagnostics)."""
+        self._flush_recent()
         return [Extent(s, n) for s, n in sorted(self._free_by_start.items())]
 
     def live_extents(self) -> list[Extent]:
         return [Extent(s, n) for s, n in sorted(self._live.items())]
+
+    def _flush_recent(self) -> None:
+        if not self._recent_count:
+            return
+        recent, self._recent, self._recent_count = self._recent, {}, 0
+        for length, starts in recent.items():
+            for start in starts:
+                self._coalesce(start, length)
 
     def _find_fit(self, need: int) -> int | None:
         k0 = need.bit_length() - 1
