@@ -8,7 +8,12 @@
   for early rejection to act; see RESULTS.md), against the paper's Table 3.
   Rejected = at arrival (TTFT SLO, or decode overload) + by the decode instance
   after prefill; the predictions assume every request generates the running mean
-  output length (``conductor.rejection``).
+  output length (``conductor.rejection``). Two yardsticks: the trace's KV demand
+  if every request decoded at the TBT SLO's pace (``decode_demand``), and a
+  clairvoyant row that rejects at arrival exactly the requests ``baseline``
+  rejected at decode (``ClairvoyantConductor``).
+* ``rejection-sweep`` (not in the default set, ~8 min): the three modes over
+  replay speed 1.5-3 x five splits x prefill MFU 0.5 / 0.3.
 * ``capacity``: effective request capacity at TTFT 30 s and TBT 100/200/300 ms of
   the disaggregated cache-aware cluster vs the colocated baseline at equal
   instance count. Capacity = the highest replay speed at which at least
@@ -32,18 +37,20 @@ from pathlib import Path
 from typing import Any
 
 from conductor.colocated import ColocatedEngine, max_token_gaps, simulate_colocated
-from conductor.costs import PolyCostModel, a800_kv_capacity_tokens
+from conductor.costs import CostModel, PolyCostModel, a800_kv_capacity_tokens
 from conductor.metrics import summarize
 from conductor.policies import POLICIES
+from conductor.scheduler import Conductor
 from conductor.sim import (
     DEFAULT_CACHE_BLOCKS,
     ClusterSpec,
     SimResult,
+    build_conductor,
     requests_from_trace,
     simulate,
 )
 from conductor.trace import TraceRequest, load_trace
-from conductor.types import Slo
+from conductor.types import Decision, Request, RequestId, Slo
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -74,31 +81,137 @@ def bench_policies(trace: Sequence[TraceRequest], *, prefill: int, decode: int,
     return out
 
 
+def decode_demand(trace: Sequence[TraceRequest], *, speed: float, tbt_s: float,
+                  kv_capacity_tokens: int) -> tuple[float, float]:
+    """Mean and peak KV demand of the whole trace, in decode instances' worth of KV cache,
+    if every request held its reservation (prompt + output tokens) from its arrival for
+    ``(output - 1) * tbt_s`` seconds: decoding at exactly the TBT SLO, the slowest pace
+    that still meets it. A decode pool larger than the peak can only overload if its step
+    time alone breaks the TBT SLO, so every rejection mode then behaves the same."""
+    if not trace:
+        return 0.0, 0.0
+    deltas: list[tuple[float, int]] = []
+    total = 0.0
+    for t in trace:
+        start = t.timestamp_ms / 1000.0 / speed
+        hold = max(0, t.output_length - 1) * tbt_s
+        tokens = t.input_length + t.output_length
+        total += tokens * hold
+        if hold > 0:
+            deltas += [(start, tokens), (start + hold, -tokens)]
+    deltas.sort(key=lambda e: (e[0], e[1]))  # releases before admissions at equal times
+    level = peak = 0
+    for _, d in deltas:
+        level += d
+        peak = max(peak, level)
+    span = trace[-1].timestamp_ms / 1000.0 / speed
+    mean = total / span if span > 0 else 0.0
+    return mean / kv_capacity_tokens, peak / kv_capacity_tokens
+
+
+class ClairvoyantConductor(Conductor):
+    """The Conductor with a clairvoyant arrival check, a yardstick for early rejection:
+    it rejects at arrival exactly the requests in ``doomed`` (those a ``baseline`` run
+    rejected at decode, known only after that run) and schedules every other request
+    as ``baseline`` does. A perfect early rejection could do no better than cut the
+    prefill those requests wasted; whether that lowers the count shows how much an
+    arrival-time decode check can gain at all in this model."""
+
+    def __init__(self, *, doomed: set[RequestId], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.doomed = doomed
+
+    def schedule(self, req: Request, now: float) -> Decision:
+        if req.id not in self.doomed:
+            return super().schedule(req, now)
+        self.observe(req)
+        return Decision(request_id=req.id, reason="decode overloaded (clairvoyant)",
+                        plan=None, decode=None, est_ttft_s=0.0, est_tbt_s=0.0)
+
+
+def _clairvoyant_run(reqs: Sequence[Request], spec: ClusterSpec, cost: CostModel, slo: Slo,
+                     baseline: SimResult) -> SimResult:
+    ref = build_conductor(spec, cost, policy="global-cache-aware", rejection="baseline",
+                          slo=slo)
+    doomed = {r.id for r in baseline.records if r.rejected_late}
+    c = ClairvoyantConductor(doomed=doomed, prefill=ref.prefill, decode=ref.decode,
+                             cost=cost, policy="global-cache-aware", rejection="baseline",
+                             slo=slo, pool=ref.pool)
+    return simulate(reqs, conductor=c)
+
+
+def _rejection_row(run: SimResult, slo: Slo) -> dict[str, Any]:
+    s = summarize(run.records, slo, duration_s=run.duration_s)
+    s["wasted_prefill_s"] = run.wasted_prefill_s
+    s["rejected_ttft"] = sum(1 for r in run.records if r.rejected is not None
+                             and r.rejected.startswith("TTFT"))
+    if run.conductor is not None:
+        s["expected_output_tokens"] = run.conductor.expected_output_tokens()
+    return s
+
+
+MODES = ("baseline", "load", "predictive")
+
+
 def bench_rejection(trace: Sequence[TraceRequest], *, splits: Sequence[tuple[int, int]],
-                    speed: float, slo: Slo) -> dict[str, Any]:
+                    speed: float, slo: Slo, prefill_mfu: float = 0.5,
+                    clairvoyant: bool = True, quiet: bool = False) -> dict[str, Any]:
+    """Rejections per mode and split; with ``clairvoyant``, one more row per split that
+    needs it (``ClairvoyantConductor``) and the decode pool's SLO-pace KV demand."""
     reqs = requests_from_trace(trace, speed=speed)
+    cost = PolyCostModel.a800_llama2_70b(prefill_mfu=prefill_mfu)
+    kv = a800_kv_capacity_tokens()
     out: dict[str, Any] = {}
-    print(f"\n## rejection: {len(reqs)} requests, speed {speed:g}, global-cache-aware, "
-          f"SLO TTFT {slo.ttft_s:g} s / TBT {slo.tbt_s * 1000:g} ms\n")
-    print("| split | mode | rejected | at arrival: TTFT | at arrival: decode | at decode | "
-          "wasted prefill (s) | meeting SLOs | avg TTFT (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    mean, peak = decode_demand(trace, speed=speed, tbt_s=slo.tbt_s, kv_capacity_tokens=kv)
+    out["decode_demand_instances"] = {"mean": mean, "peak": peak}
+    if not quiet:
+        print(f"\n## rejection: {len(reqs)} requests, speed {speed:g}, global-cache-aware, "
+              f"prefill MFU {prefill_mfu:g}, SLO TTFT {slo.ttft_s:g} s / TBT "
+              f"{slo.tbt_s * 1000:g} ms\n")
+        print(f"KV demand at the TBT SLO's pace: mean {mean:.2f}, peak {peak:.2f} decode "
+              "instances' worth\n")
+        print("| split | mode | rejected | at arrival: TTFT | at arrival: decode | at decode | "
+              "wasted prefill (s) | meeting SLOs | avg TTFT (s) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for p, d in splits:
         key = f"{p}P+{d}D"
         out[key] = {}
-        for mode in ("baseline", "load", "predictive"):
-            run = simulate(reqs, spec=ClusterSpec(prefill=p, decode=d), rejection=mode, slo=slo)
-            s = summarize(run.records, slo, duration_s=run.duration_s)
-            s["wasted_prefill_s"] = run.wasted_prefill_s
-            s["rejected_ttft"] = sum(1 for r in run.records if r.rejected is not None
-                                     and r.rejected.startswith("TTFT"))
-            assert run.conductor is not None
-            s["expected_output_tokens"] = run.conductor.expected_output_tokens()
-            out[key][mode] = s
-            print(f"| {key} | {mode} | {s['rejected']} | {s['rejected_ttft']} | "
-                  f"{s['rejected_early'] - s['rejected_ttft']} | {s['rejected_late']} | "
-                  f"{run.wasted_prefill_s:.0f} | {s['effective_requests']} | "
-                  f"{s['avg_ttft_s']:.2f} |")
+        spec = ClusterSpec(prefill=p, decode=d)
+        runs = {m: simulate(reqs, spec=spec, cost=cost, rejection=m, slo=slo) for m in MODES}
+        if clairvoyant and any(r.rejected_late for r in runs["baseline"].records):
+            runs["clairvoyant"] = _clairvoyant_run(reqs, spec, cost, slo, runs["baseline"])
+        for mode, run in runs.items():
+            s = out[key][mode] = _rejection_row(run, slo)
+            if not quiet:
+                print(f"| {key} | {mode} | {s['rejected']} | {s['rejected_ttft']} | "
+                      f"{s['rejected_early'] - s['rejected_ttft']} | {s['rejected_late']} | "
+                      f"{run.wasted_prefill_s:.0f} | {s['effective_requests']} | "
+                      f"{s['avg_ttft_s']:.2f} |")
+        counts = [out[key][m]["rejected"] for m in MODES]
+        out[key]["paper_order"] = counts[0] > counts[1] > counts[2]
+    return out
+
+
+def bench_rejection_sweep(trace: Sequence[TraceRequest], *, splits: Sequence[tuple[int, int]],
+                          speeds: Sequence[float], mfus: Sequence[float], slo: Slo
+                          ) -> dict[str, Any]:
+    """The three modes over replay speed x split x prefill MFU: where, if anywhere, the
+    paper's order baseline > load > predictive holds."""
+    out: dict[str, Any] = {}
+    print(f"\n## rejection sweep: SLO TTFT {slo.ttft_s:g} s / TBT {slo.tbt_s * 1000:g} ms; "
+          "rejected baseline / load / predictive (of which TTFT), order = paper's\n")
+    print("| prefill MFU | speed | split | baseline | load | predictive | order |")
+    print("|---:|---:|---|---:|---:|---:|---|")
+    for mfu in mfus:
+        for speed in speeds:
+            res = bench_rejection(trace, splits=splits, speed=speed, slo=slo, prefill_mfu=mfu,
+                                  clairvoyant=False, quiet=True)
+            out[f"mfu {mfu:g}, speed {speed:g}"] = res
+            for p, d in splits:
+                r = res[f"{p}P+{d}D"]
+                cells = [f"{r[m]['rejected']:,} ({r[m]['rejected_ttft']:,})" for m in MODES]
+                print(f"| {mfu:g} | {speed:g} | {p}P+{d}D | " + " | ".join(cells)
+                      + f" | {'yes' if r['paper_order'] else 'no'} |", flush=True)
     return out
 
 
@@ -225,7 +338,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
             ax.set_ylabel("average TTFT (s)")
             ax.legend()
         elif key == "rejection":
-            splits = list(results[key])
+            splits = [k for k in results[key] if k.endswith("D")]
             x = np.arange(len(splits))
             for i, mode in enumerate(("baseline", "load", "predictive")):
                 ax.bar(x + (i - 1) * 0.27, [results[key][s][mode]["rejected"] for s in splits],
@@ -252,7 +365,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="conductor_bench", description=__doc__.split("\n")[0])
     ap.add_argument("which", nargs="*", metavar="EXPERIMENT",
-                    help="policies, rejection and/or capacity (default: all)")
+                    help="policies, rejection, rejection-sweep and/or capacity (default: "
+                    "policies, rejection, capacity)")
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--instances", type=int, default=16, help="capacity: total instances (16)")
@@ -262,8 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--colocated-cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS,
                     help=f"capacity: prefix cache per colocated instance ({DEFAULT_CACHE_BLOCKS})")
     args = ap.parse_args(argv)
-    known = ["policies", "rejection", "capacity"]
-    which = args.which or known
+    known = ["policies", "rejection", "rejection-sweep", "capacity"]
+    which = args.which or ["policies", "rejection", "capacity"]
     if unknown := [w for w in which if w not in known]:
         ap.error(f"unknown experiment {unknown[0]!r} (known: {', '.join(known)})")
     try:
@@ -279,6 +393,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["rejection"] = bench_rejection(
             trace, splits=[(8, 8), (8, 2), (8, 1), (7, 1), (6, 1), (5, 1)], speed=2.0,
             slo=Slo())
+    if "rejection-sweep" in which:
+        results["rejection_sweep"] = bench_rejection_sweep(
+            trace, splits=[(8, 8), (12, 2), (8, 1), (6, 1), (4, 1)],
+            speeds=(1.5, 2.0, 2.5, 3.0), mfus=(0.5, 0.3), slo=Slo())
     if "capacity" in which:
         results["capacity"] = bench_capacity(trace, instances=args.instances,
                                              attainment=args.attainment,

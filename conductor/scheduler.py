@@ -160,12 +160,18 @@ class Conductor:
 
     # ---- the decision --------------------------------------------------------------------
 
+    def observe(self, req: Request) -> None:
+        """Count ``req`` in the running mean output length (``schedule`` does it for every
+        request; a wrapper that rejects a request without scheduling it calls it so the
+        mean still covers every request seen)."""
+        self._seen_output_tokens += req.output_tokens
+        self._seen_requests += 1
+
     def schedule(self, req: Request, now: float) -> Decision:
         """Choose a (prefill, decode) pair for ``req`` at time ``now``, or reject it."""
         if req.id in self._where:
             raise ValueError(f"request {req.id} is already scheduled")
-        self._seen_output_tokens += req.output_tokens
-        self._seen_requests += 1
+        self.observe(req)
         plan = self.policy.choose(req, self.candidates(req, now))
         at_s = self.kv_ready_s(req, now, plan.ttft_s)
         d, tbt, overload = self.choose_decode(req, now, at_s)
