@@ -24,11 +24,11 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 _C_SOURCE = _HERE / "uring_io.c"
 
-# The declarations Python sees. ``struct iovec`` is declared with "..." so cffi
-# takes its real layout from <sys/uio.h> at compile time.
-# The helper's functions, declared once for both cffi and the compiler.
+# The helper's functions, as Python sees them.
 PROTOTYPES = """
 struct kv_ring;
+struct kv_queue;
+struct kv_group;
 int kv_ring_api_version(void);
 int kv_have_verify(void);
 uint64_t kv_xxh3_iov(const struct iovec *iov, int cnt, int64_t len);
@@ -36,19 +36,29 @@ int kv_ring_open(unsigned depth, struct kv_ring **out);
 void kv_ring_close(struct kv_ring *r);
 int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                 const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results, int max_inflight, const uint64_t *want,
-                const int64_t *verify_len, signed char *verdict);
-void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
-                   const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                   int64_t *results, int max_inflight, const uint64_t *want,
-                   const int64_t *verify_len, signed char *verdict);
-int kv_ring_step(struct kv_ring *r, int *done_idx, int room);
+                int64_t *results, int max_inflight);
+int kv_queue_open(unsigned depth, int fd, struct kv_queue **out);
+void kv_queue_close(struct kv_queue *q);
+int kv_queue_error(struct kv_queue *q);
+int kv_queue_submit(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight,
+                    struct kv_group **out);
+int kv_group_wait(struct kv_group *g, int *idx, int room, int timeout_ms);
+void kv_group_cancel(struct kv_group *g);
+void kv_group_free(struct kv_group *g);
+int kv_queue_run(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight);
 """
 # What tiers/ssd_io.py expects of a build (kv_ring_api_version()).
-API_VERSION = 2
-CDEF = "struct iovec { void *iov_base; size_t iov_len; ...; };\n" + PROTOTYPES
+API_VERSION = 3
+# struct iovec and struct kv_op are declared with "..." so cffi takes their real
+# layout from the compiler (kv_op has private fields Python never touches).
+CDEF = ("struct iovec { void *iov_base; size_t iov_len; ...; };\n"
+        "struct kv_op { const struct iovec *iov; int64_t offset; int64_t result; "
+        "uint64_t want; int64_t verify_len; int iov_count; unsigned char is_write; "
+        "signed char verdict; ...; };\n" + PROTOTYPES)
 
-_PREAMBLE = "#include <stdint.h>\n#include <sys/uio.h>\n" + PROTOTYPES
+# The generated module includes the helper's source (one translation unit), so the
+# compiler sees the real struct kv_op that cffi's "..." declaration refers to.
+_PREAMBLE = '#include "uring_io.c"\n'
 
 _INCLUDE_DIRS = ["/usr/include", "/usr/local/include"]
 
@@ -65,8 +75,9 @@ def _make_builder(verify: bool) -> FFI:
     builder.set_source(
         "tiers._uring",
         _PREAMBLE,
-        sources=[str(_C_SOURCE)],
-        libraries=["uring"],
+        include_dirs=[str(_HERE)],
+        depends=[str(_C_SOURCE)],
+        libraries=["uring", "pthread"],
         define_macros=[("KV_HAVE_XXHASH", "1")] if verify else [],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     )

@@ -1,31 +1,32 @@
 /*
- * Batched positional I/O through io_uring for the SSD tier (tiers/ssd.py).
+ * Positional I/O through io_uring for the SSD tier (tiers/ssd.py, tiers/ssd_io.py).
  *
- * A batch of N readv/writev operations against one fd is started with
- * kv_ring_start and advanced with kv_ring_step, which submits up to the in-flight
- * limit in one io_uring_enter, waits for at least one completion and reaps all
- * posted ones in bulk, returning which operations finished: the caller can verify
- * those while the rest are still in flight. The caller must keep stepping until
- * the batch is complete (step returns 0 or -errno) before it releases the
- * buffers: only then does the kernel no longer touch them. kv_ring_run does the
- * whole batch in one call.
+ * kv_queue (below): one ring per tier shared by every caller, owned by a completion
+ * thread written in C (so it never takes the GIL). Callers queue groups of
+ * readv/writev ops and wait for them (kv_queue_submit, kv_group_wait: cffi releases
+ * the GIL around both); the thread keeps the ring up to its depth across all
+ * callers, refills it as ops complete, and verifies each read in C before its
+ * caller hears of it.
  *
- * Reads can be verified here, without the GIL: given each op's expected xxh3-64
- * checksum (XXH3_64bits, seed 0: what Python's xxhash.xxh3_64_intdigest computes)
- * and how many leading bytes of its iovec hold the value, a step hashes the reads
- * that completed in full while the ring is already refilled, and records a verdict
- * per op (1 good, 0 mismatch, -1 not checked: short, failed or never submitted,
- * left to the caller). Built without <xxhash.h> (KV_HAVE_XXHASH undefined), no
+ * Reads are verified without the GIL: given an op's expected xxh3-64 checksum
+ * (XXH3_64bits, seed 0: what Python's xxhash.xxh3_64_intdigest computes) and how
+ * many leading bytes of its iovec hold the value, a read that transferred its whole
+ * iovec gets a verdict (1 good, 0 mismatch); -1 (short, failed, not asked) leaves
+ * the check to the caller. Built without <xxhash.h> (KV_HAVE_XXHASH undefined), no
  * verdict is ever given and kv_have_verify() returns 0.
  *
- * A ring is not thread-safe; the Python side keeps one ring per concurrent
- * caller (a small pool), so no locking is done here.
+ * kv_ring: a plain ring for one caller that runs a batch to completion; the
+ * benchmark's raw io_uring baseline (no checksum, no index, no thread).
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 #include <liburing.h>
 #ifdef KV_HAVE_XXHASH
 #define XXH_INLINE_ALL
@@ -35,7 +36,7 @@
 /* Bumped whenever a signature changes: Python refuses a stale build. */
 int kv_ring_api_version(void)
 {
-    return 2;
+    return 3;
 }
 
 int kv_have_verify(void)
@@ -76,25 +77,12 @@ uint64_t kv_xxh3_iov(const struct iovec *iov, int cnt, int64_t len)
 #endif
 }
 
+/* ------------------------------------------------------------------ raw batches */
+
+/* One caller's ring: the benchmark's raw io_uring baseline (no checksum, no index). */
 struct kv_ring {
     struct io_uring ring;
     unsigned depth;
-    /* The batch in progress (kv_ring_start .. kv_ring_step returning <= 0). */
-    int fd, n, limit, next, done, inflight, err;
-    size_t iov_pos;
-    const unsigned char *is_write;
-    const int64_t *offsets;
-    const struct iovec *iovs;
-    const int *iov_counts;
-    int64_t *results;
-    /* Verification (all NULL: none). */
-    const uint64_t *want;
-    const int64_t *verify_len;
-    signed char *verdict;
-    /* The ops the last reap saw (at most depth: never more are in flight). */
-    int *reaped_op;
-    uint32_t *reaped_iov;
-    int reaped;
 };
 
 int kv_ring_open(unsigned depth, struct kv_ring **out)
@@ -108,19 +96,8 @@ int kv_ring_open(unsigned depth, struct kv_ring **out)
     r = calloc(1, sizeof(*r));
     if (!r)
         return -ENOMEM;
-    r->reaped_op = calloc(depth, sizeof(*r->reaped_op));
-    r->reaped_iov = calloc(depth, sizeof(*r->reaped_iov));
-    if (!r->reaped_op || !r->reaped_iov) {
-        free(r->reaped_op);
-        free(r->reaped_iov);
-        free(r);
-        return -ENOMEM;
-    }
     ret = io_uring_queue_init(depth, &r->ring, 0);
     if (ret < 0) {
-        /* seccomp, io_uring_disabled or an old kernel: the caller falls back. */
-        free(r->reaped_op);
-        free(r->reaped_iov);
         free(r);
         return ret;
     }
@@ -134,205 +111,575 @@ void kv_ring_close(struct kv_ring *r)
     if (!r)
         return;
     io_uring_queue_exit(&r->ring);
-    free(r->reaped_op);
-    free(r->reaped_iov);
     free(r);
 }
 
 /*
- * Starts a batch of n operations (nothing is submitted until kv_ring_step).
- * With verdict non-NULL, every verdict[i] starts at -1; a read i with
- * verify_len[i] >= 0 that transfers its whole iovec gets verdict[i] = 1 if the
- * xxh3-64 of its first verify_len[i] bytes equals want[i], else 0.
- * Operation i is a write if is_write[i], at offsets[i], over the next
- * iov_counts[i] entries of iovs (operations consume iovs in order). results[i]
- * receives the bytes transferred or -errno; operations never submitted because
- * of a ring failure get that failure's -errno. At most max_inflight operations
- * are in flight at once (0 or more than the ring's depth: the ring's depth). The
- * arrays must stay valid until the batch is complete.
- */
-void kv_ring_start(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
-                   const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                   int64_t *results, int max_inflight, const uint64_t *want,
-                   const int64_t *verify_len, signed char *verdict)
-{
-    r->fd = fd;
-    r->n = n;
-    r->is_write = is_write;
-    r->offsets = offsets;
-    r->iovs = iovs;
-    r->iov_counts = iov_counts;
-    r->results = results;
-    r->limit = (max_inflight <= 0 || max_inflight > (int)r->depth) ? (int)r->depth
-                                                                    : max_inflight;
-    r->next = r->done = r->inflight = r->err = 0;
-    r->iov_pos = 0;
-#ifdef KV_HAVE_XXHASH
-    r->want = want;
-    r->verify_len = verify_len;
-    r->verdict = verdict;
-#else
-    (void)want; (void)verify_len;
-    r->want = NULL;
-    r->verify_len = NULL;
-    r->verdict = NULL;
-#endif
-    if (verdict)
-        memset(verdict, -1, (size_t)n);
-}
-
-/* Records a completion: its result, and its index in done_idx (if room). */
-static unsigned reap(struct kv_ring *r, int *done_idx, int room)
-{
-    struct io_uring_cqe *cqe;
-    unsigned head, seen = 0;
-
-    io_uring_for_each_cqe(&r->ring, head, cqe) {
-        int i = (int)(uint32_t)cqe->user_data;
-        r->results[i] = cqe->res;
-        if ((int)seen < room)
-            done_idx[seen] = i;
-        if (seen < r->depth) {
-            r->reaped_op[seen] = i;
-            r->reaped_iov[seen] = (uint32_t)(cqe->user_data >> 32);
-        }
-        seen++;
-    }
-    io_uring_cq_advance(&r->ring, seen);
-    r->reaped = seen < r->depth ? (int)seen : (int)r->depth;
-    r->inflight -= (int)seen;
-    r->done += (int)seen;
-    return seen;
-}
-
-/* Prepares operations up to the in-flight limit (submitted by the caller). */
-static void prep(struct kv_ring *r)
-{
-    while (r->next < r->n && r->inflight < r->limit) {
-        struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
-        int i = r->next;
-        if (!sqe)
-            break;
-        if (r->is_write[i])
-            io_uring_prep_writev(sqe, r->fd, &r->iovs[r->iov_pos], r->iov_counts[i],
-                                 (uint64_t)r->offsets[i]);
-        else
-            io_uring_prep_readv(sqe, r->fd, &r->iovs[r->iov_pos], r->iov_counts[i],
-                                (uint64_t)r->offsets[i]);
-        io_uring_sqe_set_data64(sqe, (uint64_t)(uint32_t)i | ((uint64_t)r->iov_pos << 32));
-        r->iov_pos += (size_t)r->iov_counts[i];
-        r->next++;
-        r->inflight++;
-    }
-}
-
-#ifdef KV_HAVE_XXHASH
-/* Verifies the reads the last reap saw (see kv_ring_start). */
-static void verify(struct kv_ring *r)
-{
-    for (int k = 0; k < r->reaped; k++) {
-        int i = r->reaped_op[k];
-        size_t pos = r->reaped_iov[k];
-        int64_t total = 0;
-        const struct iovec *iov = &r->iovs[pos];
-
-        if (r->is_write[i] || r->verify_len[i] < 0)
-            continue;
-        for (int j = 0; j < r->iov_counts[i]; j++)
-            total += (int64_t)iov[j].iov_len;
-        if (r->results[i] != total || r->verify_len[i] > total)
-            continue; /* short or failed: the caller finishes and checks it */
-        r->verdict[i] = hash_iov(iov, r->iov_counts[i], r->verify_len[i]) == r->want[i];
-    }
-}
-#endif
-
-/*
- * Advances the batch: prepares operations up to the in-flight limit, submits them
- * all with one io_uring_enter that also waits for at least one completion, then
- * reaps every completion already posted (with verification on, it then refills
- * and submits the ring and verifies the completed reads before returning). Writes the indices of the operations
- * that completed into done_idx (room for n - done entries is enough) and returns
- * how many, 0 once the batch is complete. Returns -errno if the ring failed: then
- * every submitted operation has completed (no buffer is in use), the results of
- * the never-submitted ones hold the error, the batch is over and the ring holds
- * stale entries: the caller must close it, not reuse it.
- */
-int kv_ring_step(struct kv_ring *r, int *done_idx, int room)
-{
-    int got = 0;
-
-    if (r->err)
-        return r->err;
-    if (r->done >= r->n)
-        return 0;
-    prep(r);
-    for (;;) {
-        int ret = io_uring_submit_and_wait(&r->ring, 1);
-        if (ret >= 0 || ret == -EINTR || ret == -EAGAIN || ret == -EBUSY) {
-            got = (int)reap(r, done_idx, room);
-            if (got > 0) {
-#ifdef KV_HAVE_XXHASH
-                if (r->verdict) {
-                    /* Refill the ring first, so the hashing overlaps the I/O. A failed
-                     * submit leaves the entries queued: the next step reports it. */
-                    prep(r);
-                    if (io_uring_sq_ready(&r->ring))
-                        io_uring_submit(&r->ring);
-                    verify(r);
-                }
-#endif
-                return got;
-            }
-            if (r->inflight > 0)
-                continue; /* interrupted before anything completed: wait again */
-            /* Nothing in flight and nothing could be queued (no SQE): give up. */
-            ret = -EIO;
-        }
-        /*
-         * The ring refused to submit. The SQ is FIFO and the kernel consumed its
-         * head: the last `pending` prepared entries were never taken and never
-         * will be. Every consumed entry posts a completion, so wait for exactly
-         * those: no buffer is in use when we return.
-         */
-        unsigned pending = io_uring_sq_ready(&r->ring);
-        r->err = ret;
-        r->inflight -= (int)pending;
-        r->next -= (int)pending;
-        while (r->inflight > 0) {
-            struct io_uring_cqe *cqe;
-            int w = io_uring_wait_cqe(&r->ring, &cqe);
-            if (w == -EINTR)
-                continue;
-            if (w < 0)
-                break;
-            got += (int)reap(r, done_idx + got, room - got);
-        }
-        for (int i = r->next; i < r->n; i++)
-            r->results[i] = ret;
-        return ret;
-    }
-}
-
-/*
- * Runs n operations to completion (kv_ring_start, then kv_ring_step until done).
- * Returns 0, or -errno if the ring itself failed (results are still filled); after
- * a failure the ring holds stale entries and must be closed, not reused.
+ * Runs n readv/writev ops (op i: a write if is_write[i], at offsets[i], over the
+ * next iov_counts[i] iovecs) with up to max_inflight (0: the depth) in flight,
+ * refilling as each completes; results[i] gets bytes or -errno. Returns 0, or the
+ * -errno that stopped the ring (after waiting for everything it had taken; never
+ * submitted ops get that error). A ring that failed must be closed, not reused.
  */
 int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
                 const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results, int max_inflight, const uint64_t *want,
-                const int64_t *verify_len, signed char *verdict)
+                int64_t *results, int max_inflight)
 {
-    int scratch[64];
+    int limit = (max_inflight <= 0 || max_inflight > (int)r->depth) ? (int)r->depth
+                                                                     : max_inflight;
+    int next = 0, inflight = 0, done = 0, err = 0;
+    size_t pos = 0;
 
-    kv_ring_start(r, fd, n, is_write, offsets, iovs, iov_counts, results, max_inflight,
-                  want, verify_len, verdict);
-    for (;;) {
-        int got = kv_ring_step(r, scratch, 64);
-        if (got < 0)
-            return got;
-        if (got == 0)
-            return 0;
+    while (done < n) {
+        struct io_uring_cqe *cqe;
+        unsigned head, seen = 0;
+        int ret;
+
+        while (!err && next < n && inflight < limit) {
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+            if (!sqe)
+                break;
+            if (is_write[next])
+                io_uring_prep_writev(sqe, fd, &iovs[pos], iov_counts[next],
+                                     (uint64_t)offsets[next]);
+            else
+                io_uring_prep_readv(sqe, fd, &iovs[pos], iov_counts[next],
+                                    (uint64_t)offsets[next]);
+            io_uring_sqe_set_data64(sqe, (uint64_t)next);
+            pos += (size_t)iov_counts[next];
+            next++;
+            inflight++;
+        }
+        ret = err ? io_uring_wait_cqe(&r->ring, &cqe) : io_uring_submit_and_wait(&r->ring, 1);
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && !err) {
+            /* Entries the kernel never took will never complete. */
+            unsigned pending = io_uring_sq_ready(&r->ring);
+            err = ret;
+            inflight -= (int)pending;
+            next -= (int)pending;
+            for (int i = next; i < n; i++)
+                results[i] = err;
+            done += n - next;
+            next = n;
+        }
+        io_uring_for_each_cqe(&r->ring, head, cqe) {
+            results[cqe->user_data] = cqe->res;
+            seen++;
+        }
+        io_uring_cq_advance(&r->ring, seen);
+        inflight -= (int)seen;
+        done += (int)seen;
+        if (err && inflight == 0)
+            break;
     }
+    return err;
+}
+
+/* ------------------------------------------------------------------ shared queue */
+
+/*
+ * A kv_queue is one ring per tier, shared by every caller, owned by one completion
+ * thread (a pthread: it never takes the GIL). Callers hand it groups of operations
+ * (kv_queue_submit, which only links them in under the mutex and, if the thread
+ * sleeps, pokes it through an eventfd); the thread alone prepares SQEs, submits,
+ * reaps, verifies reads, and reports each finished op to its group, whose caller
+ * waits in kv_group_wait (GIL released, as every cffi call here). So concurrent
+ * callers' reads share one ring kept up to `depth` deep, and a caller with several
+ * groups outstanding keeps it full across its own batches.
+ *
+ * Invariants (under q->mu): q->inflight counts submitted-or-prepared ops not yet
+ * reaped (<= depth); a group is on the ready list iff it may have unsubmitted ops;
+ * an op is reported to its group exactly once, after which the kernel no longer
+ * touches its buffers. A group is freed only when complete, and the queue memory
+ * only when closed and every group is freed (q->refs).
+ */
+
+#define KV_WAKE ((uint64_t)1) /* user_data of the eventfd read (ops are pointers) */
+
+struct kv_op {
+    const struct iovec *iov;
+    int64_t offset;
+    int64_t result;     /* out: bytes transferred or -errno */
+    uint64_t want;      /* reads: expected xxh3-64 of the first verify_len bytes */
+    int64_t verify_len; /* < 0: no check */
+    int iov_count;
+    unsigned char is_write;
+    signed char verdict; /* out: 1 good, 0 mismatch, -1 not checked */
+    struct kv_group *group;
+    int index;
+};
+
+struct kv_group {
+    struct kv_queue *q;
+    struct kv_op *ops;
+    int n, next, inflight, limit, completed, reported, waiting;
+    int on_ready;
+    struct kv_group *link;
+    int *done; /* op indices in completion order */
+    pthread_cond_t cond;
+};
+
+struct kv_queue {
+    struct io_uring ring;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int fd, efd, depth, inflight, closing, err, sleeping, refs;
+    int wake_armed;
+    uint64_t wake_buf;
+    struct kv_group *ready_head, *ready_tail;
+    /* user_data of prepared SQEs the kernel has not consumed yet, oldest first. */
+    uint64_t *sq_fifo;
+    int sq_len;
+    struct kv_op **batch; /* scratch for one reap */
+};
+
+static void queue_unref(struct kv_queue *q)
+{
+    /* Called with q->mu held; unlocks it. */
+    int last = --q->refs == 0;
+    pthread_mutex_unlock(&q->mu);
+    if (last) {
+        pthread_mutex_destroy(&q->mu);
+        free(q->sq_fifo);
+        free(q->batch);
+        free(q);
+    }
+}
+
+/* Reports op to its group (q->mu held). */
+static void report(struct kv_op *op)
+{
+    struct kv_group *g = op->group;
+    g->done[g->completed++] = op->index;
+    if (g->waiting)
+        pthread_cond_signal(&g->cond);
+}
+
+/* Fails every op not yet prepared, of every group (q->mu held). */
+static void fail_unsubmitted(struct kv_queue *q, int err)
+{
+    for (struct kv_group *g = q->ready_head; g; g = g->link) {
+        g->on_ready = 0;
+        for (; g->next < g->n; g->next++) {
+            g->ops[g->next].result = err;
+            report(&g->ops[g->next]);
+        }
+    }
+    q->ready_head = q->ready_tail = NULL;
+}
+
+static void ready_push(struct kv_queue *q, struct kv_group *g)
+{
+    if (g->on_ready || g->next >= g->n)
+        return;
+    g->on_ready = 1;
+    g->link = NULL;
+    if (q->ready_tail)
+        q->ready_tail->link = g;
+    else
+        q->ready_head = g;
+    q->ready_tail = g;
+}
+
+/* Prepares ops up to the depth, one per ready group in turn (q->mu held). */
+static void fill(struct kv_queue *q)
+{
+    while (q->inflight < q->depth && q->ready_head) {
+        struct kv_group *g = q->ready_head;
+        struct io_uring_sqe *sqe;
+        struct kv_op *op;
+
+        q->ready_head = g->link;
+        if (!q->ready_head)
+            q->ready_tail = NULL;
+        g->on_ready = 0;
+        if (g->next >= g->n || g->inflight >= g->limit)
+            continue; /* re-queued when one of its ops completes */
+        sqe = io_uring_get_sqe(&q->ring);
+        if (!sqe) {
+            ready_push(q, g);
+            break;
+        }
+        op = &g->ops[g->next++];
+        if (op->is_write)
+            io_uring_prep_writev(sqe, q->fd, op->iov, (unsigned)op->iov_count,
+                                 (uint64_t)op->offset);
+        else
+            io_uring_prep_readv(sqe, q->fd, op->iov, (unsigned)op->iov_count,
+                                (uint64_t)op->offset);
+        io_uring_sqe_set_data64(sqe, (uint64_t)(uintptr_t)op);
+        q->sq_fifo[q->sq_len++] = (uint64_t)(uintptr_t)op;
+        g->inflight++;
+        q->inflight++;
+        ready_push(q, g); /* round robin between concurrent groups */
+    }
+}
+
+static void arm_wake(struct kv_queue *q)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&q->ring);
+    if (!sqe)
+        return; /* the next loop iteration retries */
+    io_uring_prep_read(sqe, q->efd, &q->wake_buf, sizeof(q->wake_buf), 0);
+    io_uring_sqe_set_data64(sqe, KV_WAKE);
+    q->sq_fifo[q->sq_len++] = KV_WAKE;
+    q->wake_armed = 1;
+}
+
+/* Drops the SQ entries the kernel consumed from the FIFO. */
+static void consumed(struct kv_queue *q)
+{
+    int left = (int)io_uring_sq_ready(&q->ring);
+    int took = q->sq_len - left;
+    if (took > 0) {
+        memmove(q->sq_fifo, q->sq_fifo + took, (size_t)left * sizeof(*q->sq_fifo));
+        q->sq_len = left;
+    }
+}
+
+/*
+ * The ring refused a submission for good: the ops whose SQEs it never consumed
+ * fail with err (they never reach the kernel: nothing submits this ring again),
+ * as does every op not yet prepared; new submissions get err (q->mu held).
+ */
+static void break_queue(struct kv_queue *q, int err)
+{
+    unsigned head = *q->ring.sq.khead, mask = *q->ring.sq.kring_mask;
+
+    q->err = err;
+    for (int k = 0; k < q->sq_len; k++) {
+        /* Still in the SQ: make it a harmless no-op, in case anything submits it. */
+        struct io_uring_sqe *sqe = &q->ring.sq.sqes[q->ring.sq.array[(head + k) & mask]];
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data64(sqe, 0);
+        if (q->sq_fifo[k] == KV_WAKE) {
+            q->wake_armed = 0;
+            continue;
+        }
+        struct kv_op *op = (struct kv_op *)(uintptr_t)q->sq_fifo[k];
+        op->result = err;
+        op->group->inflight--;
+        q->inflight--;
+        report(op);
+    }
+    q->sq_len = 0;
+    fail_unsubmitted(q, err);
+}
+
+#ifdef KV_HAVE_XXHASH
+static void verify_op(struct kv_op *op)
+{
+    int64_t total = 0;
+    for (int j = 0; j < op->iov_count; j++)
+        total += (int64_t)op->iov[j].iov_len;
+    if (op->result != total || op->verify_len > total)
+        return; /* short or failed: the caller finishes and checks it */
+    op->verdict = hash_iov(op->iov, op->iov_count, op->verify_len) == op->want;
+}
+#endif
+
+static void *queue_loop(void *arg)
+{
+    struct kv_queue *q = arg;
+    int got = 0;
+
+    for (;;) {
+        int ret;
+
+        /* Report what the last reap finished, refill, and decide whether to stop. */
+        pthread_mutex_lock(&q->mu);
+        for (int k = 0; k < got; k++) {
+            struct kv_op *op = q->batch[k];
+            struct kv_group *g = op->group;
+            g->inflight--;
+            q->inflight--;
+            report(op);
+            ready_push(q, g);
+        }
+        got = 0;
+        if (q->closing && q->inflight == 0) {
+            pthread_mutex_unlock(&q->mu);
+            return NULL;
+        }
+        if (!q->err) {
+            fill(q);
+            if (!q->wake_armed)
+                arm_wake(q);
+        }
+        q->sleeping = 1;
+        pthread_mutex_unlock(&q->mu);
+
+        if (!q->err && q->sq_len) {
+            ret = io_uring_submit_and_wait(&q->ring, 1);
+        } else if (q->err) {
+            /* Broken: only reap (never submit); poll so close() is seen. */
+            struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000 * 1000};
+            struct io_uring_cqe *cqe;
+            ret = io_uring_wait_cqe_timeout(&q->ring, &cqe, &ts);
+            if (ret == -ETIME)
+                ret = 0;
+        } else {
+            struct io_uring_cqe *cqe;
+            ret = io_uring_wait_cqe(&q->ring, &cqe);
+        }
+        pthread_mutex_lock(&q->mu);
+        q->sleeping = 0;
+        if (!q->err) {
+            consumed(q);
+            if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
+                break_queue(q, ret);
+            else if (ret < 0 && ret != -EINTR && q->sq_len &&
+                     q->inflight - q->sq_len + q->wake_armed == 0)
+                break_queue(q, ret); /* nothing in the kernel to wait for */
+        }
+        pthread_mutex_unlock(&q->mu);
+
+        /* Reap without the lock: only this thread touches the CQ. */
+        struct io_uring_cqe *cqe;
+        unsigned head, seen = 0;
+        io_uring_for_each_cqe(&q->ring, head, cqe) {
+            seen++;
+            if (cqe->user_data == 0)
+                continue; /* a neutralized entry (break_queue) */
+            if (cqe->user_data == KV_WAKE) {
+                q->wake_armed = 0; /* (read without the lock: only this thread sets it) */
+                continue;
+            }
+            struct kv_op *op = (struct kv_op *)(uintptr_t)cqe->user_data;
+            op->result = cqe->res;
+            q->batch[got++] = op;
+        }
+        io_uring_cq_advance(&q->ring, seen);
+#ifdef KV_HAVE_XXHASH
+        /* Hash without the lock, before the caller hears of the op. */
+        for (int k = 0; k < got; k++)
+            if (!q->batch[k]->is_write && q->batch[k]->verify_len >= 0)
+                verify_op(q->batch[k]);
+#endif
+    }
+}
+
+int kv_queue_open(unsigned depth, int fd, struct kv_queue **out)
+{
+    struct kv_queue *q;
+    int ret;
+
+    *out = NULL;
+    if (depth == 0 || depth > 4096)
+        return -EINVAL;
+    q = calloc(1, sizeof(*q));
+    if (!q)
+        return -ENOMEM;
+    q->sq_fifo = calloc(2 * depth + 2, sizeof(*q->sq_fifo));
+    q->batch = calloc(2 * depth + 2, sizeof(*q->batch));
+    q->efd = eventfd(0, EFD_CLOEXEC);
+    if (!q->sq_fifo || !q->batch || q->efd < 0) {
+        ret = q->efd < 0 ? -errno : -ENOMEM;
+        goto fail;
+    }
+    /* depth ops plus the eventfd read; the CQ (twice the SQ) never overflows. */
+    ret = io_uring_queue_init(depth + 1, &q->ring, 0);
+    if (ret < 0)
+        goto fail; /* seccomp, io_uring_disabled or an old kernel: the caller falls back */
+    q->fd = fd;
+    q->depth = (int)depth;
+    q->refs = 1;
+    pthread_mutex_init(&q->mu, NULL);
+    ret = -pthread_create(&q->thread, NULL, queue_loop, q);
+    if (ret < 0) {
+        io_uring_queue_exit(&q->ring);
+        pthread_mutex_destroy(&q->mu);
+        goto fail;
+    }
+    *out = q;
+    return 0;
+fail:
+    if (q->efd > 0)
+        close(q->efd);
+    free(q->sq_fifo);
+    free(q->batch);
+    free(q);
+    return ret;
+}
+
+/* Wakes the completion thread if it sleeps (q->mu held). */
+static void poke(struct kv_queue *q)
+{
+    uint64_t one = 1;
+    if (!q->sleeping)
+        return;
+    q->sleeping = 0; /* one poke per sleep is enough */
+    if (write(q->efd, &one, sizeof(one)) < 0) {
+        /* Cannot fail for a counter far below its maximum; nothing to do. */
+    }
+}
+
+/*
+ * Queues n ops as one group with at most max_inflight of them in flight (0: the
+ * queue's depth) and returns it in *out; each op's buffers must stay valid until
+ * the group reports it (kv_group_wait). Returns 0, -ECANCELED once the queue is
+ * closing, or the error that broke the ring (then open a new queue).
+ */
+int kv_queue_submit(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight,
+                    struct kv_group **out)
+{
+    struct kv_group *g;
+
+    *out = NULL;
+    g = calloc(1, sizeof(*g));
+    if (!g || !(g->done = malloc((size_t)(n > 0 ? n : 1) * sizeof(int)))) {
+        free(g);
+        return -ENOMEM;
+    }
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cond, &attr);
+    pthread_condattr_destroy(&attr);
+    g->q = q;
+    g->ops = ops;
+    g->n = n;
+    g->limit = (max_inflight <= 0 || max_inflight > q->depth) ? q->depth : max_inflight;
+    for (int i = 0; i < n; i++) {
+        ops[i].group = g;
+        ops[i].index = i;
+        ops[i].result = 0;
+        ops[i].verdict = -1;
+    }
+    pthread_mutex_lock(&q->mu);
+    if (q->closing || q->err) {
+        int err = q->closing ? -ECANCELED : q->err;
+        pthread_mutex_unlock(&q->mu);
+        pthread_cond_destroy(&g->cond);
+        free(g->done);
+        free(g);
+        return err;
+    }
+    q->refs++;
+    ready_push(q, g);
+    poke(q);
+    pthread_mutex_unlock(&q->mu);
+    *out = g;
+    return 0;
+}
+
+/*
+ * Waits (up to timeout_ms; < 0: no limit) until the group has ops its caller has
+ * not been told of, writes up to room of their indices to idx and returns how
+ * many; 0 once every op was reported; -ETIMEDOUT if none finished in time.
+ */
+int kv_group_wait(struct kv_group *g, int *idx, int room, int timeout_ms)
+{
+    struct kv_queue *q = g->q;
+    struct timespec until;
+    int got;
+
+    if (timeout_ms >= 0) {
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_sec += timeout_ms / 1000;
+        until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&q->mu);
+    while (g->reported == g->completed && g->reported < g->n) {
+        g->waiting = 1;
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&g->cond, &q->mu);
+        } else if (pthread_cond_timedwait(&g->cond, &q->mu, &until) == ETIMEDOUT &&
+                   g->reported == g->completed) {
+            g->waiting = 0;
+            pthread_mutex_unlock(&q->mu);
+            return -ETIMEDOUT;
+        }
+        g->waiting = 0;
+    }
+    got = g->completed - g->reported;
+    if (got > room)
+        got = room;
+    memcpy(idx, g->done + g->reported, (size_t)got * sizeof(int));
+    g->reported += got;
+    pthread_mutex_unlock(&q->mu);
+    return got;
+}
+
+/* Fails the group's ops not yet prepared with -ECANCELED (its in-flight ones finish). */
+void kv_group_cancel(struct kv_group *g)
+{
+    struct kv_queue *q = g->q;
+
+    pthread_mutex_lock(&q->mu);
+    for (; g->next < g->n; g->next++) {
+        g->ops[g->next].result = -ECANCELED;
+        report(&g->ops[g->next]);
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Frees a group; waits first until none of its ops is in flight. */
+void kv_group_free(struct kv_group *g)
+{
+    struct kv_queue *q;
+
+    if (!g)
+        return;
+    q = g->q;
+    pthread_mutex_lock(&q->mu);
+    while (g->completed < g->n) {
+        g->waiting = 1;
+        pthread_cond_wait(&g->cond, &q->mu);
+    }
+    g->waiting = 0;
+    pthread_cond_destroy(&g->cond);
+    free(g->done);
+    free(g);
+    queue_unref(q); /* unlocks */
+}
+
+/* The error that broke the queue's ring (0: healthy). */
+int kv_queue_error(struct kv_queue *q)
+{
+    int err;
+    pthread_mutex_lock(&q->mu);
+    err = q->err;
+    pthread_mutex_unlock(&q->mu);
+    return err;
+}
+
+/*
+ * Closes the queue: ops not yet prepared fail with -ECANCELED, in-flight ones run
+ * to completion, then the thread and the ring go. Groups stay valid until freed.
+ */
+void kv_queue_close(struct kv_queue *q)
+{
+    if (!q)
+        return;
+    pthread_mutex_lock(&q->mu);
+    q->closing = 1;
+    fail_unsubmitted(q, -ECANCELED);
+    q->sleeping = 1; /* poke even if the thread is mid-loop: harmless */
+    poke(q);
+    pthread_mutex_unlock(&q->mu);
+    pthread_join(q->thread, NULL);
+    io_uring_queue_exit(&q->ring);
+    close(q->efd);
+    pthread_mutex_lock(&q->mu);
+    queue_unref(q);
+}
+
+/*
+ * kv_queue_submit, then waits until every op is reported, and frees the group: one
+ * call (one GIL release) for a caller that needs no per-op progress. Returns 0 or
+ * what kv_queue_submit returned (then no op ran).
+ */
+int kv_queue_run(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight)
+{
+    struct kv_group *g;
+    int ret = kv_queue_submit(q, ops, n, max_inflight, &g);
+
+    if (ret == 0)
+        kv_group_free(g); /* waits for completion */
+    return ret;
 }

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import cffi
 
@@ -53,7 +53,7 @@ MIN_INFLIGHT = 2
 OnComplete = Callable[[int, int], None]
 
 # The tiers._uring API this module calls (cffi_build/uring_build.py API_VERSION).
-URING_API_VERSION = 2
+URING_API_VERSION = 3
 
 
 def inflight_depth(op_bytes: int, queue_depth: int) -> int:
@@ -180,66 +180,131 @@ def _run_op_sync(fd: int, op: _Op, done: int = 0) -> int:
     return done
 
 
+class _Batch(Protocol):
+    """A submitted batch of ops (:meth:`Backend.submit`); its caller drives it.
+
+    Invariants: each op index is returned by :meth:`reap` exactly once, after
+    ``results[i]`` (and, for reads, ``ops[i].verified``) are set and the backend no
+    longer touches that op's buffers; :meth:`release` returns only once no op is in
+    flight, so the caller may then free every buffer.
+    """
+
+    results: list[int]
+
+    def reap(self, timeout: float | None = None) -> list[int] | None:
+        """Indices of ops finished since the last call (waiting for at least one);
+        ``[]`` once every op was reported; None if none finished within ``timeout``."""
+
+    def cancel(self) -> None:
+        """Fails the ops not yet started with ``-ECANCELED``; started ones finish."""
+
+    def release(self) -> None:
+        """Waits until no op is in flight and frees the batch (idempotent)."""
+
+
+def run_batch(backend: Backend, ops: Sequence[_Op], depth: int = 0,
+              on_complete: OnComplete | None = None) -> list[int]:
+    """Runs ``ops`` with at most ``depth`` (0: the backend's) in flight; per-op result.
+
+    ``on_complete(i, result)`` runs in the caller's thread as each op finishes,
+    while later ones are still in flight. Every op has finished when this returns,
+    even if ``on_complete`` raised (the ops not yet started are then cancelled).
+    """
+    if not ops:
+        return []
+    batch = backend.submit(ops, depth)
+    try:
+        while True:
+            got = batch.reap()
+            if not got:
+                break
+            if on_complete is not None:
+                for i in got:
+                    on_complete(i, batch.results[i])
+    except BaseException:
+        batch.cancel()
+        raise
+    finally:
+        batch.release()
+    return batch.results
+
+
+class _ThreadBatch:
+    """A batch on the thread pool: ``workers`` tasks pull ops in order."""
+
+    def __init__(self, backend: _PythonBackend, ops: Sequence[_Op], workers: int) -> None:
+        self.results = [0] * len(ops)
+        self._ops = ops
+        self._backend = backend
+        self._todo = iter(range(len(ops)))  # shared by the workers (atomic under the GIL)
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._cancelled = False
+        self._left = len(ops)  # ops not yet reaped
+        self._futures = [backend._pool.submit(self._work) for _ in range(workers)]
+
+    def _work(self) -> None:
+        for i in self._todo:
+            if self._cancelled or self._backend._closed:
+                self.results[i] = -errno.ECANCELED
+            else:
+                self.results[i] = _run_op_sync(self._backend._fd, self._ops[i])
+            self._done.put(i)
+
+    def reap(self, timeout: float | None = None) -> list[int] | None:
+        if self._left == 0:
+            return []
+        try:
+            got = [self._done.get(timeout=timeout)]
+        except queue.Empty:
+            return None
+        while True:
+            try:
+                got.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self._left -= len(got)
+        return got
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def release(self) -> None:
+        for f in self._futures:
+            f.result()  # every op finished: no buffer in use after this
+
+
 class _PythonBackend:
     """``os.preadv``/``os.pwritev`` on a pool of ``depth`` threads: depth ops in flight."""
 
     name = "python"
+    verifies = False
 
     def __init__(self, fd: int, depth: int) -> None:
         self._fd = fd
         self._depth = depth
+        self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ssd-io")
+
+    def submit(self, ops: Sequence[_Op], depth: int = 0) -> _ThreadBatch:
+        """Starts ``ops`` with at most ``depth`` (0: the pool's) in flight."""
+        if self._closed:
+            raise ValueError("I/O on a closed SSD tier")
+        return _ThreadBatch(self, ops, min(len(ops), depth if 0 < depth < self._depth
+                                           else self._depth))
 
     def run(self, ops: Sequence[_Op], depth: int = 0,
             on_complete: OnComplete | None = None) -> list[int]:
-        """Runs ``ops`` with at most ``depth`` (0: the pool's) in flight; per-op result.
-
-        ``on_complete(i, result)`` runs in the caller's thread as each op finishes,
-        while later ones are still in flight. Every op has finished when this returns,
-        even if ``on_complete`` raised.
-        """
-        n = len(ops)
-        results = [0] * n
-        if n == 1:
-            # One op gains nothing from a thread hop.
-            results[0] = _run_op_sync(self._fd, ops[0])
+        """See :func:`run_batch`; one op runs in the caller's thread (no hop)."""
+        if len(ops) == 1 and not self._closed:
+            r = _run_op_sync(self._fd, ops[0])
             if on_complete is not None:
-                on_complete(0, results[0])
-            return results
-        workers = min(n, depth if 0 < depth < self._depth else self._depth)
-        todo = iter(range(n))  # shared: each worker pulls the next op (atomic under the GIL)
-        done: queue.SimpleQueue[int] = queue.SimpleQueue()
-        stop = threading.Event()
-
-        def work() -> None:
-            try:
-                for i in todo:
-                    if stop.is_set():
-                        return
-                    results[i] = _run_op_sync(self._fd, ops[i])
-                    done.put(i)
-            finally:
-                done.put(-1)  # this worker is finished
-
-        futures = [self._pool.submit(work) for _ in range(workers)]
-        try:
-            if on_complete is not None:
-                live = workers
-                while live:
-                    i = done.get()
-                    if i < 0:
-                        live -= 1
-                    else:
-                        on_complete(i, results[i])
-        except BaseException:
-            stop.set()
-            raise
-        finally:
-            for f in futures:
-                f.result()  # every op finished: no buffer in use after this
-        return results
+                on_complete(0, r)
+            return [r]
+        return run_batch(self, ops, depth, on_complete)
 
     def close(self) -> None:
+        # Batches in flight see _closed and fail their remaining ops (-ECANCELED).
+        self._closed = True
         self._pool.shutdown(wait=True)
 
 
@@ -260,8 +325,51 @@ def _load_uring() -> tuple[ModuleType | None, str | None]:
     return module, None
 
 
+class _UringBatch:
+    """A batch on the shared queue: a ``kv_group`` of ``kv_op``s (see uring_io.c)."""
+
+    def __init__(self, backend: _UringBackend, ops: Sequence[_Op], cops: Any,
+                 pins: list[Any], group: Any) -> None:
+        self.results = [0] * len(ops)
+        self._backend = backend
+        self._ops = ops
+        self._cops = cops  # the C ops and iovecs: the kernel reads them until release
+        self._pins = pins  # from_buffer handles: keep the buffers alive until release
+        self._group = group
+        self._idx = backend._ffi.new("int[]", max(len(ops), 1))
+        self._left = len(ops)
+
+    def reap(self, timeout: float | None = None) -> list[int] | None:
+        if self._left == 0:
+            return []
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        got = self._backend._lib.kv_group_wait(self._group, self._idx, self._left, ms)
+        if got < 0:
+            return None  # -ETIMEDOUT
+        out = self._backend._ffi.unpack(self._idx, got)
+        self._left -= got
+        cops, ops, results, finish = self._cops, self._ops, self.results, self._backend._finish
+        for i in out:
+            c = cops[i]
+            op = ops[i]
+            results[i] = finish(op, c.result)
+            op.verified = c.verdict
+        return out
+
+    def cancel(self) -> None:
+        if self._group is not None:
+            self._backend._lib.kv_group_cancel(self._group)
+
+    def release(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            self._backend._lib.kv_group_free(group)  # waits for in-flight ops
+            self._pins = []
+
+
 class _UringBackend:
-    """Batches through io_uring (``tiers._uring``), one ring per concurrent caller."""
+    """io_uring through one shared ``kv_queue`` per tier, driven by a C completion
+    thread: concurrent callers' ops share one ring kept up to ``depth`` deep."""
 
     name = "uring"
 
@@ -271,98 +379,100 @@ class _UringBackend:
         self._ffi = module.ffi
         self._lib = module.lib
         self._lock = threading.Lock()
-        self._idle: list[Any] = []
         self._closed = False
         self.verifies = bool(self._lib.kv_have_verify())
-        # Create one ring now: if the kernel refuses io_uring (seccomp, disabled,
-        # too old) the constructor raises and the tier can fall back.
-        self._idle.append(self._open_ring())
+        # Open the queue now: if the kernel refuses io_uring (seccomp, disabled, too
+        # old) the constructor raises and the tier can fall back.
+        self._queue = self._open_queue()
 
-    def _open_ring(self) -> Any:
-        out = self._ffi.new("struct kv_ring **")
-        rc = self._lib.kv_ring_open(self._depth, out)
+    def _open_queue(self) -> Any:
+        out = self._ffi.new("struct kv_queue **")
+        rc = self._lib.kv_queue_open(self._depth, self._fd, out)
         if rc < 0:
             raise OSError(-rc, f"io_uring_queue_init failed: {os.strerror(-rc)}")
         return out[0]
 
-    def run(self, ops: Sequence[_Op], depth: int = 0,
-            on_complete: OnComplete | None = None) -> list[int]:
-        """As :meth:`_PythonBackend.run`. Each step submits what fits in one
-        io_uring_enter and reaps completions in bulk; ``on_complete`` handles each
-        finished op while the rest are in flight."""
-        ffi, lib, n = self._ffi, self._lib, len(ops)
-        if n == 0:
-            return []
-        niov = sum(len(op.bufs) for op in ops)
-        is_write = ffi.new("unsigned char[]", n)
-        offsets = ffi.new("int64_t[]", n)
-        counts = ffi.new("int[]", n)
-        iovs = ffi.new("struct iovec[]", niov)
-        results = ffi.new("int64_t[]", n)
-        done_idx = ffi.new("int[]", n)
-        want = vlen = verdict = ffi.NULL
-        verifying = self.verifies and any(op.checksum is not None for op in ops)
-        if verifying:
-            want = ffi.new("uint64_t[]", [op.checksum or 0 for op in ops])
-            vlen = ffi.new("int64_t[]", [op.verify_bytes if op.checksum is not None else -1
-                                         for op in ops])
-            verdict = ffi.new("signed char[]", n)
-        # The from_buffer handles pin the Python buffers until the batch is complete.
-        pins = []
+    def _build(self, ops: Sequence[_Op]) -> tuple[Any, list[Any]]:
+        """The C ops for ``ops``, and what must stay alive while they run (the op and
+        iovec arrays, and the from_buffer handles that pin the Python buffers)."""
+        ffi = self._ffi
+        cops = ffi.new("struct kv_op[]", len(ops))
+        iovs = ffi.new("struct iovec[]", sum(len(op.bufs) for op in ops))
+        pins: list[Any] = [cops, iovs]
+        verify = self.verifies
         j = 0
         for i, op in enumerate(ops):
-            is_write[i] = op.is_write
-            offsets[i] = op.offset
-            counts[i] = len(op.bufs)
-            for b in op.bufs:
-                c = ffi.from_buffer(b)
-                pins.append(c)
-                iovs[j].iov_base = c
-                iovs[j].iov_len = len(b)
+            c = cops[i]
+            c.iov = iovs + j
+            c.iov_count = len(op.bufs)
+            c.offset = op.offset
+            c.is_write = op.is_write
+            if verify and op.checksum is not None:
+                c.want = op.checksum
+                c.verify_len = op.verify_bytes
+            else:
+                c.verify_len = -1
+            for buf in op.bufs:
+                ptr = ffi.from_buffer(buf)
+                pins.append(ptr)
+                iov = iovs[j]
+                iov.iov_base = ptr
+                iov.iov_len = len(buf)
                 j += 1
-        with self._lock:
-            if self._closed:
-                raise ValueError("I/O on a closed SSD tier")
-            ring = self._idle.pop() if self._idle else None
-        if ring is None:
-            ring = self._open_ring()
-        out = [0] * n
-        reported = [False] * n
+        return cops, pins
+
+    def _call(self, fn: Callable[[Any], int]) -> None:
+        """``fn(queue)``; on a broken ring opens a fresh queue and retries once."""
         rc = 0
-        lib.kv_ring_start(ring, self._fd, n, is_write, offsets, iovs, counts, results, depth,
-                          want, vlen, verdict)
-        try:
-            while True:
-                got = lib.kv_ring_step(ring, done_idx, n)
-                if got <= 0:
-                    rc = got
-                    break
-                for i in ffi.unpack(done_idx, got):
-                    reported[i] = True
-                    op = ops[i]
-                    out[i] = self._finish(op, results[i])
-                    op.verified = verdict[i] if verifying else -1
-                    if on_complete is not None:
-                        on_complete(i, out[i])
-        except BaseException:
-            # on_complete raised: the kernel may still be filling buffers; drain first.
-            while rc == 0:
-                got = lib.kv_ring_step(ring, done_idx, n)
-                if got <= 0:
-                    rc = got
-                    break
-            raise
-        finally:
-            self._release(ring, rc)
-            del pins
-        if rc < 0:
-            # The ring failed: every op has completed or was never submitted.
-            for i in range(n):
-                if not reported[i]:
-                    out[i] = self._finish(ops[i], results[i])
-                    if on_complete is not None:
-                        on_complete(i, out[i])
-        return out
+        for _attempt in range(2):
+            with self._lock:
+                if self._closed:
+                    raise ValueError("I/O on a closed SSD tier")
+                q = self._queue
+            rc = fn(q)
+            if rc == 0:
+                return
+            if rc == -errno.ECANCELED:  # closed meanwhile
+                raise ValueError("I/O on a closed SSD tier")
+            self._replace(q)
+        raise OSError(-rc, f"io_uring submission failed: {os.strerror(-rc)}")
+
+    def submit(self, ops: Sequence[_Op], depth: int = 0) -> _UringBatch:
+        """Queues ``ops`` with at most ``depth`` (0: the queue's) of them in flight."""
+        cops, pins = self._build(ops)
+        out = self._ffi.new("struct kv_group **")
+        self._call(lambda q: self._lib.kv_queue_submit(q, cops, len(ops), depth, out))
+        return _UringBatch(self, ops, cops, pins, out[0])
+
+    def run(self, ops: Sequence[_Op], depth: int = 0,
+            on_complete: OnComplete | None = None) -> list[int]:
+        """See :func:`run_batch`. One op, or a batch whose caller needs no progress,
+        goes through ``kv_queue_run``: submit and wait in one C call, one GIL
+        release (with many callers, each GIL round trip is a thread hand-off)."""
+        n = len(ops)
+        if n == 0:
+            return []
+        if n > 1 and on_complete is not None:
+            return run_batch(self, ops, depth, on_complete)
+        cops, pins = self._build(ops)
+        self._call(lambda q: self._lib.kv_queue_run(q, cops, n, depth))
+        del pins  # every op has completed: nothing in use
+        results = [0] * n
+        for i, op in enumerate(ops):
+            c = cops[i]
+            results[i] = r = self._finish(op, c.result)
+            op.verified = c.verdict
+            if on_complete is not None:
+                on_complete(i, r)
+        return results
+
+    def _replace(self, broken: Any) -> None:
+        with self._lock:
+            if self._closed or self._queue != broken:
+                return
+            self._queue = self._open_queue()
+        # Its in-flight ops (other callers') finish first; their groups stay valid.
+        self._lib.kv_queue_close(broken)
 
     def _finish(self, op: _Op, r: int) -> int:
         # (A read the helper verified moved all op.nbytes: the paths below, which
@@ -374,23 +484,14 @@ class _UringBackend:
             return _run_op_sync(self._fd, op)
         return r
 
-    def _release(self, ring: Any, rc: int) -> None:
-        if rc < 0:
-            # The ring holds stale submissions: never reuse it.
-            self._lib.kv_ring_close(ring)
-            return
-        with self._lock:
-            if not self._closed:
-                self._idle.append(ring)
-                return
-        self._lib.kv_ring_close(ring)
-
     def close(self) -> None:
+        """Ops not yet started fail with -ECANCELED; in-flight ones finish first."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            rings, self._idle = self._idle, []
-        for ring in rings:
-            self._lib.kv_ring_close(ring)
+            q = self._queue
+        self._lib.kv_queue_close(q)
 
 
 def uring_available() -> tuple[bool, str | None]:
@@ -398,11 +499,11 @@ def uring_available() -> tuple[bool, str | None]:
     module, reason = _load_uring()
     if module is None:
         return False, reason
-    out = module.ffi.new("struct kv_ring **")
-    rc = module.lib.kv_ring_open(4, out)
+    out = module.ffi.new("struct kv_queue **")
+    rc = module.lib.kv_queue_open(4, -1, out)
     if rc < 0:
         return False, f"io_uring_queue_init failed: {os.strerror(-rc)}"
-    module.lib.kv_ring_close(out[0])
+    module.lib.kv_queue_close(out[0])
     return True, None
 
 
