@@ -69,8 +69,9 @@ from tiers.ssd_io import (
     open_backend,
     uring_available,
 )
+from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
-from tiers.ssd_staging import read_views, write_views
+from tiers.ssd_staging import ReadJob, read_views, write_views
 from tiers.ssd_types import (
     ALIGNMENT,
     NotRecoveredError,
@@ -84,7 +85,7 @@ from tiers.ssd_types import (
 # Re-exported: callers import these from tiers.ssd.
 __all__ = [
     "ALIGNMENT", "FORMAT_NAME", "FORMAT_VERSION", "IO_CHOICES", "NotRecoveredError",
-    "SsdError", "SsdFormatError", "SsdLocation", "SsdRecord", "SsdTier",
+    "SsdError", "SsdFormatError", "SsdLocation", "SsdReads", "SsdRecord", "SsdTier",
     "UringUnavailableError", "uring_available",
 ]
 
@@ -343,6 +344,36 @@ class SsdTier:
         self._check_open()
         if len(locations) != len(outs):
             raise ValueError(f"{len(locations)} locations but {len(outs)} buffers")
+        views = self._read_targets(locations, outs)
+        ok = self._read_views(views, [loc.extent.offset for loc in locations],
+                              [loc.checksum for loc in locations])
+        self._count_reads(len(locations), sum(loc.nbytes for loc, good
+                                              in zip(locations, ok, strict=True) if good))
+        return ok
+
+    def submit_reads(self, locations: Sequence[SsdLocation],
+                     outs: Sequence[memoryview]) -> SsdReads:
+        """Starts reading each block into the start of its ``out`` and returns at once.
+
+        The returned :class:`SsdReads` yields each block's result as it finishes, in
+        completion order; the same checks as :meth:`read_blocks_into` apply, and a
+        failure is a False result, never an exception. Several reads outstanding
+        (from one caller or many) share the tier's queue, so a caller with more
+        blocks to read keeps it full instead of waiting for each batch's slowest read.
+        The buffers must stay untouched until the handle reported them or is closed.
+        """
+        self._check_open()
+        if len(locations) != len(outs):
+            raise ValueError(f"{len(locations)} locations but {len(outs)} buffers")
+        views = self._read_targets(locations, outs)
+        assert self._backend is not None
+        job = ReadJob(self._backend, self._arenas, self.o_direct, views,
+                      [loc.extent.offset for loc in locations],
+                      [loc.checksum for loc in locations], self._count_failure)
+        return SsdReads(self, job, [loc.nbytes for loc in locations])
+
+    def _read_targets(self, locations: Sequence[SsdLocation],
+                      outs: Sequence[memoryview]) -> list[memoryview]:
         views: list[memoryview] = []
         for loc, out in zip(locations, outs, strict=True):
             mv = _byte_view(out, writable=True)
@@ -351,13 +382,12 @@ class SsdTier:
             if loc.nbytes > loc.extent.length:
                 raise ValueError(f"corrupt location {loc}")
             views.append(mv[: loc.nbytes])
-        ok = self._read_views(views, [loc.extent.offset for loc in locations],
-                              [loc.checksum for loc in locations])
+        return views
+
+    def _count_reads(self, count: int, nbytes: int) -> None:
         with self._lock:
-            self._reads += len(locations)
-            self._bytes_read += sum(loc.nbytes for loc, good in zip(locations, ok, strict=True)
-                                    if good)
-        return ok
+            self._reads += count
+            self._bytes_read += nbytes
 
     def delete(self, keys_and_locations: Sequence[tuple[BlockKey, SsdLocation]]) -> None:
         """Removes the index entries durably, then frees the extents.

@@ -10,9 +10,11 @@ bounce memory of one chunk stays bounded (``_MAX_BOUNCE_PER_CHUNK``).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import xxhash
 
@@ -31,6 +33,7 @@ from tiers.ssd_types import ALIGNMENT
 # of large unaligned values cannot make the tier map gigabytes of scratch memory.
 _MAX_BOUNCE_PER_CHUNK = 64 << 20
 _ZEROS = bytes(ALIGNMENT)
+_EMPTY_XXH3 = xxhash.xxh3_64_intdigest(b"")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -140,6 +143,45 @@ def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
     return results
 
 
+def _read_ops(direct: bool, views: Sequence[memoryview], offsets: Sequence[int],
+              checksums: Sequence[int] | None, items: Sequence[int], scratch: memoryview,
+              ok: list[bool]) -> tuple[list[_Op], list[tuple[int, _ReadFixup, int]]]:
+    """The read ops of ``items`` (bounce slots carved from ``scratch``) and, per op,
+    (view index, how to finish it, bytes the op must move). Empty views are decided
+    here (``ok``) and get no op."""
+    ops: list[_Op] = []
+    fixups: list[tuple[int, _ReadFixup, int]] = []
+    pos = 0
+    for i in items:
+        mv, n = views[i], len(views[i])
+        want = checksums[i] if checksums is not None else 0
+        if n == 0:
+            ok[i] = checksums is None or want == _EMPTY_XXH3
+            continue
+        bounce: memoryview | None = None
+        if not direct:
+            head, bufs = n, [mv]
+        elif _address(mv) % ALIGNMENT == 0:
+            head = n - n % ALIGNMENT
+            bufs = [mv[:head]] if head else []
+            if n % ALIGNMENT:
+                bounce = scratch[pos:pos + ALIGNMENT]
+                pos += ALIGNMENT
+                bufs.append(bounce)
+        else:
+            head = 0
+            bounce = scratch[pos:pos + _round_up(n)]
+            pos += _round_up(n)
+            bufs = [bounce]
+        total = head + (len(bounce) if bounce is not None else 0)
+        # The value is the first n bytes of the iovec: the backend may verify it as
+        # it lands (in C, without the GIL).
+        ops.append(_Op(is_write=False, offset=offsets[i], bufs=bufs, nbytes=total,
+                       verify_bytes=n, checksum=want if checksums is not None else None))
+        fixups.append((i, _ReadFixup(out=mv, head=head, bounce=bounce, checksum=want), total))
+    return ops, fixups
+
+
 def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                views: Sequence[memoryview], offsets: Sequence[int],
                checksums: Sequence[int] | None, failed: Callable[[str], None]) -> list[bool]:
@@ -151,50 +193,140 @@ def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
     ``failed("checksum_failures")``.
     """
     ok = [False] * len(views)
+    verify = checksums is not None
     for chunk in _chunks([_read_bounce_need(mv, len(mv), direct) for mv in views]):
         arena = arenas.acquire(chunk.bounce_bytes) if chunk.bounce_bytes else None
         try:
             with (memoryview(arena) if arena is not None else memoryview(b"")) as scratch:
-                ops: list[_Op] = []
-                fixups: list[tuple[int, _ReadFixup, int]] = []
-                pos = 0
-                for i in chunk.items:
-                    mv, n = views[i], len(views[i])
-                    want = checksums[i] if checksums is not None else 0
-                    if n == 0:
-                        ok[i] = checksums is None or want == xxhash.xxh3_64_intdigest(b"")
-                        continue
-                    bounce: memoryview | None = None
-                    if not direct:
-                        head, bufs = n, [mv]
-                    elif _address(mv) % ALIGNMENT == 0:
-                        head = n - n % ALIGNMENT
-                        bufs = [mv[:head]] if head else []
-                        if n % ALIGNMENT:
-                            bounce = scratch[pos:pos + ALIGNMENT]
-                            pos += ALIGNMENT
-                            bufs.append(bounce)
-                    else:
-                        head = 0
-                        bounce = scratch[pos:pos + _round_up(n)]
-                        pos += _round_up(n)
-                        bufs = [bounce]
-                    total = sum(len(b) for b in bufs)
-                    # The value is the first n bytes of the iovec: the backend may
-                    # verify it as it lands (in C, without the GIL).
-                    ops.append(_Op(is_write=False, offset=offsets[i], bufs=bufs,
-                                   nbytes=total, verify_bytes=n,
-                                   checksum=want if checksums is not None else None))
-                    fixups.append((i, _ReadFixup(out=mv, head=head, bounce=bounce,
-                                                 checksum=want), total))
+                ops, fixups = _read_ops(direct, views, offsets, checksums, chunk.items,
+                                        scratch, ok)
                 # Each block is verified as it lands, while the rest are in flight.
-                backend.run(ops, _depth(ops),
-                            partial(_read_done, ops, fixups, ok, checksums is not None, failed))
+                backend.run(ops, _depth(ops), partial(_read_done, ops, fixups, ok, verify, failed))
                 del ops, fixups
         finally:
             if arena is not None:
                 arenas.release(arena)
     return ok
+
+
+class ReadJob:
+    """Block reads in flight, driven by whoever calls :meth:`reap` (see
+    :meth:`tiers.ssd.SsdTier.submit_reads`).
+
+    Chunks (bounded bounce memory) run one after another: the next is submitted as
+    the previous one's last op is reaped. Invariants: a view index is returned by
+    :meth:`reap` once, after ``ok[i]`` is final (and, if good, the caller's buffer
+    holds the value); after :meth:`release` no I/O touches the caller's buffers and
+    the arenas are back in the pool.
+    """
+
+    def __init__(self, backend: Backend, arenas: _ArenaPool, direct: bool,
+                 views: Sequence[memoryview], offsets: Sequence[int],
+                 checksums: Sequence[int], failed: Callable[[str], None]) -> None:
+        self.ok = [False] * len(views)
+        self._backend, self._arenas, self._direct = backend, arenas, direct
+        self._views, self._offsets, self._checksums = views, offsets, checksums
+        self._failed = failed
+        self._chunks = _chunks([_read_bounce_need(mv, len(mv), direct) for mv in views])
+        self._next_chunk = 0
+        self._left = len(views)  # view indices not yet returned by reap
+        self._ready: list[int] = []  # decided without I/O (empty views), not yet returned
+        self._batch: Any = None
+        self._ops: list[_Op] = []
+        self._fixups: list[tuple[int, _ReadFixup, int]] = []
+        self._arena: Any = None
+        self._scratch: memoryview | None = None
+        self._cancelled = False
+        self._start_next()
+
+    def _start_next(self) -> None:
+        """Submits the next chunk with ops (deciding empty views on the way)."""
+        while self._batch is None and self._next_chunk < len(self._chunks):
+            chunk = self._chunks[self._next_chunk]
+            self._next_chunk += 1
+            if self._cancelled:
+                self._ready.extend(chunk.items)  # never read: ok stays False
+                continue
+            need = chunk.bounce_bytes
+            self._arena = self._arenas.acquire(need) if need else None
+            self._scratch = memoryview(self._arena) if self._arena is not None else None
+            before = list(chunk.items)
+            ops, fixups = _read_ops(self._direct, self._views, self._offsets,
+                                    self._checksums, before,
+                                    self._scratch if self._scratch is not None
+                                    else memoryview(b""), self.ok)
+            with_op = {i for i, _, _ in fixups}
+            self._ready.extend(i for i in before if i not in with_op)
+            if ops:
+                try:
+                    self._batch = self._backend.submit(ops, _depth(ops))
+                except ValueError:  # the tier closed meanwhile: these reads failed
+                    self._cancelled = True
+                    self._ready.extend(with_op)
+                    self._drop_arena()
+                    continue
+                self._ops, self._fixups = ops, fixups
+            else:
+                self._drop_arena()
+
+    def _drop_arena(self) -> None:
+        if self._scratch is not None:
+            self._scratch.release()
+            self._scratch = None
+        if self._arena is not None:
+            self._arenas.release(self._arena)
+            self._arena = None
+
+    def reap(self, timeout: float | None = None) -> list[int] | None:
+        """View indices finished since the last call (waiting for at least one);
+        ``[]`` once all were returned; None if none finished within ``timeout``."""
+        if self._ready:
+            out, self._ready = self._ready, []
+            self._left -= len(out)
+            return out
+        if self._left == 0:
+            return []
+        while True:
+            assert self._batch is not None
+            got = self._batch.reap(timeout)
+            if got is None:
+                return None
+            if got:
+                break
+            self._end_batch()  # chunk complete: on to the next
+            if self._ready:
+                return self.reap()
+        out = []
+        results = self._batch.results
+        for k in got:
+            i, fx, total = self._fixups[k]
+            if results[k] != -errno.ECANCELED:  # (cancelled or closed: not an I/O error)
+                self.ok[i] = _finish_read(fx, results[k], total, True,
+                                          self._ops[k].verified, self._failed)
+            out.append(i)
+        self._left -= len(out)
+        return out
+
+    def _end_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.release()
+            self._batch = None
+        self._ops, self._fixups = [], []
+        self._drop_arena()
+        self._start_next()
+
+    def cancel(self) -> None:
+        """Reads not yet started end as failed (False) without I/O."""
+        self._cancelled = True
+        if self._batch is not None:
+            self._batch.cancel()
+
+    def release(self) -> None:
+        """Waits for every op in flight, then frees the buffers (idempotent)."""
+        self._cancelled = True
+        while self._batch is not None:
+            self._batch.cancel()
+            self._end_batch()
 
 
 def _write_done(op_items: list[int], results: list[int], on_complete: OnComplete | None,
