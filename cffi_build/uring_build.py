@@ -42,7 +42,7 @@ void kv_queue_close(struct kv_queue *q);
 int kv_queue_error(struct kv_queue *q);
 int kv_queue_submit(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight,
                     struct kv_group **out);
-int kv_group_wait(struct kv_group *g, int *idx, int room, int timeout_ms);
+int kv_group_wait(struct kv_group *g, int *idx, int room, int min_new, int timeout_ms);
 void kv_group_cancel(struct kv_group *g);
 void kv_group_free(struct kv_group *g);
 int kv_queue_run(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight);

@@ -213,6 +213,7 @@ struct kv_group {
     struct kv_queue *q;
     struct kv_op *ops;
     int n, next, inflight, limit, completed, reported, waiting;
+    int want; /* the waiter wakes once this many are unreported (or all done) */
     int on_ready;
     struct kv_group *link;
     int *done; /* op indices in completion order */
@@ -251,7 +252,9 @@ static void report(struct kv_op *op)
 {
     struct kv_group *g = op->group;
     g->done[g->completed++] = op->index;
-    if (g->waiting)
+    /* Wake the waiter only when it has what it asked for: a cross-CPU wake-up
+     * (and the GIL hand-off after it) per op would cost more than the op. */
+    if (g->waiting && (g->completed - g->reported >= g->want || g->completed == g->n))
         pthread_cond_signal(&g->cond);
 }
 
@@ -378,25 +381,48 @@ static void verify_op(struct kv_op *op)
 }
 #endif
 
+/* After a submission returned ret: drop what the kernel took; a refusal that will not
+ * pass by waiting breaks the queue (q->mu held). */
+static void submitted(struct kv_queue *q, int ret)
+{
+    if (q->err)
+        return;
+    consumed(q);
+    if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
+        break_queue(q, ret);
+    else if (ret < 0 && ret != -EINTR && q->sq_len &&
+             q->inflight - q->sq_len + q->wake_armed == 0)
+        break_queue(q, ret); /* nothing in the kernel to wait for */
+}
+
+/* Ops reaped: free their slots and refill (q->mu held); reporting comes later. */
+static void account(struct kv_queue *q, int got)
+{
+    for (int k = 0; k < got; k++) {
+        struct kv_group *g = q->batch[k]->group;
+        g->inflight--;
+        q->inflight--;
+        ready_push(q, g);
+    }
+    if (!q->err)
+        fill(q);
+}
+
 static void *queue_loop(void *arg)
 {
     struct kv_queue *q = arg;
-    int got = 0;
+    int got = 0, accounted = 0;
 
     for (;;) {
         int ret;
 
         /* Report what the last reap finished, refill, and decide whether to stop. */
         pthread_mutex_lock(&q->mu);
-        for (int k = 0; k < got; k++) {
-            struct kv_op *op = q->batch[k];
-            struct kv_group *g = op->group;
-            g->inflight--;
-            q->inflight--;
-            report(op);
-            ready_push(q, g);
-        }
-        got = 0;
+        if (!accounted)
+            account(q, got);
+        for (int k = 0; k < got; k++)
+            report(q->batch[k]);
+        got = accounted = 0;
         if (q->closing && q->inflight == 0) {
             pthread_mutex_unlock(&q->mu);
             return NULL;
@@ -424,19 +450,13 @@ static void *queue_loop(void *arg)
         }
         pthread_mutex_lock(&q->mu);
         q->sleeping = 0;
-        if (!q->err) {
-            consumed(q);
-            if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
-                break_queue(q, ret);
-            else if (ret < 0 && ret != -EINTR && q->sq_len &&
-                     q->inflight - q->sq_len + q->wake_armed == 0)
-                break_queue(q, ret); /* nothing in the kernel to wait for */
-        }
+        submitted(q, ret);
         pthread_mutex_unlock(&q->mu);
 
         /* Reap without the lock: only this thread touches the CQ. */
         struct io_uring_cqe *cqe;
         unsigned head, seen = 0;
+        int hash = 0;
         io_uring_for_each_cqe(&q->ring, head, cqe) {
             seen++;
             if (cqe->user_data == 0)
@@ -448,13 +468,25 @@ static void *queue_loop(void *arg)
             struct kv_op *op = (struct kv_op *)(uintptr_t)cqe->user_data;
             op->result = cqe->res;
             q->batch[got++] = op;
+            hash |= !op->is_write && op->verify_len >= 0;
         }
         io_uring_cq_advance(&q->ring, seen);
 #ifdef KV_HAVE_XXHASH
-        /* Hash without the lock, before the caller hears of the op. */
-        for (int k = 0; k < got; k++)
-            if (!q->batch[k]->is_write && q->batch[k]->verify_len >= 0)
-                verify_op(q->batch[k]);
+        if (hash) {
+            /* Refill the ring first, so the hashing overlaps the next reads. */
+            pthread_mutex_lock(&q->mu);
+            account(q, got);
+            accounted = 1;
+            if (!q->err && io_uring_sq_ready(&q->ring))
+                submitted(q, io_uring_submit(&q->ring));
+            pthread_mutex_unlock(&q->mu);
+            /* Hash without the lock, before the caller hears of the op. */
+            for (int k = 0; k < got; k++)
+                if (!q->batch[k]->is_write && q->batch[k]->verify_len >= 0)
+                    verify_op(q->batch[k]);
+        }
+#else
+        (void)hash;
 #endif
     }
 }
@@ -564,11 +596,12 @@ int kv_queue_submit(struct kv_queue *q, struct kv_op *ops, int n, int max_inflig
 }
 
 /*
- * Waits (up to timeout_ms; < 0: no limit) until the group has ops its caller has
- * not been told of, writes up to room of their indices to idx and returns how
- * many; 0 once every op was reported; -ETIMEDOUT if none finished in time.
+ * Waits (up to timeout_ms; < 0: no limit) until at least min_new ops (at least 1,
+ * at most all that are left) the caller has not been told of have finished, writes
+ * up to room of their indices to idx and returns how many; 0 once every op was
+ * reported; -ETIMEDOUT if too few finished in time (then none are returned).
  */
-int kv_group_wait(struct kv_group *g, int *idx, int room, int timeout_ms)
+int kv_group_wait(struct kv_group *g, int *idx, int room, int min_new, int timeout_ms)
 {
     struct kv_queue *q = g->q;
     struct timespec until;
@@ -584,12 +617,17 @@ int kv_group_wait(struct kv_group *g, int *idx, int room, int timeout_ms)
         }
     }
     pthread_mutex_lock(&q->mu);
-    while (g->reported == g->completed && g->reported < g->n) {
+    if (min_new < 1)
+        min_new = 1;
+    if (min_new > g->n - g->reported)
+        min_new = g->n - g->reported;
+    g->want = min_new;
+    while (g->completed - g->reported < min_new) {
         g->waiting = 1;
         if (timeout_ms < 0) {
             pthread_cond_wait(&g->cond, &q->mu);
         } else if (pthread_cond_timedwait(&g->cond, &q->mu, &until) == ETIMEDOUT &&
-                   g->reported == g->completed) {
+                   g->completed - g->reported < min_new) {
             g->waiting = 0;
             pthread_mutex_unlock(&q->mu);
             return -ETIMEDOUT;
@@ -627,6 +665,7 @@ void kv_group_free(struct kv_group *g)
         return;
     q = g->q;
     pthread_mutex_lock(&q->mu);
+    g->want = g->n;
     while (g->completed < g->n) {
         g->waiting = 1;
         pthread_cond_wait(&g->cond, &q->mu);

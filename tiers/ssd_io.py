@@ -191,9 +191,11 @@ class _Batch(Protocol):
 
     results: list[int]
 
-    def reap(self, timeout: float | None = None) -> list[int] | None:
-        """Indices of ops finished since the last call (waiting for at least one);
-        ``[]`` once every op was reported; None if none finished within ``timeout``."""
+    def reap(self, timeout: float | None = None, *, all_left: bool = False
+             ) -> list[int] | None:
+        """Indices of ops finished since the last call (waiting for at least one, or
+        with ``all_left`` for every op left); ``[]`` once every op was reported; None
+        if too few finished within ``timeout``."""
 
     def cancel(self) -> None:
         """Fails the ops not yet started with ``-ECANCELED``; started ones finish."""
@@ -250,9 +252,12 @@ class _ThreadBatch:
                 self.results[i] = _run_op_sync(self._backend._fd, self._ops[i])
             self._done.put(i)
 
-    def reap(self, timeout: float | None = None) -> list[int] | None:
+    def reap(self, timeout: float | None = None, *, all_left: bool = False
+             ) -> list[int] | None:
         if self._left == 0:
             return []
+        if all_left and timeout is None:
+            self.release()  # every op has finished: collect them all at once
         try:
             got = [self._done.get(timeout=timeout)]
         except queue.Empty:
@@ -339,11 +344,13 @@ class _UringBatch:
         self._idx = backend._ffi.new("int[]", max(len(ops), 1))
         self._left = len(ops)
 
-    def reap(self, timeout: float | None = None) -> list[int] | None:
+    def reap(self, timeout: float | None = None, *, all_left: bool = False
+             ) -> list[int] | None:
         if self._left == 0:
             return []
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        got = self._backend._lib.kv_group_wait(self._group, self._idx, self._left, ms)
+        got = self._backend._lib.kv_group_wait(self._group, self._idx, self._left,
+                                               self._left if all_left else 1, ms)
         if got < 0:
             return None  # -ETIMEDOUT
         out = self._backend._ffi.unpack(self._idx, got)
@@ -452,7 +459,11 @@ class _UringBackend:
         n = len(ops)
         if n == 0:
             return []
-        if n > 1 and on_complete is not None:
+        if n > 1 and on_complete is not None and not (
+                self.verifies and all(not op.is_write and op.checksum is not None
+                                      for op in ops)):
+            # Per-op progress pays only when on_complete has real work to overlap
+            # (Python checksums): reads verified in C need just a copy-out each.
             return run_batch(self, ops, depth, on_complete)
         cops, pins = self._build(ops)
         self._call(lambda q: self._lib.kv_queue_run(q, cops, n, depth))

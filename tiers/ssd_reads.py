@@ -47,11 +47,14 @@ class SsdReads:
         """Yields (index, ok) for each read as it finishes, until all were yielded.
 
         ``timeout`` bounds each wait for the next completion (TimeoutError)."""
+        return self._collect(timeout, False)
+
+    def _collect(self, timeout: float | None, all_left: bool) -> Iterator[tuple[int, bool]]:
         while True:
             with self._lock:
                 if self._closed:
                     return
-                got = self._job.reap(timeout)
+                got = self._job.reap(timeout, all_left=all_left)
                 if got is None:
                     raise TimeoutError("no SSD read completed in time")
                 if not got:
@@ -64,8 +67,9 @@ class SsdReads:
                 yield i, ok[i]
 
     def wait(self, timeout: float | None = None) -> list[bool]:
-        """Every read's result, in submission order (``timeout``: per completion)."""
-        for _ in self.completions(timeout):
+        """Every read's result, in submission order (``timeout``: per wait). Waits for
+        whole chunks at once: one wake-up, not one per read."""
+        for _ in self._collect(timeout, True):
             pass
         return list(self._job.ok)
 

@@ -277,9 +277,11 @@ class ReadJob:
             self._arenas.release(self._arena)
             self._arena = None
 
-    def reap(self, timeout: float | None = None) -> list[int] | None:
-        """View indices finished since the last call (waiting for at least one);
-        ``[]`` once all were returned; None if none finished within ``timeout``."""
+    def reap(self, timeout: float | None = None, *, all_left: bool = False
+             ) -> list[int] | None:
+        """View indices finished since the last call (waiting for at least one, or
+        with ``all_left`` for the rest of the current chunk); ``[]`` once all were
+        returned; None if none finished within ``timeout``."""
         if self._ready:
             out, self._ready = self._ready, []
             self._left -= len(out)
@@ -288,14 +290,14 @@ class ReadJob:
             return []
         while True:
             assert self._batch is not None
-            got = self._batch.reap(timeout)
+            got = self._batch.reap(timeout, all_left=all_left)
             if got is None:
                 return None
             if got:
                 break
             self._end_batch()  # chunk complete: on to the next
             if self._ready:
-                return self.reap()
+                return self.reap(timeout, all_left=all_left)
         out = []
         results = self._batch.results
         for k in got:
