@@ -12,7 +12,7 @@
   if every request decoded at the TBT SLO's pace (``decode_demand``), and a
   clairvoyant row that rejects at arrival exactly the requests ``baseline``
   rejected at decode (``ClairvoyantConductor``).
-* ``rejection-sweep`` (not in the default set, ~8 min): the three modes over
+* ``rejection-sweep`` (not in the default set, ~3 min): the three modes over
   replay speed 1.5-3 x five splits x prefill MFU 0.5 / 0.3.
 * ``capacity``: effective request capacity at TTFT 30 s and TBT 100/200/300 ms of
   the disaggregated cache-aware cluster vs the colocated baseline at equal
