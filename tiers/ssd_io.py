@@ -191,11 +191,11 @@ class _Batch(Protocol):
 
     results: list[int]
 
-    def reap(self, timeout: float | None = None, *, all_left: bool = False
-             ) -> list[int] | None:
-        """Indices of ops finished since the last call (waiting for at least one, or
-        with ``all_left`` for every op left); ``[]`` once every op was reported; None
-        if too few finished within ``timeout``."""
+    def reap(self, timeout: float | None = None, *, all_left: bool = False,
+             min_new: int = 1) -> list[int] | None:
+        """Indices of ops finished since the last call (waiting for at least
+        ``min_new`` of those left, or with ``all_left`` for every op left); ``[]`` once
+        every op was reported; None if too few finished within ``timeout``."""
 
     def cancel(self) -> None:
         """Fails the ops not yet started with ``-ECANCELED``; started ones finish."""
@@ -215,9 +215,12 @@ def run_batch(backend: Backend, ops: Sequence[_Op], depth: int = 0,
     if not ops:
         return []
     batch = backend.submit(ops, depth)
+    # Collect completions half an in-flight window at a time: enough overlap for
+    # on_complete, and one wake-up of this thread per several ops, not per op.
+    step = max(1, (depth if depth > 0 else len(ops)) // 2)
     try:
         while True:
-            got = batch.reap()
+            got = batch.reap(min_new=step)
             if not got:
                 break
             if on_complete is not None:
@@ -252,8 +255,8 @@ class _ThreadBatch:
                 self.results[i] = _run_op_sync(self._backend._fd, self._ops[i])
             self._done.put(i)
 
-    def reap(self, timeout: float | None = None, *, all_left: bool = False
-             ) -> list[int] | None:
+    def reap(self, timeout: float | None = None, *, all_left: bool = False,
+             min_new: int = 1) -> list[int] | None:
         if self._left == 0:
             return []
         if all_left and timeout is None:
@@ -344,13 +347,13 @@ class _UringBatch:
         self._idx = backend._ffi.new("int[]", max(len(ops), 1))
         self._left = len(ops)
 
-    def reap(self, timeout: float | None = None, *, all_left: bool = False
-             ) -> list[int] | None:
+    def reap(self, timeout: float | None = None, *, all_left: bool = False,
+             min_new: int = 1) -> list[int] | None:
         if self._left == 0:
             return []
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
         got = self._backend._lib.kv_group_wait(self._group, self._idx, self._left,
-                                               self._left if all_left else 1, ms)
+                                               self._left if all_left else min_new, ms)
         if got < 0:
             return None  # -ETIMEDOUT
         out = self._backend._ffi.unpack(self._idx, got)
