@@ -146,7 +146,7 @@ class _Connection:
         node = self.node
         entries = node.acquire_reads(self.p.keys(wire.unpack_keys(meta, count)))
         try:
-            views = [None if e is None else node.block_view(e) for e in entries]
+            views = node.block_views(entries)
             lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
             self.reply(count, lengths, [v for v in views if v is not None])
         finally:

@@ -30,7 +30,7 @@ from tiers.base import Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
-from tiers.mover import TierMover, leased_block_view
+from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.policy import make_policy
 
 log = logging.getLogger("kvstore.node")
@@ -319,6 +319,11 @@ class Node:
         """
         return leased_block_view(self._manager, self._lock, entry)
 
+    def block_views(self, entries: Sequence[BlockEntry | None]) -> list[memoryview | None]:
+        """``block_view`` of each leased entry (None stays None); an SSD tier's blocks are
+        read in one batch, so its queue stays as deep as the request."""
+        return leased_block_views(self._manager, self._lock, entries)
+
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self._manager.is_mapped(entry)
 
@@ -357,11 +362,9 @@ class Node:
         ``access=False`` for copies the cluster makes: not counted as reads."""
         entries = self.acquire_reads(keys, access=access)
         try:
-            out: list[tuple[BlockEntry, memoryview] | None] = []
-            for e in entries:
-                view = None if e is None else self.block_view(e)
-                out.append(None if e is None or view is None else (e, view))
-            yield out
+            views = self.block_views(entries)
+            yield [None if e is None or v is None else (e, v)
+                   for e, v in zip(entries, views, strict=True)]
         finally:
             self.release_reads(entries)
 

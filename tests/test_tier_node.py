@@ -118,6 +118,13 @@ def test_flipped_byte_on_ssd_is_a_counted_miss(tmp_path: Path, io: str) -> None:
     again = tiered(tmp_path, io)
     try:
         with Client(again.addr, transport="tcp") as c:
+            # One batch holding the victim and intact SSD blocks: only the victim misses.
+            served = c.get_batch(list(values))
+            assert served[list(values).index(victim_key)] is None
+            assert all(v is None or v == values[k] for k, v in zip(values, served, strict=True))
+            # Everything recovered from SSD but the victim was served (DRAM died with the node).
+            present = c.exists(list(values))
+            assert [v is not None for v in served] == present and sum(present) >= 3
             assert c.get(victim_key) is None
             assert c.stats()["tiers"]["ssd"]["checksum_failures"] == 1
             assert not c.exists([victim_key])[0]
