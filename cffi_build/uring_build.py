@@ -46,9 +46,10 @@ int kv_group_wait(struct kv_group *g, int *idx, int room, int min_new, int timeo
 void kv_group_cancel(struct kv_group *g);
 void kv_group_free(struct kv_group *g);
 int kv_queue_run(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight);
+void kv_op_sync(int fd, struct kv_op *op);
 """
 # What tiers/ssd_io.py expects of a build (kv_ring_api_version()).
-API_VERSION = 3
+API_VERSION = 4
 # struct iovec and struct kv_op are declared with "..." so cffi takes their real
 # layout from the compiler (kv_op has private fields Python never touches).
 CDEF = ("struct iovec { void *iov_base; size_t iov_len; ...; };\n"
@@ -76,7 +77,7 @@ def _make_builder(verify: bool) -> FFI:
         "tiers._uring",
         _PREAMBLE,
         include_dirs=[str(_HERE)],
-        depends=[str(_C_SOURCE)],
+        depends=[str(_C_SOURCE), str(_HERE / "uring_ring.c")],
         libraries=["uring", "pthread"],
         define_macros=[("KV_HAVE_XXHASH", "1")] if verify else [],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall"],

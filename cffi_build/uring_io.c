@@ -15,8 +15,11 @@
  * the check to the caller. Built without <xxhash.h> (KV_HAVE_XXHASH undefined), no
  * verdict is ever given and kv_have_verify() returns 0.
  *
- * kv_ring: a plain ring for one caller that runs a batch to completion; the
- * benchmark's raw io_uring baseline (no checksum, no index, no thread).
+ * kv_op_sync: one op in the calling thread, no ring (a lone op's round trip through
+ * the completion thread costs more than its syscall).
+ *
+ * kv_ring (uring_ring.c): a plain ring for one caller that runs a batch to completion;
+ * the benchmark's raw io_uring baseline (no checksum, no index, no thread).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -36,7 +39,7 @@
 /* Bumped whenever a signature changes: Python refuses a stale build. */
 int kv_ring_api_version(void)
 {
-    return 3;
+    return 4;
 }
 
 int kv_have_verify(void)
@@ -77,103 +80,7 @@ uint64_t kv_xxh3_iov(const struct iovec *iov, int cnt, int64_t len)
 #endif
 }
 
-/* ------------------------------------------------------------------ raw batches */
-
-/* One caller's ring: the benchmark's raw io_uring baseline (no checksum, no index). */
-struct kv_ring {
-    struct io_uring ring;
-    unsigned depth;
-};
-
-int kv_ring_open(unsigned depth, struct kv_ring **out)
-{
-    struct kv_ring *r;
-    int ret;
-
-    *out = NULL;
-    if (depth == 0)
-        return -EINVAL;
-    r = calloc(1, sizeof(*r));
-    if (!r)
-        return -ENOMEM;
-    ret = io_uring_queue_init(depth, &r->ring, 0);
-    if (ret < 0) {
-        free(r);
-        return ret;
-    }
-    r->depth = depth;
-    *out = r;
-    return 0;
-}
-
-void kv_ring_close(struct kv_ring *r)
-{
-    if (!r)
-        return;
-    io_uring_queue_exit(&r->ring);
-    free(r);
-}
-
-/*
- * Runs n readv/writev ops (op i: a write if is_write[i], at offsets[i], over the
- * next iov_counts[i] iovecs) with up to max_inflight (0: the depth) in flight,
- * refilling as each completes; results[i] gets bytes or -errno. Returns 0, or the
- * -errno that stopped the ring (after waiting for everything it had taken; never
- * submitted ops get that error). A ring that failed must be closed, not reused.
- */
-int kv_ring_run(struct kv_ring *r, int fd, int n, const unsigned char *is_write,
-                const int64_t *offsets, const struct iovec *iovs, const int *iov_counts,
-                int64_t *results, int max_inflight)
-{
-    int limit = (max_inflight <= 0 || max_inflight > (int)r->depth) ? (int)r->depth
-                                                                     : max_inflight;
-    int next = 0, inflight = 0, done = 0, err = 0;
-    size_t pos = 0;
-
-    while (done < n) {
-        struct io_uring_cqe *cqe;
-        unsigned head, seen = 0;
-        int ret;
-
-        while (!err && next < n && inflight < limit) {
-            struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
-            if (!sqe)
-                break;
-            if (is_write[next])
-                io_uring_prep_writev(sqe, fd, &iovs[pos], iov_counts[next],
-                                     (uint64_t)offsets[next]);
-            else
-                io_uring_prep_readv(sqe, fd, &iovs[pos], iov_counts[next],
-                                    (uint64_t)offsets[next]);
-            io_uring_sqe_set_data64(sqe, (uint64_t)next);
-            pos += (size_t)iov_counts[next];
-            next++;
-            inflight++;
-        }
-        ret = err ? io_uring_wait_cqe(&r->ring, &cqe) : io_uring_submit_and_wait(&r->ring, 1);
-        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && !err) {
-            /* Entries the kernel never took will never complete. */
-            unsigned pending = io_uring_sq_ready(&r->ring);
-            err = ret;
-            inflight -= (int)pending;
-            next -= (int)pending;
-            for (int i = next; i < n; i++)
-                results[i] = err;
-            done += n - next;
-            next = n;
-        }
-        io_uring_for_each_cqe(&r->ring, head, cqe) {
-            results[cqe->user_data] = cqe->res;
-            seen++;
-        }
-        io_uring_cq_advance(&r->ring, seen);
-        inflight -= (int)seen;
-        done += (int)seen;
-        if (err && inflight == 0)
-            break;
-    }
-    return err;
-}
+#include "uring_ring.c"
 
 /* ------------------------------------------------------------------ shared queue */
 
@@ -380,6 +287,28 @@ static void verify_op(struct kv_op *op)
     op->verdict = hash_iov(op->iov, op->iov_count, op->verify_len) == op->want;
 }
 #endif
+
+/*
+ * Runs op in the calling thread: one preadv/pwritev (retried on EINTR), then a read's
+ * verdict as the queue gives it. op->result: bytes moved (a short count is left to the
+ * caller to finish) or -errno. The ring is not involved, so a closed queue is the
+ * caller's check to make.
+ */
+void kv_op_sync(int fd, struct kv_op *op)
+{
+    ssize_t n;
+
+    op->verdict = -1;
+    do {
+        n = op->is_write ? pwritev(fd, op->iov, op->iov_count, (off_t)op->offset)
+                         : preadv(fd, op->iov, op->iov_count, (off_t)op->offset);
+    } while (n < 0 && errno == EINTR);
+    op->result = n < 0 ? -(int64_t)errno : (int64_t)n;
+#ifdef KV_HAVE_XXHASH
+    if (!op->is_write && op->verify_len >= 0)
+        verify_op(op);
+#endif
+}
 
 /* After a submission returned ret: drop what the kernel took; a refusal that will not
  * pass by waiting breaks the queue (q->mu held). */

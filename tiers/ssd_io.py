@@ -53,7 +53,7 @@ MIN_INFLIGHT = 2
 OnComplete = Callable[[int, int], None]
 
 # The tiers._uring API this module calls (cffi_build/uring_build.py API_VERSION).
-URING_API_VERSION = 3
+URING_API_VERSION = 4
 
 
 def inflight_depth(op_bytes: int, queue_depth: int) -> int:
@@ -457,7 +457,7 @@ class _UringBackend:
     def run(self, ops: Sequence[_Op], depth: int = 0,
             on_complete: OnComplete | None = None) -> list[int]:
         """See :func:`run_batch`. One op runs in the caller's thread, as one
-        ``preadv``/``pwritev`` with the GIL released (its checksum left to the caller):
+        ``preadv``/``pwritev`` and its checksum in one C call with the GIL released:
         through the shared queue it would cost two thread hand-offs (caller to
         completion thread and back, ~30 us each on the VM measured) for the same single
         syscall's worth of I/O. A batch whose caller needs no progress goes through
@@ -470,8 +470,12 @@ class _UringBackend:
                 if self._closed:
                     raise ValueError("I/O on a closed SSD tier")
             op = ops[0]
-            r = _run_op_sync(self._fd, op)
-            op.verified = -1
+            cops, pins = self._build(ops)
+            self._lib.kv_op_sync(self._fd, cops)  # GIL released: syscall and checksum
+            c = cops[0]
+            r = self._finish(op, c.result)
+            op.verified = c.verdict
+            del pins
             if on_complete is not None:
                 on_complete(0, r)
             return [r]
