@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo demo-serving test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_build.py
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
