@@ -63,6 +63,7 @@ from tiers.ssd_io import (
     IO_CHOICES,
     Backend,
     OnComplete,
+    _address,
     _ArenaPool,
     _byte_view,
     _round_up,
@@ -345,6 +346,10 @@ class SsdTier:
         if len(locations) != len(outs):
             raise ValueError(f"{len(locations)} locations but {len(outs)} buffers")
         views = self._read_targets(locations, outs)
+        if len(views) == 1:
+            one = self._read_one(locations[0], views[0])
+            if one is not None:
+                return [one]
         ok = self._read_views(views, [loc.extent.offset for loc in locations],
                               [loc.checksum for loc in locations])
         self._count_reads(len(locations), sum(loc.nbytes for loc, good
@@ -383,6 +388,25 @@ class SsdTier:
                 raise ValueError(f"corrupt location {loc}")
             views.append(mv[: loc.nbytes])
         return views
+
+    def _read_one(self, loc: SsdLocation, view: memoryview) -> bool | None:
+        """A lone block read straight into ``view`` (the common case of a node serving
+        one key: ~3x less Python than a batch of one); None where it needs the batch
+        path: an empty or bounced (unaligned under O_DIRECT) block, or a read that did
+        not move every byte (the batch path finishes or reports it)."""
+        n = len(view)
+        if n == 0 or (self.o_direct and (n % ALIGNMENT or _address(view) % ALIGNMENT)):
+            return None
+        assert self._backend is not None
+        result, verdict = self._backend.read_one(view, loc.extent.offset, loc.checksum)
+        if result != n:
+            return None
+        if verdict < 0:
+            verdict = xxhash.xxh3_64_intdigest(view) == loc.checksum
+        if not verdict:
+            self._count_failure("checksum_failures")
+        self._count_reads(1, n if verdict else 0)
+        return bool(verdict)
 
     def _count_reads(self, count: int, nbytes: int) -> None:
         with self._lock:
