@@ -61,7 +61,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +71,7 @@ from benchmarks.ssd_raw import (
     raw_random_threads,
     raw_sequential,
     raw_uring,
+    run_workers,
     uring_lib,
 )
 from tiers.ssd import ALIGNMENT, SsdLocation, SsdTier
@@ -169,12 +169,7 @@ def _tier_random(tier: SsdTier, locs: Sequence[SsdLocation], picks: Sequence[int
             lat.extend(mine)
 
     t_start = time.perf_counter()
-    if callers == 1:
-        worker(0)
-    else:
-        with ThreadPoolExecutor(max_workers=callers) as pool:
-            for f in [pool.submit(worker, w) for w in range(callers)]:
-                f.result()
+    run_workers(worker, callers)
     return len(picks) * RANDOM_BLOCK / (time.perf_counter() - t_start) / GB, lat
 
 

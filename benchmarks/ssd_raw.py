@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,16 @@ def uring_lib() -> Any:
     """The native helper module, or None when it is not built."""
     module, _ = _load_uring()
     return module
+
+
+def run_workers(worker: Callable[[int], None], n: int) -> None:
+    """``worker(0..n-1)`` on ``n`` threads (inline when ``n`` is 1); re-raises the first error."""
+    if n == 1:
+        worker(0)
+        return
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for f in [pool.submit(worker, w) for w in range(n)]:
+            f.result()
 
 
 def _read_buffers(size: int, n: int, qd: int, dests: int) -> list[mmap.mmap]:
@@ -119,12 +129,7 @@ def raw_threads(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: b
             lat.extend(mine)
 
     t_start = time.perf_counter()
-    if qd == 1:
-        worker(0)
-    else:
-        with ThreadPoolExecutor(max_workers=qd) as pool:
-            for f in [pool.submit(worker, w) for w in range(qd)]:
-                f.result()
+    run_workers(worker, qd)
     if write:
         os.fdatasync(fd)
     gbps = len(offsets) * size / (time.perf_counter() - t_start) / GB
