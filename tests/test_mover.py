@@ -20,7 +20,7 @@ from tiers.manager import TierManager
 from tiers.mover import leased_block_views
 from tiers.policy import make_policy
 from tiers.ssd import SsdTier
-from tiers.ssd_io import _address
+from tiers.ssd_buffers import address_of
 
 
 @pytest.fixture(params=["uring", "python"])
@@ -79,7 +79,7 @@ def test_ssd_blocks_of_one_request_are_read_in_one_aligned_batch(tmp_path: Path,
         if i != 1:
             assert bytes(views[i]) == v  # type: ignore[arg-type]
             if v:
-                assert _address(views[i]) % 4096 == 0  # type: ignore[arg-type]
+                assert address_of(views[i]) % 4096 == 0  # type: ignore[arg-type]
     assert bytes(views[-2]) == b"abc"  # type: ignore[arg-type]
     assert views[-1] is None
     for e in entries:

@@ -57,19 +57,9 @@ import xxhash
 from kvstore.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.ssd_alloc import _SsdAllocator
+from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, address_of, byte_view, round_up
 from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex, _check_key
-from tiers.ssd_io import (
-    _ARENA_CACHE_BYTES,
-    IO_CHOICES,
-    Backend,
-    OnComplete,
-    _address,
-    _ArenaPool,
-    _byte_view,
-    _round_up,
-    open_backend,
-    uring_available,
-)
+from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, open_backend, uring_available
 from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
 from tiers.ssd_staging import ReadJob, read_views, write_views
@@ -128,7 +118,7 @@ class SsdTier:
         self._fd = -1
         self._index: SsdIndex | None = None
         self._backend: Backend | None = None
-        self._arenas = _ArenaPool(_ARENA_CACHE_BYTES)
+        self._arenas = ArenaPool(ARENA_CACHE_BYTES)
         try:
             self._open(capacity, io, index_path, queue_depth, direct, preallocate)
         except BaseException:
@@ -218,11 +208,11 @@ class SsdTier:
     def write(self, extent: Extent, data: memoryview) -> None:
         """Raw, durable write of ``data`` at the start of ``extent`` (no index, no checksum)."""
         self._check_open()
-        mv = _byte_view(data)
+        mv = byte_view(data)
         if len(mv) > extent.length:
             raise ValueError(f"{len(mv)} bytes do not fit in {extent}")
         results = self._write_views([mv], [extent.offset])
-        self._raise_on_failure(results, [_round_up(len(mv)) if self.o_direct else len(mv)])
+        self._raise_on_failure(results, [round_up(len(mv)) if self.o_direct else len(mv)])
         self._sync_data()
         with self._lock:
             self._writes += 1
@@ -233,7 +223,7 @@ class SsdTier:
         self._check_open()
         if nbytes > extent.length:
             raise ValueError(f"cannot read {nbytes} bytes from {extent}")
-        mv = _byte_view(out, writable=True)
+        mv = byte_view(out, writable=True)
         if len(mv) < nbytes:
             raise ValueError(f"out holds {len(mv)} bytes, {nbytes} needed")
         ok = self._read_views([mv[:nbytes]], [extent.offset], None)
@@ -279,7 +269,7 @@ class SsdTier:
         error propagates.
         """
         self._check_mutable()
-        views = [_byte_view(v) for _, _, v in items]
+        views = [byte_view(v) for _, _, v in items]
         for key, parent, _ in items:
             _check_key(key)
             if parent is not None:
@@ -305,7 +295,7 @@ class SsdTier:
                 if i not in checksums:  # empty values (no I/O)
                     checksums[i] = xxhash.xxh3_64_intdigest(views[i])
             self._raise_on_failure(
-                results, [_round_up(len(views[i])) if self.o_direct else len(views[i])
+                results, [round_up(len(views[i])) if self.o_direct else len(views[i])
                           for i in placed])
             if placed:
                 self._sync_data()
@@ -381,7 +371,7 @@ class SsdTier:
                       outs: Sequence[memoryview]) -> list[memoryview]:
         views: list[memoryview] = []
         for loc, out in zip(locations, outs, strict=True):
-            mv = _byte_view(out, writable=True)
+            mv = byte_view(out, writable=True)
             if len(mv) < loc.nbytes:
                 raise ValueError(f"buffer of {len(mv)} bytes for a block of {loc.nbytes}")
             if loc.nbytes > loc.extent.length:
@@ -395,7 +385,7 @@ class SsdTier:
         path: an empty or bounced (unaligned under O_DIRECT) block, or a read that did
         not move every byte (the batch path finishes or reports it)."""
         n = len(view)
-        if n == 0 or (self.o_direct and (n % ALIGNMENT or _address(view) % ALIGNMENT)):
+        if n == 0 or (self.o_direct and (n % ALIGNMENT or address_of(view) % ALIGNMENT)):
             return None
         assert self._backend is not None
         result, verdict = self._backend.read_one(view, loc.extent.offset, loc.checksum)

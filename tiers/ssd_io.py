@@ -17,10 +17,8 @@ threads (the syscalls release the GIL). :func:`open_backend` picks between them.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib
-import mmap
 import os
 import queue
 import threading
@@ -30,16 +28,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-import cffi
-
-from tiers.ssd_types import ALIGNMENT, UringUnavailableError
-
-# Scratch arenas kept for reuse across calls (their pages are already faulted in).
-_ARENA_CACHE_BYTES = 128 << 20
-
-# ABI-mode FFI: only used to read buffer addresses (for the alignment test), which
-# needs no compiler, so it works whether or not the native module was built.
-_ffi = cffi.FFI()
+from tiers.ssd_buffers import InlineIO
+from tiers.ssd_types import UringUnavailableError
 
 IO_CHOICES = ("auto", "uring", "python")
 
@@ -60,73 +50,6 @@ def inflight_depth(op_bytes: int, queue_depth: int) -> int:
     """How many ops of ``op_bytes`` each a batch keeps in flight (at most queue_depth)."""
     want = INFLIGHT_BYTES // max(op_bytes, 1)
     return max(1, min(queue_depth, max(MIN_INFLIGHT, want)))
-
-
-# --------------------------------------------------------------------------- buffers
-
-
-def _byte_view(obj: Any, *, writable: bool = False) -> memoryview:
-    """``obj`` as a 1-D unsigned-byte memoryview, without copying."""
-    mv = obj if isinstance(obj, memoryview) else memoryview(obj)
-    if not mv.c_contiguous:
-        raise ValueError("SSD tier buffers must be C-contiguous")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if writable and mv.readonly:
-        raise ValueError("read destination is read-only")
-    return mv
-
-
-def _address(mv: memoryview) -> int:
-    return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv)))
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-class _ArenaPool:
-    """Reusable page-aligned scratch memory for O_DIRECT bounce buffers.
-
-    Anonymous mmaps are page-aligned (4096 here) by construction. Arenas are
-    handed to one caller at a time; the cache keeps their pages faulted in.
-    """
-
-    def __init__(self, keep_bytes: int) -> None:
-        self._keep = keep_bytes
-        self._lock = threading.Lock()
-        self._free: list[mmap.mmap] = []
-
-    def acquire(self, nbytes: int) -> mmap.mmap:
-        size = max(64 << 10, 1 << (nbytes - 1).bit_length())
-        with self._lock:
-            best = None
-            for m in self._free:
-                if len(m) >= size and (best is None or len(m) < len(best)):
-                    best = m
-            if best is not None:
-                self._free.remove(best)
-                return best
-        return mmap.mmap(-1, size)
-
-    def release(self, m: mmap.mmap) -> None:
-        with self._lock:
-            if sum(len(x) for x in self._free) + len(m) <= self._keep:
-                self._free.append(m)
-                return
-        _close_mmap(m)
-
-    def close(self) -> None:
-        with self._lock:
-            arenas, self._free = self._free, []
-        for m in arenas:
-            _close_mmap(m)
-
-
-def _close_mmap(m: mmap.mmap) -> None:
-    # A view may have escaped (only after an exception mid-call); the GC frees it then.
-    with contextlib.suppress(BufferError):
-        m.close()
 
 
 # --------------------------------------------------------------------------- I/O backends
@@ -291,6 +214,7 @@ class _PythonBackend:
         self._fd = fd
         self._depth = depth
         self._closed = False
+        self._inline = InlineIO()
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ssd-io")
 
     def submit(self, ops: Sequence[_Op], depth: int = 0) -> _ThreadBatch:
@@ -304,7 +228,8 @@ class _PythonBackend:
             on_complete: OnComplete | None = None) -> list[int]:
         """See :func:`run_batch`; one op runs in the caller's thread (no hop)."""
         if len(ops) == 1 and not self._closed:
-            r = _run_op_sync(self._fd, ops[0])
+            with self._inline.running():
+                r = _run_op_sync(self._fd, ops[0])
             if on_complete is not None:
                 on_complete(0, r)
             return [r]
@@ -312,16 +237,16 @@ class _PythonBackend:
 
     def read_one(self, view: memoryview, offset: int, checksum: int) -> tuple[int, int]:
         """One read into ``view`` in the caller's thread: (bytes or -errno, verdict -1)."""
-        if self._closed:
-            raise ValueError("I/O on a closed SSD tier")
-        try:
-            return os.preadv(self._fd, [view], offset), -1
-        except OSError as exc:
-            return -(exc.errno or errno.EIO), -1
+        with self._inline.running():
+            try:
+                return os.preadv(self._fd, [view], offset), -1
+            except OSError as exc:
+                return -(exc.errno or errno.EIO), -1
 
     def close(self) -> None:
         # Batches in flight see _closed and fail their remaining ops (-ECANCELED).
         self._closed = True
+        self._inline.close()
         self._pool.shutdown(wait=True)
 
 
@@ -399,6 +324,7 @@ class _UringBackend:
         self._lib = module.lib
         self._lock = threading.Lock()
         self._closed = False
+        self._inline = InlineIO()
         self.verifies = bool(self._lib.kv_have_verify())
         # Open the queue now: if the kernel refuses io_uring (seccomp, disabled, too
         # old) the constructor raises and the tier can fall back.
@@ -475,14 +401,12 @@ class _UringBackend:
         if n == 0:
             return []
         if n == 1:
-            with self._lock:
-                if self._closed:
-                    raise ValueError("I/O on a closed SSD tier")
             op = ops[0]
             cops, pins = self._build(ops)
-            self._lib.kv_op_sync(self._fd, cops)  # GIL released: syscall and checksum
             c = cops[0]
-            r = self._finish(op, c.result)
+            with self._inline.running():
+                self._lib.kv_op_sync(self._fd, cops)  # GIL released: syscall and checksum
+                r = self._finish(op, c.result)
             op.verified = c.verdict
             del pins
             if on_complete is not None:
@@ -509,9 +433,6 @@ class _UringBackend:
     def read_one(self, view: memoryview, offset: int, checksum: int) -> tuple[int, int]:
         """One read into ``view`` in the caller's thread, syscall and checksum in one
         GIL-free C call: (bytes or -errno, verdict 1 good / 0 bad / -1 unchecked)."""
-        with self._lock:
-            if self._closed:
-                raise ValueError("I/O on a closed SSD tier")
         ffi = self._ffi
         op = ffi.new("struct kv_op *")
         iov = ffi.new("struct iovec *")
@@ -523,7 +444,8 @@ class _UringBackend:
         op.offset = offset
         op.want = checksum
         op.verify_len = len(view) if self.verifies else -1
-        self._lib.kv_op_sync(self._fd, op)
+        with self._inline.running():
+            self._lib.kv_op_sync(self._fd, op)
         return op.result, op.verdict
 
     def _replace(self, broken: Any) -> None:
@@ -539,9 +461,11 @@ class _UringBackend:
         # re-read it, never follow a verdict.)
         if 0 < r < op.nbytes:
             # A short transfer (EOF, or a split request): finish it synchronously.
-            return _run_op_sync(self._fd, op, r)
+            with self._inline.running():
+                return _run_op_sync(self._fd, op, r)
         if r in (-errno.EAGAIN, -errno.EINTR):
-            return _run_op_sync(self._fd, op)
+            with self._inline.running():
+                return _run_op_sync(self._fd, op)
         return r
 
     def close(self) -> None:
@@ -551,6 +475,7 @@ class _UringBackend:
                 return
             self._closed = True
             q = self._queue
+        self._inline.close()
         self._lib.kv_queue_close(q)
 
 

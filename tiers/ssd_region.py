@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 
-from tiers.ssd_io import _ArenaPool
+from tiers.ssd_buffers import ArenaPool
 from tiers.ssd_types import ALIGNMENT, SsdFormatError
 
 
@@ -67,14 +67,14 @@ def size_region(path: str, capacity: int, *, block_device: bool, created: bool,
         os.close(fd)
 
 
-def open_data(path: str, direct: bool, arenas: _ArenaPool) -> tuple[int, bool, str | None]:
+def open_data(path: str, direct: bool, arenas: ArenaPool) -> tuple[int, bool, str | None]:
     """The descriptor data moves through, whether it is O_DIRECT, and if not why."""
     if direct:
         return _open_direct(path, arenas)
     return os.open(path, os.O_RDWR | os.O_CLOEXEC), False, "disabled by the direct=False flag"
 
 
-def _open_direct(path: str, arenas: _ArenaPool) -> tuple[int, bool, str | None]:
+def _open_direct(path: str, arenas: ArenaPool) -> tuple[int, bool, str | None]:
     """An O_DIRECT descriptor if the filesystem honours it, else a buffered one and why."""
     plain = os.O_RDWR | os.O_CLOEXEC
     try:

@@ -18,15 +18,8 @@ from typing import Any
 
 import xxhash
 
-from tiers.ssd_io import (
-    Backend,
-    OnComplete,
-    _address,
-    _ArenaPool,
-    _Op,
-    _round_up,
-    inflight_depth,
-)
+from tiers.ssd_buffers import ArenaPool, address_of, round_up
+from tiers.ssd_io import Backend, OnComplete, _Op, inflight_depth
 from tiers.ssd_types import ALIGNMENT
 
 # A batch is split into chunks whose bounce buffers stay under this, so a batch
@@ -58,17 +51,17 @@ def _write_bounce_need(mv: memoryview, direct: bool) -> int:
     n = len(mv)
     if not direct or n == 0:
         return 0
-    if _address(mv) % ALIGNMENT == 0:
+    if address_of(mv) % ALIGNMENT == 0:
         return ALIGNMENT if n % ALIGNMENT else 0
-    return _round_up(n)
+    return round_up(n)
 
 
 def _read_bounce_need(out: memoryview, nbytes: int, direct: bool) -> int:
     if not direct or nbytes == 0:
         return 0
-    if _address(out) % ALIGNMENT == 0:
+    if address_of(out) % ALIGNMENT == 0:
         return ALIGNMENT if nbytes % ALIGNMENT else 0
-    return _round_up(nbytes)
+    return round_up(nbytes)
 
 
 def _chunks(needs: Sequence[int]) -> list[_Chunk]:
@@ -90,7 +83,7 @@ def _depth(ops: Sequence[_Op]) -> int:
     return inflight_depth(sum(op.nbytes for op in ops) // len(ops), len(ops))
 
 
-def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
+def write_views(backend: Backend, arenas: ArenaPool, direct: bool,
                 views: Sequence[memoryview], offsets: Sequence[int],
                 on_complete: OnComplete | None = None) -> list[int]:
     """Writes each view at its offset; per-view bytes transferred or -errno.
@@ -114,7 +107,7 @@ def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                         continue
                     if not direct:
                         bufs = [mv]
-                    elif _address(mv) % ALIGNMENT == 0:
+                    elif address_of(mv) % ALIGNMENT == 0:
                         head = n - n % ALIGNMENT
                         bufs = [mv[:head]] if head else []
                         if n % ALIGNMENT:
@@ -125,7 +118,7 @@ def write_views(backend: Backend, arenas: _ArenaPool, direct: bool,
                             tail[n - head:] = _ZEROS[: ALIGNMENT - (n - head)]
                             bufs.append(tail)
                     else:
-                        padded = _round_up(n)
+                        padded = round_up(n)
                         slot = scratch[pos:pos + padded]
                         pos += padded
                         slot[:n] = mv
@@ -161,7 +154,7 @@ def _read_ops(direct: bool, views: Sequence[memoryview], offsets: Sequence[int],
         bounce: memoryview | None = None
         if not direct:
             head, bufs = n, [mv]
-        elif _address(mv) % ALIGNMENT == 0:
+        elif address_of(mv) % ALIGNMENT == 0:
             head = n - n % ALIGNMENT
             bufs = [mv[:head]] if head else []
             if n % ALIGNMENT:
@@ -170,8 +163,8 @@ def _read_ops(direct: bool, views: Sequence[memoryview], offsets: Sequence[int],
                 bufs.append(bounce)
         else:
             head = 0
-            bounce = scratch[pos:pos + _round_up(n)]
-            pos += _round_up(n)
+            bounce = scratch[pos:pos + round_up(n)]
+            pos += round_up(n)
             bufs = [bounce]
         total = head + (len(bounce) if bounce is not None else 0)
         # The value is the first n bytes of the iovec: the backend may verify it as
@@ -182,7 +175,7 @@ def _read_ops(direct: bool, views: Sequence[memoryview], offsets: Sequence[int],
     return ops, fixups
 
 
-def read_views(backend: Backend, arenas: _ArenaPool, direct: bool,
+def read_views(backend: Backend, arenas: ArenaPool, direct: bool,
                views: Sequence[memoryview], offsets: Sequence[int],
                checksums: Sequence[int] | None, failed: Callable[[str], None]) -> list[bool]:
     """Reads ``len(view)`` bytes at each offset into each view; per-view success.
@@ -220,7 +213,7 @@ class ReadJob:
     the arenas are back in the pool.
     """
 
-    def __init__(self, backend: Backend, arenas: _ArenaPool, direct: bool,
+    def __init__(self, backend: Backend, arenas: ArenaPool, direct: bool,
                  views: Sequence[memoryview], offsets: Sequence[int],
                  checksums: Sequence[int], failed: Callable[[str], None]) -> None:
         self.ok = [False] * len(views)
