@@ -200,6 +200,30 @@ static void ready_push(struct kv_queue *q, struct kv_group *g)
     q->ready_tail = g;
 }
 
+/* Unlinks g from the ready list if it is on it (q->mu held). A group leaves the list
+ * lazily (fill() drops one with nothing left to prepare), so one that a cancel or its
+ * last completion finished may still be linked when its caller frees it. */
+static void ready_remove(struct kv_queue *q, struct kv_group *g)
+{
+    struct kv_group *prev = NULL;
+
+    if (!g->on_ready)
+        return;
+    for (struct kv_group *cur = q->ready_head; cur; prev = cur, cur = cur->link) {
+        if (cur != g)
+            continue;
+        if (prev)
+            prev->link = g->link;
+        else
+            q->ready_head = g->link;
+        if (q->ready_tail == g)
+            q->ready_tail = prev;
+        break;
+    }
+    g->on_ready = 0;
+    g->link = NULL;
+}
+
 /* Prepares ops up to the depth, one per ready group in turn (q->mu held). */
 static void fill(struct kv_queue *q)
 {
@@ -609,6 +633,7 @@ void kv_group_free(struct kv_group *g)
         pthread_cond_wait(&g->cond, &q->mu);
     }
     g->waiting = 0;
+    ready_remove(q, g); /* never leave a freed group linked for fill() to touch */
     pthread_cond_destroy(&g->cond);
     free(g->done);
     free(g);
