@@ -56,6 +56,18 @@ class NodeProcess:
         return self.log.read_text()
 
 
+def flip_byte(path: Path | str, pos: int) -> None:
+    """Flips one byte of a file behind its owner's back, durably (a buffered write: the
+    kernel writes the dirty page back before an O_DIRECT read of that range)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (old,) = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([old ^ 0x40]), pos)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0
                ) -> NodeProcess:
     port = free_port()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import flip_byte
 
 from kvstore.keys import BlockKey
 from tiers.dram import DramTier
@@ -50,13 +51,7 @@ def test_ssd_blocks_of_one_request_are_read_in_one_aligned_batch(tmp_path: Path,
     manager.fill_view(in_dram)[:] = b"abc"
     manager.commit(in_dram)
     # Corrupt block 1 on disk (its first byte), after the checksum was recorded.
-    fd = os.open(tmp_path / "kv.img", os.O_RDWR)
-    try:
-        off = locations[1].extent.offset  # type: ignore[union-attr]
-        os.pwrite(fd, bytes([values[1][0] ^ 0xFF]), off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flip_byte(tmp_path / "kv.img", locations[1].extent.offset)  # type: ignore[union-attr]
 
     calls: list[int] = []
     real_read = ssd.read_blocks_into

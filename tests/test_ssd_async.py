@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import flip_byte
 
 from kvstore.keys import BlockKey
 from tiers.allocator import Extent
@@ -49,14 +50,7 @@ def store(tier: SsdTier, sizes: list[int]) -> tuple[list[bytes], list[SsdLocatio
 
 def corrupt(tier: SsdTier, loc: SsdLocation) -> None:
     """Flips one byte of the block behind the tier's back."""
-    pos = loc.extent.offset + loc.nbytes // 2
-    fd = os.open(tier.path, os.O_RDWR)
-    try:
-        (old,) = os.pread(fd, 1, pos)
-        os.pwrite(fd, bytes([old ^ 0x40]), pos)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flip_byte(tier.path, loc.extent.offset + loc.nbytes // 2)
 
 
 def test_results_arrive_once_each_in_any_order(tier: SsdTier) -> None:

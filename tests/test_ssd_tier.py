@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import flip_byte
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -294,16 +295,8 @@ def test_flipped_byte_is_reported_never_returned(tmp_path: Path, mode: dict) -> 
     assert all(loc is not None for loc in locs)
     victim = locs[1]
     assert victim is not None
-    # Flip one byte in the middle of block 1 behind the tier's back (buffered write:
-    # the kernel writes the dirty page back before an O_DIRECT read of that range).
-    pos = victim.extent.offset + victim.nbytes // 2
-    fd = os.open(tmp_path / "data.img", os.O_RDWR)
-    try:
-        (old,) = os.pread(fd, 1, pos)
-        os.pwrite(fd, bytes([old ^ 0x40]), pos)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # Flip one byte in the middle of block 1 behind the tier's back.
+    flip_byte(tmp_path / "data.img", victim.extent.offset + victim.nbytes // 2)
     ok, data = read_back(tier, locs)  # type: ignore[arg-type]
     assert ok == [True, False, True, True]
     assert [data[i] for i in (0, 2, 3)] == [vals[i] for i in (0, 2, 3)]

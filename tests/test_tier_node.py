@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import start_node, wait_until
+from conftest import flip_byte, start_node, wait_until
 
 from kvstore import Client, ResourceExhausted
 from tiers.ssd_io import uring_available
@@ -111,10 +111,7 @@ def test_flipped_byte_on_ssd_is_a_counted_miss(tmp_path: Path, io: str) -> None:
     assert node.stop() == 0
     data = (tmp_path / "kv.img").read_bytes()
     victim_key, victim_value = next((k, v) for k, v in values.items() if v in data)
-    offset = data.index(victim_value) + 1000
-    with open(tmp_path / "kv.img", "r+b") as f:
-        f.seek(offset)
-        f.write(bytes([data[offset] ^ 0xFF]))
+    flip_byte(tmp_path / "kv.img", data.index(victim_value) + 1000)
     again = tiered(tmp_path, io)
     try:
         with Client(again.addr, transport="tcp") as c:
