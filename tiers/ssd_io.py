@@ -432,7 +432,10 @@ class _UringBackend:
 
     def read_one(self, view: memoryview, offset: int, checksum: int) -> tuple[int, int]:
         """One read into ``view`` in the caller's thread, syscall and checksum in one
-        GIL-free C call: (bytes or -errno, verdict 1 good / 0 bad / -1 unchecked)."""
+        GIL-free C call: (bytes or -errno, verdict 1 good / 0 bad / -1 unchecked).
+
+        ``run([op])`` does the same through ``_build``; this builds the one iovec by
+        hand because it is a node's per-key read path (15 against 21 us per call)."""
         ffi = self._ffi
         op = ffi.new("struct kv_op *")
         iov = ffi.new("struct iovec *")
