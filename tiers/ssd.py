@@ -59,7 +59,7 @@ from tiers.allocator import Extent
 from tiers.ssd_alloc import _SsdAllocator
 from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, address_of, byte_view, round_up
 from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex, _check_key
-from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, open_backend, uring_available
+from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, _Op, open_backend, uring_available
 from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
 from tiers.ssd_staging import ReadJob, read_views, write_views
@@ -381,14 +381,18 @@ class SsdTier:
 
     def _read_one(self, loc: SsdLocation, view: memoryview) -> bool | None:
         """A lone block read straight into ``view`` (the common case of a node serving
-        one key: ~3x less Python than a batch of one); None where it needs the batch
-        path: an empty or bounced (unaligned under O_DIRECT) block, or a read that did
-        not move every byte (the batch path finishes or reports it)."""
+        one key: one op run in this thread, without the staging of a batch); None where
+        it needs the batch path: an empty or bounced (unaligned under O_DIRECT) block,
+        or a read that did not move every byte (the batch path finishes or reports it).
+        """
         n = len(view)
         if n == 0 or (self.o_direct and (n % ALIGNMENT or address_of(view) % ALIGNMENT)):
             return None
         assert self._backend is not None
-        result, verdict = self._backend.read_one(view, loc.extent.offset, loc.checksum)
+        op = _Op(is_write=False, offset=loc.extent.offset, bufs=[view], nbytes=n,
+                 checksum=loc.checksum, verify_bytes=n)
+        (result,) = self._backend.run([op])
+        verdict = op.verified
         if result != n:
             return None
         if verdict < 0:

@@ -235,14 +235,6 @@ class _PythonBackend:
             return [r]
         return run_batch(self, ops, depth, on_complete)
 
-    def read_one(self, view: memoryview, offset: int, checksum: int) -> tuple[int, int]:
-        """One read into ``view`` in the caller's thread: (bytes or -errno, verdict -1)."""
-        with self._inline.running():
-            try:
-                return os.preadv(self._fd, [view], offset), -1
-            except OSError as exc:
-                return -(exc.errno or errno.EIO), -1
-
     def close(self) -> None:
         # Batches in flight see _closed and fail their remaining ops (-ECANCELED).
         self._closed = True
@@ -429,27 +421,6 @@ class _UringBackend:
             if on_complete is not None:
                 on_complete(i, r)
         return results
-
-    def read_one(self, view: memoryview, offset: int, checksum: int) -> tuple[int, int]:
-        """One read into ``view`` in the caller's thread, syscall and checksum in one
-        GIL-free C call: (bytes or -errno, verdict 1 good / 0 bad / -1 unchecked).
-
-        ``run([op])`` does the same through ``_build``; this builds the one iovec by
-        hand because it is a node's per-key read path (15 against 21 us per call)."""
-        ffi = self._ffi
-        op = ffi.new("struct kv_op *")
-        iov = ffi.new("struct iovec *")
-        ptr = ffi.from_buffer(view)
-        iov.iov_base = ptr
-        iov.iov_len = len(view)
-        op.iov = iov
-        op.iov_count = 1
-        op.offset = offset
-        op.want = checksum
-        op.verify_len = len(view) if self.verifies else -1
-        with self._inline.running():
-            self._lib.kv_op_sync(self._fd, op)
-        return op.result, op.verdict
 
     def _replace(self, broken: Any) -> None:
         with self._lock:
