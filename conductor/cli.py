@@ -225,12 +225,32 @@ class CliError(Exception):
 
 
 def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = sub.add_parser("serve", help="schedule requests onto live prefill/decode workers",
-                       description="Run the Conductor as an HTTP service in front of live "
-                       "workers (python -m workers prefill|decode) and a kvstore node.")
-    s.add_argument("--store", required=True, help="kvstore node HOST:PORT (the global cache)")
-    s.add_argument("--prefill", required=True, help="prefill workers, HOST:PORT,HOST:PORT")
-    s.add_argument("--decode", required=True, help="decode workers, HOST:PORT,HOST:PORT")
+    s = sub.add_parser("serve", help="schedule requests onto vLLM instances or live workers",
+                       description="Run the Conductor as an OpenAI-compatible HTTP service "
+                       "in front of vLLM OpenAI servers using KVStoreConnector "
+                       "(--vllm-prefill/--vllm-decode, or --vllm for colocated instances), "
+                       "or in front of the toy workers (--prefill/--decode).")
+    s.add_argument("--store", help="kvstore node HOST:PORT (the global cache)")
+    s.add_argument("--etcd", help="cluster etcd HOST:PORT instead of --store (vLLM mode)")
+    s.add_argument("--replicas", type=_positive_int, default=1,
+                   help="copies per block on the cluster (--etcd; default 1)")
+    s.add_argument("--write-quorum", type=_positive_int,
+                   help="copies that make a block durable on the cluster (--etcd; "
+                   "default --replicas)")
+    s.add_argument("--prefill", help="toy prefill workers, HOST:PORT,HOST:PORT")
+    s.add_argument("--decode", help="toy decode workers, HOST:PORT,HOST:PORT")
+    s.add_argument("--vllm-prefill", help="vLLM prefill instances (kv_both), URL[,URL...]")
+    s.add_argument("--vllm-decode", help="vLLM decode instances (kv_consumer), URL[,URL...]")
+    s.add_argument("--vllm", help="colocated vLLM instances (kv_both), URL[,URL...]")
+    s.add_argument("--kv-namespace", help="the connectors' namespace (vLLM mode)")
+    s.add_argument("--block-tokens", type=_positive_int,
+                   help="vLLM's block size, in tokens (vLLM mode)")
+    s.add_argument("--tokenizer", type=Path, help="tokenizer directory for text prompts")
+    s.add_argument("--upstream-timeout", type=_duration, default=600.0,
+                   help="bound on one instance call (default 600s)")
+    s.add_argument("--durable-timeout", type=_duration, default=30.0,
+                   help="bound on the wait for the prefill's blocks in the store "
+                   "(default 30s)")
     s.add_argument("--ttft-slo", type=_duration, default=2.0, help="e.g. 2s (default 2s)")
     s.add_argument("--tbt-slo", type=_duration, default=0.1, help="e.g. 100ms (default 100ms)")
     s.add_argument("--policy", choices=sorted(POLICIES), default="global-cache-aware")
@@ -240,7 +260,26 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.set_defaults(func=run_serve)
 
 
+def _addrs(text: str) -> list[str]:
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    if not out:
+        raise CliError(f"need at least one address, got {text!r}")
+    return out
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    vllm_mode = bool(args.vllm or args.vllm_prefill or args.vllm_decode)
+    if vllm_mode:
+        if args.prefill or args.decode:
+            raise CliError("--prefill/--decode (toy workers) cannot be combined with --vllm*")
+        from conductor.serve_vllm import run_serve_vllm
+
+        return run_serve_vllm(args, _addrs, CliError)
+    if not (args.prefill and args.decode):
+        raise CliError("need --vllm-prefill and --vllm-decode, --vllm, or (toy workers) "
+                       "--prefill and --decode")
+    if not args.store:
+        raise CliError("--store HOST:PORT is required with toy workers")
     import signal
     import threading
 
@@ -248,18 +287,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from conductor.service import ConductorService
     from kvstore.client import Client
 
-    def addrs(text: str) -> list[str]:
-        out = [a.strip() for a in text.split(",") if a.strip()]
-        if not out:
-            raise CliError(f"need at least one HOST:PORT, got {text!r}")
-        return out
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with Client(args.store) as store:
-        live = LiveConductor(store=store, prefill=addrs(args.prefill),
-                             decode=addrs(args.decode),
+        live = LiveConductor(store=store, prefill=_addrs(args.prefill),
+                             decode=_addrs(args.decode),
                              slo=Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
                              policy=args.policy, rejection=args.rejection)
         service = ConductorService(live, listen=args.listen)
