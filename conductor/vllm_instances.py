@@ -152,7 +152,7 @@ class VllmInstance:
         self.url = url.rstrip("/")
         if "://" not in self.url:
             self.url = "http://" + self.url
-        self.id = url
+        self.id = self.url
         self.role = role
         self.http = http
         self.calibration = Calibration()
