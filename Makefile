@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache
+.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -21,6 +21,13 @@ demo: $(STAMP)
 
 demo-serving: $(STAMP)
 	$(VENV)/bin/kvstore demo serving
+
+# kvstore + Conductor in front of real vLLM servers (a random 2-layer Llama written
+# locally): one prefill, one decode and a reference colocated vLLM, in the vLLM
+# environment (built by scripts/setup-vllm-env.sh, seconds when cached).
+demo-vllm: $(STAMP)
+	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
+	  PYTHONPATH=$(CURDIR) "$$VLLM_PY" -m conductor.demo_vllm
 
 test: $(STAMP)
 	$(PY) -m ruff check .

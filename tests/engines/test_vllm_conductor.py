@@ -1,0 +1,380 @@
+"""``conductor serve`` in front of real vLLM OpenAI servers with KVStoreConnector.
+
+Three vLLM servers for the module (started in parallel, ~1 min): ``P`` (kv_both) and
+``D`` (kv_consumer) share namespace ``NS``; ``C`` (kv_both, namespace ``NS_C``) is the
+colocated reference and the colocated mode's instance. Fronts are real
+``python -m conductor serve`` processes (cheap to start). The test that kills ``D``
+runs last (file order).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from conductor.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
+from kvstore import Client, block_keys
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+NS = f"cond-test-{time.time_ns()}"
+NS_C = NS + "-colocated"
+
+
+def prompt(seed: int, n: int = 200) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 500, n)]
+
+
+def loadable(n: int) -> int:
+    """Prompt tokens a kv_consumer loads: whole blocks, leaving the last token."""
+    return (n - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama: Path, store_node: Any, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Proc]]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    procs = {
+        "P": start_vllm(sys.executable, tiny_llama, logs, name="P", store=store_node.addr,
+                        namespace=NS, role="kv_both", max_model_len=512),
+        "D": start_vllm(sys.executable, tiny_llama, logs, name="D", store=store_node.addr,
+                        namespace=NS, role="kv_consumer", max_model_len=512),
+        "C": start_vllm(sys.executable, tiny_llama, logs, name="C", store=store_node.addr,
+                        namespace=NS_C, role="kv_both", max_model_len=512),
+    }
+    try:
+        for p in procs.values():
+            wait_ready(p, "/v1/models", 400)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def front(servers: dict[str, Proc], store: str, logs: Path, name: str, *extra: str,
+          colocated: bool = False) -> Proc:
+    inst = (["--vllm", servers["C"].url, "--kv-namespace", NS_C] if colocated else
+            ["--vllm-prefill", servers["P"].url, "--vllm-decode", servers["D"].url,
+             "--kv-namespace", NS])
+    return start_conductor(logs, name=name, args=["--store", store, *inst, "--block-tokens",
+                                                  str(BLOCK), *extra])
+
+
+@pytest.fixture(scope="module")
+def disagg(servers: dict[str, Proc], store_node: Any,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    p = front(servers, store_node.addr, tmp_path_factory.mktemp("front"), "disagg",
+              "--durable-timeout", "20s", "--ttft-slo", "60s", "--tbt-slo", "5s")
+    yield p
+    assert p.stop() == 0, p.output()
+
+
+@pytest.fixture(scope="module")
+def colocated(servers: dict[str, Proc], store_node: Any,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    p = front(servers, store_node.addr, tmp_path_factory.mktemp("front"), "colocated",
+              "--ttft-slo", "60s", "--tbt-slo", "5s", colocated=True)
+    yield p
+    assert p.stop() == 0, p.output()
+
+
+def complete(url: str, tokens: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def reference(c: Proc, tokens: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of a single colocated vLLM (C), asked directly."""
+    r = complete(c.url, tokens, max_tokens, model=model_of(c))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def model_of(p: Proc) -> str:
+    return httpx.get(p.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def streamed(url: str, tokens: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
+    ids: list[int] = []
+    events: list[dict] = []
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            if "choices" in ev:
+                ids += ev["choices"][0].get("token_ids") or []
+    return ids, events
+
+
+def vllm_metric(p: Proc, name: str) -> float:
+    text = httpx.get(p.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def front_metric(p: Proc, line_prefix: str) -> float:
+    text = httpx.get(p.url + "/metrics", timeout=10).text
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(line_prefix)]
+    return sum(vals)
+
+
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def test_models_health_metrics(disagg: Proc, servers: dict[str, Proc]) -> None:
+    models = httpx.get(disagg.url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == model_of(servers["P"])
+    assert models["data"][0]["max_model_len"] == 512
+    h = httpx.get(disagg.url + "/health", timeout=10)
+    assert h.status_code == 200, h.text
+    assert h.json()["status"] == "ok"
+    assert h.json()["mode"] == "disaggregated"
+    assert set(h.json()["instances"]) == {servers["P"].url, servers["D"].url}
+    m = httpx.get(disagg.url + "/metrics", timeout=10)
+    assert m.status_code == 200
+    assert "conductor_ttft_seconds_bucket" in m.text
+
+
+def test_disaggregated_tokens_equal_colocated_and_decode_loads_prefix(
+        disagg: Proc, servers: dict[str, Proc]) -> None:
+    tokens = prompt(1)
+    want = reference(servers["C"], tokens, 12)
+    hits0 = vllm_metric(servers["D"], HITS)
+    r = complete(disagg.url, tokens, 12)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    # D (kv_consumer) computed only the last partial block: the rest came from the store.
+    assert vllm_metric(servers["D"], HITS) - hits0 == loadable(len(tokens))
+    p_url, d_url = servers["P"].url, servers["D"].url
+    assert front_metric(disagg, f'conductor_instance_chosen_total{{instance="{p_url}"'
+                        ) >= 1
+    assert front_metric(disagg, f'conductor_instance_chosen_total{{instance="{d_url}"'
+                        ) >= 1
+
+
+def test_disaggregated_stream_passes_tokens_through(disagg: Proc,
+                                                    servers: dict[str, Proc]) -> None:
+    tokens = prompt(2, 170)
+    want = reference(servers["C"], tokens, 10)
+    hits0 = vllm_metric(servers["D"], HITS)
+    ids, events = streamed(disagg.url, tokens, 10)
+    assert ids == want
+    assert len(events) >= 10  # one event per token, not one buffered answer
+    assert vllm_metric(servers["D"], HITS) - hits0 == loadable(len(tokens))
+    assert front_metric(disagg, "conductor_ttft_seconds_count") >= 1
+
+
+def test_second_turn_finds_the_first_in_the_store(disagg: Proc,
+                                                  servers: dict[str, Proc]) -> None:
+    first = prompt(3, 130)
+    r = complete(disagg.url, first, 4)
+    assert r.status_code == 200, r.text
+    found0 = front_metric(disagg, "conductor_prefix_tokens_found_total")
+    second = first + r.json()["choices"][0]["token_ids"] + prompt(33, 60)
+    want = reference(servers["C"], second, 6)
+    r2 = complete(disagg.url, second, 6)
+    assert r2.json()["choices"][0]["token_ids"] == want
+    # the first turn's 4 full blocks were in the store when the second turn arrived
+    assert front_metric(disagg, "conductor_prefix_tokens_found_total") - found0 == 128
+
+
+def test_colocated_tokens_equal_and_store_prefix_reused(colocated: Proc,
+                                                        servers: dict[str, Proc]) -> None:
+    tokens = prompt(4)
+    want = reference(servers["C"], tokens, 12)  # C saves the prompt's blocks (NS_C)
+    r = complete(colocated.url, tokens, 12)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    ids, _ = streamed(colocated.url, tokens, 12)
+    assert ids == want
+    assert front_metric(colocated, "conductor_prefix_tokens_found_total") >= \
+        len(tokens) // BLOCK * BLOCK
+
+
+def test_bad_requests_get_400(disagg: Proc) -> None:
+    r = httpx.post(disagg.url + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = complete(disagg.url, [1, 2, 3], 0)
+    assert r.status_code == 400
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(disagg.url + "/v1/completions", json={"prompt": "hello"}, timeout=10)
+    assert r.status_code == 400
+    assert "--tokenizer" in r.json()["error"]["message"]
+    r = complete(disagg.url, prompt(5, 500), 100)
+    assert r.status_code == 400
+    assert "max_model_len 512" in r.json()["error"]["message"]
+
+
+def test_overload_is_rejected_with_429_and_reason(servers: dict[str, Proc], store_node: Any,
+                                                  tmp_path: Path) -> None:
+    # A TTFT SLO no prefill can meet: the scheduler's estimate rejects at arrival.
+    p = front(servers, store_node.addr, tmp_path, "reject", "--ttft-slo", "1us")
+    try:
+        hits0 = vllm_metric(servers["D"], "vllm:request_success_total")
+        r = complete(p.url, prompt(6), 8)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == 429
+        assert err["reason"].startswith("TTFT ")
+        assert err["reason"].endswith("> SLO 0.00 s")
+        assert front_metric(p, 'conductor_rejections_total{reason="ttft_slo"}') == 1
+        assert front_metric(p, 'conductor_requests_total{outcome="rejected"') == 1
+        # nothing reached an instance
+        assert vllm_metric(servers["D"], "vllm:request_success_total") == hits0
+    finally:
+        assert p.stop() == 0, p.output()
+
+
+def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc],
+                                                         store_node: Any,
+                                                         tmp_path: Path) -> None:
+    """Step 3's ordering, checked where it matters: a recording proxy in front of D asks
+    the store, when each decode request arrives, whether every full block of its prompt
+    is there. A front that asked decode before the prefill's saves landed fails this."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    seen: list[tuple[int, int]] = []
+    app = FastAPI()
+    upstream = servers["D"].url
+    client = Client(store_node.addr)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(path: str, request: Request) -> Response:
+        raw = await request.body()
+        if path == "v1/completions":
+            toks = json.loads(raw)["prompt"]
+            keys = block_keys(toks, BLOCK, NS)
+            seen.append((client.prefix_match(keys), len(keys)))
+        async with httpx.AsyncClient() as h:
+            r = await h.request(request.method, f"{upstream}/{path}", content=raw,
+                                headers={"content-type": "application/json"}, timeout=120)
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))
+
+    from conductor.vllm_procs import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        while not server.started:
+            assert t.is_alive()
+            time.sleep(0.01)
+        proxied = {**servers, "D": Proc(name="D-proxy", proc=servers["D"].proc,
+                                        log=servers["D"].log, url=f"http://127.0.0.1:{port}")}
+        p = front(proxied, store_node.addr, tmp_path, "ordered", "--ttft-slo", "60s",
+                  "--tbt-slo", "5s")
+        try:
+            for seed in range(10, 16):  # fresh prompts: nothing stored before their prefill
+                tokens = prompt(seed, 100 + 20 * (seed - 10))
+                r = complete(p.url, tokens, 2)
+                assert r.status_code == 200, r.text
+        finally:
+            assert p.stop() == 0, p.output()
+        assert len(seen) == 6
+        assert all(found == want and want >= 3 for found, want in seen), seen
+    finally:
+        server.should_exit = True
+        t.join(10)
+        client.close()
+
+
+def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
+        servers: dict[str, Proc], store_node: Any, tmp_path: Path) -> None:
+    """A front whose --kv-namespace is not the prefill's (the start-up probe is skipped by
+    starting the front in-process) waits its bound and answers 504; decode is never
+    asked."""
+    import asyncio
+
+    from conductor.http_front import serve
+    from conductor.store_view import StoreView
+    from conductor.types import Slo
+    from conductor.vllm_front import FrontConfig, VllmFront
+    from conductor.vllm_procs import free_port
+
+    store = Client(store_node.addr)
+    cfg = FrontConfig(namespace="not-the-connectors", block_tokens=BLOCK,
+                      slo=Slo(ttft_s=60, tbt_s=5), durable_timeout_s=1.0)
+    f = VllmFront(config=cfg, store=StoreView(store), prefill=[servers["P"].url],
+                  decode=[servers["D"].url])
+    port = free_port()
+    ready = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    def run() -> None:
+        loop.run_until_complete(serve(f, host="127.0.0.1", port=port, codec=None, stop=stop,
+                                      on_ready=lambda _: ready.set(), check_namespace=False))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        assert ready.wait(60)
+        before = vllm_metric(servers["D"], "vllm:request_success_total")
+        r = complete(f"http://127.0.0.1:{port}", prompt(20), 4)
+        assert r.status_code == 504, r.text
+        msg = r.json()["error"]["message"]
+        assert "not in the store within 1 s: 0 of 6 blocks stored" in msg
+        assert "--kv-namespace" in msg
+        assert vllm_metric(servers["D"], "vllm:request_success_total") == before
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        t.join(30)
+        store.close()
+
+
+def test_zz_decode_killed_mid_request_gives_a_clear_error(disagg: Proc,
+                                                          servers: dict[str, Proc]) -> None:
+    """Runs last: it kills D. The stream ends with an error event naming the decode
+    instance, promptly (the client's own timeout would fail a hang)."""
+    import signal
+
+    tokens = prompt(30, 60)
+    body = {"prompt": tokens, "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    errors: list[dict] = []
+    got_tokens = 0
+    with httpx.stream("POST", disagg.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                errors.append(ev["error"])
+                continue
+            got_tokens += 1
+            if got_tokens == 3:
+                servers["D"].stop(signal.SIGKILL)
+    assert got_tokens < 400
+    assert len(errors) == 1, errors
+    assert errors[0]["code"] == 502
+    assert f"decode instance {servers['D'].url} failed mid-stream" in errors[0]["message"]
+    assert front_metric(disagg, 'conductor_requests_total{outcome="upstream_error"') == 1
+    # a new request to the dead decode instance: a clear 502, no hang
+    r2 = complete(disagg.url, prompt(31), 4)
+    assert r2.status_code == 502, r2.text
+    assert "decode instance" in r2.json()["error"]["message"]
