@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from conductor.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
 from kvstore import Client, block_keys
@@ -251,8 +253,6 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
     the store, when each decode request arrives, whether every full block of its prompt
     is there. A front that asked decode before the prefill's saves landed fails this."""
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
 
     seen: list[tuple[int, int]] = []
     app = FastAPI()
@@ -344,6 +344,89 @@ def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
         loop.call_soon_threadsafe(stop.set)
         t.join(30)
         store.close()
+
+
+SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>", 500: "<|system|>", 501: "<|user|>",
+           502: "<|assistant|>"}
+WORDS = {i: SPECIAL.get(i, f"w{i}") for i in range(512)}
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_tokenizer(out: Path) -> Path:
+    """A word-level fast tokenizer over the tiny model's 512 ids (``w5`` is id 5), with a
+    chat template: written locally, nothing downloaded."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(WordLevel({w: i for i, w in WORDS.items()}, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+    return out
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+@pytest.fixture(scope="module")
+def text_front(servers: dict[str, Proc], store_node: Any,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tok = write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    p = front(servers, store_node.addr, tmp_path_factory.mktemp("front"), "text",
+              "--tokenizer", str(tok), "--ttft-slo", "60s", "--tbt-slo", "5s",
+              colocated=True)
+    yield p
+    assert p.stop() == 0, p.output()
+
+
+def test_text_prompts_with_a_tokenizer(text_front: Proc, servers: dict[str, Proc]) -> None:
+    ids = prompt(40, 90)
+    want = reference(servers["C"], ids, 8)
+    r = httpx.post(text_front.url + "/v1/completions", json={
+        "prompt": words(ids), "max_tokens": 8, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == words(want)
+    assert "token_ids" not in choice  # not asked for
+    body = {"prompt": words(ids), "max_tokens": 8, "temperature": 0, "stream": True}
+    parts = []
+    with httpx.stream("POST", text_front.url + "/v1/completions", json=body,
+                      timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(parts).strip() == words(want)
+    assert len(parts) >= 8
+
+
+def test_chat_completions_render_the_template(text_front: Proc,
+                                              servers: dict[str, Proc]) -> None:
+    user = words(prompt(41, 60))
+    ids = [501, *[int(w[1:]) for w in user.split()], 502]  # <|user|> ... <|assistant|>
+    want = reference(servers["C"], ids, 6)
+    r = httpx.post(text_front.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": user}], "max_tokens": 6,
+        "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": words(want)}
+    bad = httpx.post(text_front.url + "/v1/chat/completions", json={"messages": "hi"},
+                     timeout=30)
+    assert bad.status_code == 400
+    assert "messages must be" in bad.json()["error"]["message"]
+
+
+def test_chat_without_a_tokenizer_is_a_clear_400(disagg: Proc) -> None:
+    r = httpx.post(disagg.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400
+    assert "--tokenizer" in r.json()["error"]["message"]
 
 
 def test_zz_decode_killed_mid_request_gives_a_clear_error(disagg: Proc,
