@@ -86,6 +86,8 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
                                                "ids otherwise"), 400)
             return await codec.completions(front, request, body, _cancel_on_disconnect)
         reply = await _cancel_on_disconnect(request, front.complete(body, route="completions"))
+        if reply is None:
+            front.metrics.requests.labels("completions", "cancelled").inc()
         return _respond(reply)
 
     @app.post("/v1/chat/completions")

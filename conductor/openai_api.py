@@ -96,17 +96,14 @@ async def post_json(inst: VllmInstance, path: str, body: dict[str, Any],
 @dataclass(slots=True, kw_only=True)
 class OpenStream:
     """An instance's SSE answer whose headers arrived; ``chunks`` yields its bytes as they
-    come (no buffering) and closes the upstream response when it ends or is closed."""
+    come (no buffering); the owner closes ``response``."""
 
     inst: VllmInstance
     response: httpx.Response
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self.response.aiter_raw():
-                yield chunk
-        finally:
-            await self.response.aclose()
+        async for chunk in self.response.aiter_raw():
+            yield chunk
 
 
 async def open_stream(inst: VllmInstance, path: str, body: dict[str, Any],

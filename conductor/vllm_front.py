@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 
 from conductor.costs import PolyCostModel
@@ -405,9 +406,6 @@ class VllmFront:
             yield sse_error(f"{inst.role} instance {inst.url} failed mid-stream: "
                             f"{type(exc).__name__}: {exc}")
         finally:
-            # Closing the upstream response drops the connection: vLLM aborts the request
-            # (a client that went away cancels its upstream request).
-            await stream.response.aclose()
             inst.in_flight -= 1
             done()
             self.metrics.requests.labels(route, outcome).inc()
@@ -416,6 +414,11 @@ class VllmFront:
                 self.metrics.e2e.observe(end - t0)
                 if first is not None and events > 3:  # minus the first token and [DONE]
                     inst.calibration.observe_decode(tokens=events - 2, seconds=end - first)
+            # Closing the upstream response drops the connection, so vLLM aborts the
+            # request: a client that went away cancels its upstream request. Shielded: a
+            # cancelled task's awaits are cancelled again (anyio), which would skip it.
+            with anyio.CancelScope(shield=True):
+                await stream.response.aclose()
 
     def status(self) -> dict[str, Any]:
         return {
