@@ -56,7 +56,10 @@ from conductor.vllm_procs import (
 )
 
 RESULTS = REPO / "benchmarks" / "results"
-TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE_NAME = Path("shared") / "traces" / "conversation_trace.jsonl"
+"""``../shared/traces/...`` from the checkout (a worktree one level deeper looks higher)."""
+TRACE = next((p / TRACE_NAME for p in (REPO.parent, REPO.parent.parent)
+              if (p / TRACE_NAME).is_file()), REPO.parent / TRACE_NAME)
 TRACE_BLOCK = 512
 MAX_MODEL_LEN = 2048
 
