@@ -138,7 +138,10 @@ class VllmFront:
         self._ids = itertools.count(1)
         self._pool = _KnownPool()
         self._conductor: VllmConductor | None = None
-        self._local: dict[InstanceId, LocalPrefixCache] = {}
+        self._local: dict[InstanceId, LocalPrefixCache] = {
+            iid: LocalPrefixCache(LOCAL_CACHE_BLOCKS) for iid in self.colocated}
+        """Colocated mode: the blocks the front sent to each instance (resized at start to
+        the instance's KV capacity)."""
         self._prompt_tokens_seen = 0
         self._requests_seen = 0
 
@@ -338,16 +341,7 @@ class VllmFront:
     async def _colocated(self, body: dict[str, Any], route: str, tokens: list[int],
                          keys: list[bytes], stored: int, out_tokens: int, t0: float
                          ) -> Reply:
-        best: tuple[float, InstanceId] | None = None
-        for iid, inst in self.colocated.items():
-            local = self._local[iid].prefix_len(keys)
-            cached = min(max(local, stored) * self.config.block_tokens, len(tokens) - 1)
-            est = (inst.queue_s(mean_prompt_tokens=self._mean_prompt())
-                   + inst.calibration.cost().prefill_s(len(tokens) - cached, cached))
-            if best is None or est < best[0]:
-                best = (est, iid)
-        assert best is not None
-        est, iid = best
+        est, iid = self.choose_colocated(keys, stored, len(tokens))
         if self.config.rejection != "none" and est > self.config.slo.ttft_s:
             return self._reject(route, f"TTFT {est:.2f} s > SLO {self.config.slo.ttft_s:.2f} s")
         inst = self.colocated[iid]
@@ -356,6 +350,22 @@ class VllmFront:
         return await self._forward(inst, body, route, t0, lambda: None, out_tokens,
                                    prefill_tokens=len(tokens) - min(
                                        stored * self.config.block_tokens, len(tokens) - 1))
+
+    def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int
+                         ) -> tuple[float, InstanceId]:
+        """The colocated instance with the lowest estimated TTFT and that estimate: its
+        queue plus the prefill of what neither its own prefix cache (what the front sent
+        there) nor the store (``stored`` leading blocks) holds. Ties go to the first."""
+        best: tuple[float, InstanceId] | None = None
+        for iid, inst in self.colocated.items():
+            local = self._local[iid].prefix_len(keys)
+            cached = min(max(local, stored) * self.config.block_tokens, prompt_tokens - 1)
+            est = (inst.queue_s(mean_prompt_tokens=self._mean_prompt())
+                   + inst.calibration.cost().prefill_s(prompt_tokens - cached, cached))
+            if best is None or est < best[0]:
+                best = (est, iid)
+        assert best is not None
+        return best
 
     async def _forward(self, inst: VllmInstance, body: dict[str, Any], route: str, t0: float,
                        done: Any, out_tokens: int, prefill_tokens: int = 0) -> Reply:
