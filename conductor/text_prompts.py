@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from conductor.openai_api import error_body
 from conductor.vllm_front import JsonReply, Reply, StreamReply, VllmFront
@@ -135,8 +135,9 @@ class TextCodec:
                 return JSONResponse(reply.body, status_code=reply.status)
             return JSONResponse(self._fill(reply.body, want_ids, chat))
         assert isinstance(reply, StreamReply)
-        return StreamingResponse(self._stream(reply.chunks, want_ids, chat, model),
-                                 media_type="text/event-stream")
+        from conductor.http_front import StreamedReply
+
+        return StreamedReply(reply, self._stream(reply.chunks, want_ids, chat, model))
 
     def _fill(self, answer: dict[str, Any], want_ids: bool, chat: bool) -> dict[str, Any]:
         choices = []

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,12 @@ class JsonReply:
 
 @dataclass(slots=True, kw_only=True)
 class StreamReply:
+    """``chunks`` yields the answer; ``close`` ends the request's bookkeeping and its
+    upstream response, once, whether ``chunks`` ran to the end, was interrupted, or never
+    started (a client gone before the first byte): the HTTP layer always awaits it."""
+
     chunks: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
 
 
 Reply = JsonReply | StreamReply
@@ -392,43 +397,51 @@ class VllmFront:
             inst.in_flight -= 1
             done()
             raise
-        return StreamReply(chunks=self._pass_through(stream, route, t0, done, prefill_tokens))
+        state = _StreamState()
 
-    async def _pass_through(self, stream: OpenStream, route: str, t0: float, done: Any,
-                            prefill_tokens: int) -> AsyncIterator[bytes]:
-        inst = stream.inst
-        first: float | None = None
-        events = 0
-        outcome = "cancelled"
-        try:
-            async for chunk in stream.chunks():
-                if first is None:
-                    first = time.monotonic()
-                    self.metrics.ttft.observe(first - t0)
-                    if prefill_tokens:
-                        inst.calibration.observe_prefill(computed_tokens=prefill_tokens,
-                                                         seconds=first - t0)
-                events += chunk.count(b"data: ")
-                yield chunk
-            outcome = "ok"
-        except (httpx.HTTPError, UpstreamError) as exc:
-            outcome = "upstream_error"
-            yield sse_error(f"{inst.role} instance {inst.url} failed mid-stream: "
-                            f"{type(exc).__name__}: {exc}")
-        finally:
+        async def close() -> None:
+            if state.closed:
+                return
+            state.closed = True
             inst.in_flight -= 1
             done()
-            self.metrics.requests.labels(route, outcome).inc()
-            if outcome == "ok":
+            self.metrics.requests.labels(route, state.outcome).inc()
+            if state.outcome == "ok":
                 end = time.monotonic()
                 self.metrics.e2e.observe(end - t0)
-                if first is not None and events > 3:  # minus the first token and [DONE]
-                    inst.calibration.observe_decode(tokens=events - 2, seconds=end - first)
+                if state.first is not None and state.events > 3:  # first token, [DONE]
+                    inst.calibration.observe_decode(tokens=state.events - 2,
+                                                    seconds=end - state.first)
             # Closing the upstream response drops the connection, so vLLM aborts the
             # request: a client that went away cancels its upstream request. Shielded: a
             # cancelled task's awaits are cancelled again (anyio), which would skip it.
             with anyio.CancelScope(shield=True):
                 await stream.response.aclose()
+
+        return StreamReply(chunks=self._pass_through(stream, t0, state, close,
+                                                     prefill_tokens), close=close)
+
+    async def _pass_through(self, stream: OpenStream, t0: float, state: _StreamState,
+                            close: Callable[[], Awaitable[None]], prefill_tokens: int
+                            ) -> AsyncIterator[bytes]:
+        inst = stream.inst
+        try:
+            async for chunk in stream.chunks():
+                if state.first is None:
+                    state.first = time.monotonic()
+                    self.metrics.ttft.observe(state.first - t0)
+                    if prefill_tokens:
+                        inst.calibration.observe_prefill(computed_tokens=prefill_tokens,
+                                                         seconds=state.first - t0)
+                state.events += chunk.count(b"data: ")
+                yield chunk
+            state.outcome = "ok"
+        except (httpx.HTTPError, UpstreamError) as exc:
+            state.outcome = "upstream_error"
+            yield sse_error(f"{inst.role} instance {inst.url} failed mid-stream: "
+                            f"{type(exc).__name__}: {exc}")
+        finally:
+            await close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -442,6 +455,14 @@ class VllmFront:
                                   "calibration": i.calibration.snapshot()}
                           for i in self.instances()},
         }
+
+
+@dataclass(slots=True)
+class _StreamState:
+    outcome: str = "cancelled"
+    first: float | None = None
+    events: int = 0
+    closed: bool = False
 
 
 def _err(status: int, message: str, *, reason: str | None = None) -> dict[str, Any]:
