@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstore import wire
+from kvstore import tenancy, wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
 from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
@@ -69,6 +69,9 @@ class _Connection:
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
             }
+        # Ops whose handler is marked ``@tenancy.cluster_only``: refused to tenants.
+        self.cluster_ops = frozenset(op for op, h in self.handlers.items()
+                                     if tenancy.is_cluster_only(h))
         if metrics is not None:  # each op's dispatch timed under its name
             self.handlers = {op: metrics.timed_channel_op(Op(op).name, handler)
                              for op, handler in self.handlers.items()}
@@ -90,6 +93,8 @@ class _Connection:
                 payload = self.payload_bytes(op, meta)
                 try:
                     with self.node.request():
+                        if op in self.cluster_ops:
+                            tenancy.require_cluster_role(self.p, op.name)
                         payload = 0  # the handler consumes the payload from here on
                         self.handlers[op](count, meta)
                 except _Abandon as abandon:
@@ -146,6 +151,8 @@ class _Connection:
         node = self.node
         entries = node.acquire_reads(self.p.keys(wire.unpack_keys(meta, count)))
         try:
+            tenancy.check_reply_bytes([None if e is None else e.nbytes for e in entries],
+                                      wire.MAX_REPLY_BYTES, "GET")
             views = node.block_views(entries)
             lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
             self.reply(count, lengths, [v for v in views if v is not None])

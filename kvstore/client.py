@@ -34,7 +34,14 @@ from kvstore.channel_client import (
     as_readable,
     as_writable,
 )
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, error_for_code
+from kvstore.errors import (
+    REPLY_BOUND,
+    InvalidArgument,
+    KVStoreError,
+    ResourceExhausted,
+    Unavailable,
+    error_for_code,
+)
 from kvstore.keys import BlockKey
 from kvstore.logs import REQUEST_ID_HEADER
 from kvstore.node import MAX_BATCH, check_key, check_parent
@@ -277,18 +284,22 @@ class Client(SingleKeyCalls):
         ks = [check_key(k) for k in keys]
         if self._uses_channel():
             return self._batched(ks, lambda c, part, lo: c.get(part, None))
+        def batch_get(part: list[BlockKey], lo: int) -> list[bytes | None]:
+            reply = self._grpc("BatchGet", pb.BatchGetRequest(keys=part))
+            return [i.value if i.found else None for i in reply.items]
+
         out: list[bytes | None] = []
         for lo in range(0, len(ks), MAX_BATCH):
-            reply = self._grpc("BatchGet", pb.BatchGetRequest(keys=ks[lo : lo + MAX_BATCH]))
-            out += [i.value if i.found else None for i in reply.items]
+            out += _split_on_bound(batch_get, ks[lo : lo + MAX_BATCH], lo)
         return out
 
     def _batched(self, ks: list[BlockKey], fn: Any) -> list[Any]:
         """``fn(conn, part, offset)`` over slices of at most MAX_BATCH keys, results joined."""
         out: list[Any] = []
         for lo in range(0, len(ks), MAX_BATCH):
-            part = ks[lo : lo + MAX_BATCH]
-            out += self._channel_call(lambda c, part=part, lo=lo: fn(c, part, lo))
+            out += _split_on_bound(
+                lambda part, lo: self._channel_call(lambda c: fn(c, part, lo)),
+                ks[lo : lo + MAX_BATCH], lo)
         return out
 
     def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
@@ -372,6 +383,18 @@ def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
     if len(ps) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
     return ks, [as_readable(v) for v in values], ps
+
+
+def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
+    """``fn(part, lo)``; a read the node refuses as past its reply bound (``REPLY_BOUND``)
+    is asked for again in halves, down to one key (a single block always fits)."""
+    try:
+        return fn(part, lo)
+    except ResourceExhausted as exc:
+        if REPLY_BOUND not in str(exc) or len(part) < 2:
+            raise
+    mid = len(part) // 2
+    return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:

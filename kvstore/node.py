@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
@@ -221,7 +221,7 @@ class Node:
                         self._quotas.check(owner, quota, nbytes)
                     reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
                     if reservation is not None and owner is not None:
-                        self._quotas.charge(owner, key, nbytes)
+                        self._quotas.charge_reservation(owner, reservation, nbytes)
                     # Evicted blocks leave their owner's quota; nothing else needs to hear
                     # of them, so the events cannot pile up.
                     for gone in self._manager.drain_evicted():
@@ -257,13 +257,17 @@ class Node:
         return self._manager.fill_view(reservation)
 
     def commit(self, reservation: Reservation) -> bool:
+        """Publishes the block: True, or False (space and charge returned) if another put
+        of the key stored it first."""
         with self._lock:
-            return self._manager.commit(reservation)
+            stored = self._manager.commit(reservation)
+            self._quotas.settle(reservation, reservation.key, stored=stored)
+            return stored
 
     def abort(self, reservation: Reservation) -> None:
         with self._lock:
             self._manager.abort(reservation)
-            self._quotas.release(reservation.key)
+            self._quotas.settle(reservation, reservation.key, stored=False)
 
     @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
@@ -349,19 +353,30 @@ class Node:
         return self._manager.read_view(entry)
 
     @contextmanager
-    def reading_many(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
+    def reading_many(self, keys: Sequence[BlockKey], *, max_bytes: int | None = None
+                     ) -> Iterator[list[memoryview | None]]:
         """Views of several blocks (None per miss), valid inside the scope."""
-        with self.reading_blocks(keys) as blocks:
+        with self.reading_blocks(keys, max_bytes=max_bytes) as blocks:
             yield [None if b is None else b[1] for b in blocks]
 
     @contextmanager
-    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True
+    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True,
+                       max_bytes: int | None = None
                        ) -> Iterator[list[tuple[BlockEntry, memoryview] | None]]:
         """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope.
 
-        ``access=False`` for copies the cluster makes: not counted as reads."""
+        ``access=False`` for copies the cluster makes: not counted as reads.
+        ``max_bytes``: ResourceExhausted if the leased blocks (repeats included) sum past
+        it, checked on the leases themselves (no put can grow the total after the check)
+        and before any block is read into a buffer."""
         entries = self.acquire_reads(keys, access=access)
         try:
+            if max_bytes is not None:
+                total = sum(e.nbytes for e in entries if e is not None)
+                if total > max_bytes:
+                    raise ResourceExhausted(
+                        f"the reply would be {total} bytes, over the {max_bytes}-byte "
+                        f"{REPLY_BOUND}: ask for fewer keys per request")
             views = self.block_views(entries)
             yield [None if e is None or v is None else (e, v)
                    for e, v in zip(entries, views, strict=True)]

@@ -89,9 +89,10 @@ class Principal:
 
     @property
     def owner(self) -> str | None:
-        """The name quotas are charged to (None: nobody is charged)."""
+        """The name a put's bytes are counted (and, with a quota, limited) under; None for
+        an open node and the cluster role (nobody is charged)."""
         t = self.tenant
-        return t.name if t is not None and t.quota_bytes is not None else None
+        return t.name if t is not None and t.salts else None
 
     @property
     def quota(self) -> int | None:

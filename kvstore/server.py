@@ -21,9 +21,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import wire
+from kvstore import tenancy, wire
 from kvstore.channel_server import ChannelServer
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 
 MAX_MESSAGE_BYTES = 512 << 20
+MAX_REPLY_VALUE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
+"""Most value bytes one Get/BatchGet reply carries (the rest of a message is framing:
+at most MAX_BATCH items of a few bytes each). A read past it is refused up front."""
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -65,6 +68,7 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
     def wrapper(self: KVStoreServicer, request: Any, context: grpc.ServicerContext) -> R:
         try:
             principal = self.authenticate(context)  # before anything about keys is read
+            tenancy.check_role(principal, method, method.__name__)
             with self.node.request():
                 return method(self, request, context, principal)
         except KVStoreError as exc:
@@ -110,7 +114,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext, p: Principal
             ) -> pb.GetResponse:
-        value = self.node.get(p.key(check_key(request.key)))
+        key = p.key(check_key(request.key))
+        tenancy.check_reply_bytes(self.node.block_sizes([key]), MAX_REPLY_VALUE_BYTES, "Get")
+        value = self.node.get(key)
         return pb.GetResponse(found=False) if value is None else pb.GetResponse(found=True,
                                                                                  value=value)
 
@@ -143,7 +149,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def BatchGet(self, request: pb.BatchGetRequest, context: grpc.ServicerContext,
                  p: Principal) -> pb.BatchGetResponse:
         keys = p.keys(check_keys(request.keys))
-        with self.node.reading_many(keys) as views:
+        # Checked twice: on sizes first (a cheap refusal), then on the leases themselves.
+        tenancy.check_reply_bytes(self.node.block_sizes(keys), MAX_REPLY_VALUE_BYTES,
+                                  "BatchGet")
+        with self.node.reading_many(keys, max_bytes=MAX_REPLY_VALUE_BYTES) as views:
             items = [pb.GetResponse(found=False) if v is None else
                      pb.GetResponse(found=True, value=bytes(v)) for v in views]
         return pb.BatchGetResponse(items=items)
@@ -151,7 +160,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext, p: Principal
               ) -> pb.StatsResponse:
-        stats = self.node.stats()
+        stats = tenancy.stats_view(p, self.node.stats())
         tiers = [
             pb.TierStats(name=name, counters={k: v for k, v in t.items() if isinstance(v, int)})
             for name, t in stats["tiers"].items()
@@ -166,6 +175,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LocateResponse(tiers=[t or "" for t in tiers])
 
     @_rpc
+    @tenancy.cluster_only
     def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext,
                   p: Principal) -> pb.ReplicateResponse:
         if self._replicator is None:
@@ -181,10 +191,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                     stored_on=out.stored_on, failed=out.failed)
 
     @_rpc
+    @tenancy.cluster_only
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext, p: Principal
               ) -> pb.DrainResponse:
-        if p.tenant is not None and p.tenant.salts:
-            raise PermissionDenied("draining a node needs a cluster-role token")
         if self.drain_handler is None:
             raise InvalidArgument("this node is not in a cluster: there is no one to hand its "
                                   "blocks to (stop it with SIGTERM)")

@@ -66,6 +66,9 @@ RESERVE_EXISTED = 0
 RESERVE_OK = 1
 
 MAX_META = 64 << 20  # 65536 x 48-byte items fits with room to spare
+MAX_REPLY_BYTES = 1 << 30
+"""Most value bytes one GET reply carries (repeated keys count each time); a GET past it
+is refused with RESOURCE_EXHAUSTED before any block is read (clients split and retry)."""
 
 
 class Mode(IntEnum):
