@@ -76,7 +76,11 @@ def as_writable(buf: object) -> memoryview:
 class ChannelConnection:
     """One transfer-channel stream."""
 
-    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None) -> None:
+    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None,
+                 io_timeout: float | None = None) -> None:
+        """``timeout``: connecting and the hello; ``io_timeout``: how long any one read or
+        write may then stall before the call fails (None: block, as a local engine wants;
+        a node calling its peers sets it, so a stalled peer cannot hold its thread)."""
         self.session = session
         self.mode = mode
         if mode is Mode.SHM:
@@ -99,8 +103,8 @@ class ChannelConnection:
         except BaseException:
             sock.close()
             raise
-        # Blocking from here on: a transfer takes as long as its size needs.
-        sock.settimeout(None)
+        # A transfer takes as long as its size needs; only a stall is bounded.
+        sock.settimeout(io_timeout)
         self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:

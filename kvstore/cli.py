@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repair bandwidth cap, e.g. 100MiB (default 100MiB)")
     c.add_argument("--repair-interval", type=float,
                    help="seconds between periodic repair passes (default 30)")
+    c.add_argument("--members", metavar="HOST:PORT,...",
+                   help="static peers: with etcd's view, the only addresses this node sends "
+                   "blocks (and its peer token) to when asked to replicate")
 
     def client_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help=f"node address (default "
@@ -194,15 +197,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
-        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "tls_cert", "tls_key",
+        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
+        "tls_key",
         "tls_ca", "tls_client_auth", "auth_file", "peer_token_file", "insecure", "etcd_ca",
         "etcd_cert", "etcd_key")}
     cfg = load_config(args.config, overrides)
     setup_logging(cfg.log_level, cfg.log_format)
     fmt = cfg.log_format
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if not stop.is_set():
+            stop.set()
+            _exit_watchdog(cfg.drain_timeout + STOP_MARGIN_S, fmt)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, policy=cfg.policy,
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
@@ -213,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
-                            **_security(cfg), metrics=metrics)
+                            **_security(cfg), metrics=metrics, members=cfg.member_addrs())
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
@@ -263,6 +273,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announce("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
              fmt=fmt)
     return 0
+
+
+STOP_MARGIN_S = 5.0
+"""SIGTERM ends the node within --drain-timeout plus this, whatever is still running."""
+
+
+def _exit_watchdog(after_s: float, fmt: str) -> None:
+    """Ends the process ``after_s`` seconds from now if it has not exited by then: a
+    thread stuck in a peer call or a stalled client must not keep a stopping node alive."""
+    import os
+
+    from kvstore.logs import announce
+
+    def expire() -> None:
+        announce(f"kvstore: stopped (forced after {after_s:g}s: some work did not end)",
+                 fmt=fmt)
+        os._exit(0)
+
+    timer = threading.Timer(after_s, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def _security(cfg: Any) -> dict[str, Any]:
@@ -316,6 +347,7 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
         repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
         etcd_tls=_etcd_tls(cfg)))
+    server.known_members.follow(lambda: [m.addr for m in role.membership.members()])
     role.join()
     return role
 

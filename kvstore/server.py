@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -272,12 +272,14 @@ class NodeServer:
                  enable_shm: bool = True, peer_timeout: float = 10.0,
                  tls: ServerTls | None = None, auth: TenantRegistry | None = None,
                  peer_token: str | None = None, insecure: bool = False,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, members: Sequence[str] = ()) -> None:
         """``tls``/``auth``: see ``kvstore.security``. ``peer_token`` is what this node
         presents to its peers (a cluster-role token) when it replicates or repairs.
-        Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``."""
+        Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``.
+        ``members``: the static list of peer addresses this node may send blocks to (a
+        cluster node adds its etcd view with ``known_members.follow``); no one else."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
-        from replication.peers import PeerPool  # replication builds on the client: import late
+        from replication.peers import KnownMembers, PeerPool  # builds on the client: late
         from replication.replicator import Replicator
 
         self.node = node
@@ -306,9 +308,14 @@ class NodeServer:
         self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)
+        self.known_members = KnownMembers(members)
         self.peers = PeerPool(timeout=peer_timeout, token=peer_token,
-                              tls=tls.peer() if tls else None)
-        self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
+                              tls=tls.peer() if tls else None, members=self.known_members)
+        # Half the handler threads at most wait on replication; each at most two peer
+        # timeouts (a push and one fallback).
+        self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc,
+                                     max_calls=max(1, grpc_workers // 2),
+                                     wait_s=2 * peer_timeout)
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
         self.health = NodeHealth(node)
@@ -341,7 +348,14 @@ class NodeServer:
         Returns True if every in-flight request finished within ``grace`` seconds.
         """
         self.health.enter_graceful_shutdown()  # NOT_SERVING from here on, Watch streams too
-        drained = self.node.drain(grace)
+        drained = self.node.drain(grace / 2)
+        if not drained:
+            # What still runs may be waiting on peers: cancel the outbound work (waiting
+            # replicate calls answer at once, calls to peers end) and give the rest the time
+            # left, so the whole stop stays within ``grace``.
+            self.replicator.close()
+            self.peers.close()
+            drained = self.node.drain(grace / 2)
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
         self.replicator.close()

@@ -68,9 +68,9 @@ def flip_byte(path: Path | str, pos: int) -> None:
         os.close(fd)
 
 
-def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0
-               ) -> NodeProcess:
-    port = free_port()
+def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0,
+               port: int | None = None) -> NodeProcess:
+    port = port or free_port()
     addr = f"127.0.0.1:{port}"
     log = tmp_path / f"node-{port}.log"
     args = [sys.executable, "-m", "kvstore", "serve", "--listen", addr, "--dram-bytes", dram,
@@ -88,6 +88,22 @@ def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: 
             raise RuntimeError(f"node not ready in {ready_timeout}s:\n{node.output()}")
         time.sleep(0.02)
     return node
+
+
+def start_static_cluster(tmp_path: Path, n: int, *extra: str, dram: str = "64MiB"
+                         ) -> list[NodeProcess]:
+    """``n`` nodes that know each other from ``--members`` (a static cluster, no etcd)."""
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    nodes: list[NodeProcess] = []
+    try:
+        for p in ports:
+            nodes.append(start_node(tmp_path, "--members", members, *extra, dram=dram, port=p))
+    except BaseException:
+        for node in nodes:
+            node.stop(signal.SIGKILL)
+        raise
+    return nodes
 
 
 @pytest.fixture(scope="session")
