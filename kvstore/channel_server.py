@@ -45,9 +45,13 @@ class _Connection:
     """One client stream."""
 
     def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
         self.node = node
         self.sock = sock
+        if stall_s is not None:
+            # A request whose bytes stop flowing (a stalled or stopped client) ends after
+            # this: its reservation is aborted, its read leases released, the stream closed.
+            wire.set_stall_timeout(sock, stall_s)
         self.mode = mode
         self.p = principal  # salts every key this connection names
         self.leases = LeaseSet(node)
@@ -84,6 +88,10 @@ class _Connection:
                     op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
                 except wire.PeerClosed:
                     return
+                except wire.STALLED:
+                    if reader.buffered:
+                        return  # stalled inside a header
+                    continue  # idle between requests: nothing is held for a TCP client
                 try:
                     op = self.check_frame(op_code, count, meta_len)
                 except ProtocolError as exc:
@@ -268,8 +276,11 @@ class ChannelServer:
 
     def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
                  ssl_context: ssl.SSLContext | None = None,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
+        """``stall_s``: how long a request may wait on its client's bytes (the node's
+        ``--read-lease-timeout``); None: forever."""
         self.node = node
+        self._stall_s = stall_s
         self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
         # HELLO token -> the principal it was issued to (one per tenant, by OpenChannel,
@@ -339,7 +350,8 @@ class ChannelServer:
                     sock = tls
             accepted = self._handshake(sock)
             if accepted is not None:
-                _Connection(self.node, sock, *accepted, metrics=self._metrics).serve()
+                _Connection(self.node, sock, *accepted, metrics=self._metrics,
+                            stall_s=self._stall_s).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
+    s.add_argument("--read-lease-timeout", type=float, metavar="S",
+                   help="seconds a client's read lease or unfinished put may pin space while "
+                   "its bytes stall; then it is released (default 30)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="least severe records logged (default info)")
     s.add_argument("--log-format", choices=["text", "json"],
@@ -195,7 +198,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
-        "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
+        "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
+        "hbm_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
         "tls_key",
@@ -223,7 +227,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
-                            **_security(cfg), metrics=metrics, members=cfg.member_addrs())
+                            **_security(cfg), metrics=metrics, members=cfg.member_addrs(),
+                            read_lease_timeout=cfg.read_lease_timeout)
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:

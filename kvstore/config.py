@@ -26,6 +26,7 @@ class NodeConfig:
     shm: bool = True
     grpc_workers: int = 16
     drain_timeout: float = 10.0
+    read_lease_timeout: float = 30.0  # seconds a stalled client may pin a lease or a put
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json" (one object per line, stdout and stderr)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus /metrics endpoint; "": none
@@ -66,6 +67,8 @@ class NodeConfig:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0 <= self.data_port < 65536:
             raise ValueError(f"data_port out of range: {self.data_port}")
+        if self.read_lease_timeout <= 0:
+            raise ValueError("read_lease_timeout must be positive")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
         if self.ssd_path and self.ssd_bytes <= 0:

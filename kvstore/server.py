@@ -51,6 +51,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
+DEFAULT_READ_LEASE_TIMEOUT = 30.0
+"""Seconds (``--read-lease-timeout``) a stalled client may pin a read lease or a put."""
+
 R = TypeVar("R")
 
 
@@ -272,12 +275,15 @@ class NodeServer:
                  enable_shm: bool = True, peer_timeout: float = 10.0,
                  tls: ServerTls | None = None, auth: TenantRegistry | None = None,
                  peer_token: str | None = None, insecure: bool = False,
-                 metrics: NodeMetrics | None = None, members: Sequence[str] = ()) -> None:
+                 metrics: NodeMetrics | None = None, members: Sequence[str] = (),
+                 read_lease_timeout: float | None = DEFAULT_READ_LEASE_TIMEOUT) -> None:
         """``tls``/``auth``: see ``kvstore.security``. ``peer_token`` is what this node
         presents to its peers (a cluster-role token) when it replicates or repairs.
         Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``.
         ``members``: the static list of peer addresses this node may send blocks to (a
-        cluster node adds its etcd view with ``known_members.follow``); no one else."""
+        cluster node adds its etcd view with ``known_members.follow``); no one else.
+        ``read_lease_timeout``: seconds a client's read lease or unfinished put may pin
+        space while its bytes do not flow (see ``kvstore.channel_server``)."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
         from replication.peers import KnownMembers, PeerPool  # builds on the client: late
         from replication.replicator import Replicator
@@ -295,7 +301,7 @@ class NodeServer:
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
         self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
                                      ssl_context=tls.ssl_context() if tls else None,
-                                     metrics=metrics)
+                                     metrics=metrics, stall_s=read_lease_timeout)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
                                  options=GRPC_OPTIONS,

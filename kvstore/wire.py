@@ -128,6 +128,27 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
+def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bounds how long any one ``recv``/``send`` on ``sock`` may wait for the peer.
+
+    A plain socket stays blocking (no poll before every call, ``MSG_WAITALL`` keeps
+    working) and the kernel ends a stalled call after ``seconds`` (SO_RCVTIMEO /
+    SO_SNDTIMEO: the call raises BlockingIOError, or returns what arrived so far); a
+    TLS socket gets Python's own timeout (TimeoutError).
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+STALLED = (BlockingIOError, TimeoutError)
+"""What a socket call raises when the peer stalled past ``set_stall_timeout``."""
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     if n:
@@ -189,7 +210,11 @@ class StreamReader:
             end -= start
             self._start = 0
         while end < n:
-            r = self._sock.recv_into(self._view[end:])
+            try:
+                r = self._sock.recv_into(self._view[end:])
+            except OSError:
+                self._end = end  # keep what arrived (from 0): a retry continues from it
+                raise
             if r == 0:
                 if end == 0:
                     raise PeerClosed("peer closed the stream")
@@ -198,6 +223,11 @@ class StreamReader:
         self._end = end
         self._start = n
         return bytes(self._view[:n])
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet read."""
+        return self._end - self._start
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest``: buffered bytes first, then straight from the socket."""
