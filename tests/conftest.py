@@ -69,15 +69,27 @@ def flip_byte(path: Path | str, pos: int) -> None:
 
 
 def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0,
-               port: int | None = None) -> NodeProcess:
+               port: int | None = None, limit_as: int | None = None) -> NodeProcess:
+    """``limit_as``: the node's address-space limit (RLIMIT_AS) in bytes, so an unbounded
+    allocation fails inside the node (and the test) instead of taking the machine."""
     port = port or free_port()
     addr = f"127.0.0.1:{port}"
     log = tmp_path / f"node-{port}.log"
     args = [sys.executable, "-m", "kvstore", "serve", "--listen", addr, "--dram-bytes", dram,
             "--no-prefault", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    preexec = None
+    if limit_as is not None:
+        import resource
+
+        env["MALLOC_ARENA_MAX"] = "2"  # arenas reserve 64 MiB of address space each
+
+        def preexec() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env=env, preexec_fn=preexec)
     node = NodeProcess(addr=addr, proc=proc, log=log, args=args)
     deadline = time.monotonic() + ready_timeout
     while "kvstore: serving on" not in node.output():
