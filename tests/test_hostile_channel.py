@@ -1,0 +1,228 @@
+"""A hostile client on the transfer channel, against a node run under RLIMIT_AS.
+
+Raw frames (``kvstore.wire``): each test asserts an error frame or a closed
+stream, a node that keeps answering, and the blocks stored before it intact.
+Stalled clients are real processes stopped with SIGSTOP; the node runs with
+``--read-lease-timeout 1`` so what they pin comes back within the test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import REPO, NodeProcess, start_node, wait_until
+
+from kvstore import wire
+from kvstore.client import Client
+from kvstore.node import MAX_BATCH
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import HEADER, Op
+
+MiB = 1 << 20
+LIMIT_AS = 3 << 30
+BIG = 4 * MiB
+BIG_KEY = b"B" * 16
+SMALL_KEY = b"s" * 16
+BIG_VALUE = bytes(range(256)) * (BIG // 256)
+SMALL_VALUE = b"small value " * 50
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    n = start_node(tmp_path_factory.mktemp("hostile-channel"), "--read-lease-timeout", "1",
+                   dram="128MiB", limit_as=LIMIT_AS)
+    with Client(n.addr, transport="grpc") as c:
+        assert c.put(BIG_KEY, BIG_VALUE) and c.put(SMALL_KEY, SMALL_VALUE)
+    yield n
+    assert n.stop() == 0, n.output()
+
+
+@pytest.fixture(autouse=True)
+def intact(node: NodeProcess) -> Iterator[None]:
+    yield
+    assert node.proc.poll() is None, node.output()
+    with Client(node.addr, transport="tcp") as c:
+        assert c.get_batch([BIG_KEY, SMALL_KEY]) == [BIG_VALUE, SMALL_VALUE]
+
+
+def _used(node: NodeProcess) -> int:
+    with Client(node.addr, transport="grpc") as c:
+        return c.stats()["tiers"]["dram"]["used"]
+
+
+def _connect(node: NodeProcess, token: bytes | None = None) -> socket.socket:
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(pb.OpenChannelRequest(), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", info.tcp_port), timeout=30)
+    sock.sendall(wire.HELLO.pack(wire.MAGIC, info.token if token is None else token,
+                                 wire.Mode.TCP))
+    return sock
+
+
+def _hello(sock: socket.socket) -> int:
+    return wire.HELLO_REPLY.unpack(wire.recv_exact(sock, wire.HELLO_REPLY.size))[0]
+
+
+def _reply(sock: socket.socket) -> tuple[int, int, bytes]:
+    status, count, meta_len = HEADER.unpack(wire.recv_exact(sock, HEADER.size))
+    return status, count, wire.recv_exact(sock, meta_len)
+
+
+def _closed(sock: socket.socket) -> bool:
+    return sock.recv(1) == b""
+
+
+def _exists(sock: socket.socket, key: bytes) -> bool:
+    sock.sendall(HEADER.pack(Op.EXISTS, 1, 16) + key)
+    status, count, meta = _reply(sock)
+    assert (status, count) == (0, 1)
+    return meta == b"\x01"
+
+
+@pytest.fixture
+def sock(node: NodeProcess) -> Iterator[socket.socket]:
+    s = _connect(node)
+    assert _hello(s) == 0
+    yield s
+    s.close()
+
+
+def test_get_of_one_block_many_times_is_refused_and_the_stream_goes_on(
+        sock: socket.socket) -> None:
+    sock.sendall(HEADER.pack(Op.GET, MAX_BATCH, 16 * MAX_BATCH) + BIG_KEY * MAX_BATCH)
+    status, _, meta = _reply(sock)
+    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert f"GET reply would be {MAX_BATCH * BIG} bytes".encode() in meta
+    assert b"bound of one reply" in meta
+    assert _exists(sock, SMALL_KEY)  # the same stream, still in step
+
+
+def test_get_reply_bound_is_exact(sock: socket.socket) -> None:
+    n = wire.MAX_REPLY_BYTES // BIG  # exactly the bound
+    sock.sendall(HEADER.pack(Op.GET, n + 1, 16 * (n + 1)) + BIG_KEY * n + SMALL_KEY)
+    status, _, meta = _reply(sock)
+    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], meta
+    sock.sendall(HEADER.pack(Op.GET, n, 16 * n) + BIG_KEY * n)
+    status, count, meta = _reply(sock)
+    assert (status, count) == (0, n)
+    assert wire.unpack_ids(meta, n) == (BIG,) * n
+    view = memoryview(bytearray(BIG))
+    for _ in range(n):  # 1 GiB, straight from the node's region
+        wire.recv_exact_into(sock, view)
+        assert view == BIG_VALUE
+    assert _exists(sock, BIG_KEY)
+
+
+@pytest.mark.parametrize("frame, status, words", [
+    (HEADER.pack(99, 1, 16) + bytes(16), "INVALID_ARGUMENT", b"unknown op 99"),
+    (HEADER.pack(Op.GET, MAX_BATCH + 1, 16 * (MAX_BATCH + 1)), "INVALID_ARGUMENT",
+     b"at most 65536 items"),
+    (HEADER.pack(Op.EXISTS, 1, (1 << 63)), "INVALID_ARGUMENT", b"needs 16 meta bytes"),
+    (HEADER.pack(Op.LEASE, 1, 16) + SMALL_KEY, "INVALID_ARGUMENT",
+     b"LEASE is not available in TCP mode"),
+    (HEADER.pack(Op.COMMIT, 1, 8) + bytes(8), "INVALID_ARGUMENT",
+     b"COMMIT is not available in TCP mode"),
+    (HEADER.pack(Op.PUT, 1, wire.PUT_ITEM.size)
+     + wire.PUT_ITEM.pack(b"h" * 16, bytes(16), 1 << 60, 0), "RESOURCE_EXHAUSTED",
+     b"exceeds the node's capacity"),
+])
+def test_malformed_frames_get_an_error_and_a_closed_stream(sock: socket.socket, frame: bytes,
+                                                          status: str, words: bytes) -> None:
+    sock.sendall(frame)
+    code, _, meta = _reply(sock)
+    assert code == grpc.StatusCode[status].value[0] and words in meta, meta
+    assert _closed(sock)
+
+
+def test_a_wrong_token_is_refused_at_hello(node: NodeProcess) -> None:
+    s = _connect(node, token=b"\x00" * wire.TOKEN_BYTES)
+    try:
+        assert _hello(s) == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert _closed(s)
+    finally:
+        s.close()
+
+
+def test_shared_memory_over_tcp_is_refused(node: NodeProcess) -> None:
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(pb.OpenChannelRequest(), timeout=10)
+    s = socket.create_connection(("127.0.0.1", info.tcp_port), timeout=30)
+    try:
+        s.sendall(wire.HELLO.pack(wire.MAGIC, info.token, wire.Mode.SHM))
+        assert _hello(s) == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    finally:
+        s.close()
+
+
+# ---- stalled and killed clients ---------------------------------------------------------------
+
+_STALLER = textwrap.dedent("""
+    import os, signal, socket, sys
+    from kvstore import wire
+    port, token, what = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3]
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(wire.HELLO.pack(wire.MAGIC, token, wire.Mode.TCP))
+    wire.recv_exact(s, wire.HELLO_REPLY.size)
+    if what == "put":  # a 8 MiB put, a quarter sent
+        s.sendall(wire.header(wire.Op.PUT, 1, wire.PUT_ITEM.size)
+                  + wire.PUT_ITEM.pack(b"p" * 16, bytes(16), 8 << 20, 0) + bytes(2 << 20))
+    else:  # a 64 MiB read that is never read: the node's send fills the socket and waits
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(wire.header(wire.Op.GET, 16, 16 * 16) + b"B" * 16 * 16)
+    os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+
+def _stalled_client(node: NodeProcess, what: str) -> subprocess.Popen:
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(pb.OpenChannelRequest(), timeout=10)
+    proc = subprocess.Popen([sys.executable, "-c", _STALLER, str(info.tcp_port),
+                             info.token.hex(), what], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    _, st = os.waitpid(proc.pid, os.WUNTRACED)  # returns once it stopped itself
+    assert os.WIFSTOPPED(st), st
+    return proc
+
+
+@pytest.mark.parametrize("what", ["put", "get"])
+def test_a_stopped_client_pins_nothing_past_the_lease_timeout(node: NodeProcess,
+                                                              what: str) -> None:
+    base = _used(node)
+    proc = _stalled_client(node, what)
+    try:
+        if what == "put":
+            # The node reserved the 8 MiB; after --read-lease-timeout the stall ends it.
+            wait_until(lambda: _used(node) == base, timeout=30,
+                       what="the stalled put's reservation to be aborted")
+            with Client(node.addr, transport="grpc") as c:
+                assert c.exists([b"p" * 16]) == [False]
+        else:
+            # While the reply is stuck, its read leases hold BIG_KEY: a removal waits for
+            # them. Once the stall ends the stream, the leases go and the space with them.
+            with Client(node.addr, transport="grpc") as c:
+                assert c.remove(BIG_KEY)
+            wait_until(lambda: _used(node) == base - BIG, timeout=30,
+                       what="the stalled read's leases to be released")
+            with Client(node.addr, transport="grpc") as c:
+                assert c.put(BIG_KEY, BIG_VALUE)
+    finally:
+        proc.kill()  # SIGKILL ends a stopped process too
+        proc.wait()
+
+
+def test_a_client_killed_mid_put_leaves_nothing_behind(node: NodeProcess) -> None:
+    base = _used(node)
+    proc = _stalled_client(node, "put")
+    proc.kill()
+    proc.wait()
+    wait_until(lambda: _used(node) == base, timeout=30, what="the reservation to be freed")
+    with Client(node.addr, transport="tcp") as c:
+        assert c.exists([b"p" * 16]) == [False]
