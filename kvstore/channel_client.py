@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -193,6 +194,7 @@ class ChannelConnection:
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                  ) -> list[bytes | int | None]:
+        started = time.monotonic()
         _, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
         region = self.session.region
         assert region is not None
@@ -217,9 +219,25 @@ class ChannelConnection:
                     with memoryview(region) as rv:
                         out[:n] = rv[offset : offset + n]
                     results.append(n)
-        finally:
+        except BaseException:
             if leases:
                 self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            raise
+        if leases:
+            if time.monotonic() - started < wire.MIN_LEASE_TIMEOUT / 2:
+                # Granted after ``started`` and held at least MIN_LEASE_TIMEOUT: every
+                # lease held throughout the copy, no need to ask.
+                self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            else:
+                # Slow copy (a stall, a stop): the node may have expired a lease and reused
+                # its space. Bytes copied under a void lease are fetched again by stream.
+                _, held = self._call(Op.RELEASE_CHECK, len(leases), wire.pack_ids(leases))
+                void = {lease for lease, ok in zip(leases, held, strict=True) if not ok}
+                if void:
+                    unmapped += [i for i, (lease, _, _) in enumerate(items) if lease in void]
+                    unmapped.sort()
+                    for i in unmapped:
+                        results[i] = None
         if unmapped:
             # Blocks in HBM or on SSD come through the stream instead.
             fetched = self._get_stream([keys[i] for i in unmapped],

@@ -48,10 +48,13 @@ class _Connection:
                  metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
         self.node = node
         self.sock = sock
+        self.lease_timeout = stall_s
         if stall_s is not None:
-            # A request whose bytes stop flowing (a stalled or stopped client) ends after
+            # A request whose bytes stop flowing (a stalled or stopped client) ends within
             # this: its reservation is aborted, its read leases released, the stream closed.
-            wire.set_stall_timeout(sock, stall_s)
+            # Half of it, so that an idle same-host connection wakes often enough to expire
+            # its leases and reservations at most 1.5 timeouts after they were granted.
+            wire.set_stall_timeout(sock, stall_s / 2)
         self.mode = mode
         self.p = principal  # salts every key this connection names
         self.leases = LeaseSet(node)
@@ -69,6 +72,7 @@ class _Connection:
             self.handlers |= {
                 Op.LEASE: self.on_lease,
                 Op.RELEASE: self.on_release,
+                Op.RELEASE_CHECK: self.on_release_check,
                 Op.RESERVE: self.on_reserve,
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
@@ -82,8 +86,11 @@ class _Connection:
 
     def serve(self) -> None:
         reader = self.reader
+        shm = self.mode is Mode.SHM
         try:
             while True:
+                if shm:
+                    self.expire()
                 try:
                     op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
                 except wire.PeerClosed:
@@ -91,7 +98,7 @@ class _Connection:
                 except wire.STALLED:
                     if reader.buffered:
                         return  # stalled inside a header
-                    continue  # idle between requests: nothing is held for a TCP client
+                    continue  # idle between requests (SHM: expire what it holds, above)
                 try:
                     op = self.check_frame(op_code, count, meta_len)
                 except ProtocolError as exc:
@@ -122,6 +129,15 @@ class _Connection:
         finally:
             self.leases.close()
             self.reservations.close()
+
+    def expire(self) -> None:
+        """Ends the leases and reservations this client has held past the timeout."""
+        timeout = self.lease_timeout
+        if timeout is not None and (self.leases or self.reservations):
+            n = self.leases.expire(timeout) + self.reservations.expire(timeout)
+            if n:
+                log.info("expired %d read leases or reservations of a same-host client "
+                         "(held past --read-lease-timeout %gs)", n, timeout)
 
     @staticmethod
     def payload_bytes(op: Op, meta: bytes) -> int:
@@ -238,6 +254,9 @@ class _Connection:
         for lease_id in wire.unpack_ids(meta, count):
             self.leases.release(lease_id)
 
+    def on_release_check(self, count: int, meta: bytes) -> None:
+        self.reply(count, bytes(self.leases.release(i) for i in wire.unpack_ids(meta, count)))
+
     def on_reserve(self, count: int, meta: bytes) -> None:
         out = bytearray()
         made: list[int] = []
@@ -263,8 +282,16 @@ class _Connection:
         self.reply(count, bytes(out))
 
     def on_commit(self, count: int, meta: bytes) -> None:
-        results = bytes(self.reservations.commit(rid) for rid in wire.unpack_ids(meta, count))
-        self.reply(count, results)
+        results = bytearray()
+        void: KVStoreError | None = None
+        for rid in wire.unpack_ids(meta, count):
+            try:  # every known reservation is settled, even when one of them expired
+                results.append(self.reservations.commit(rid))
+            except KVStoreError as exc:
+                void = void or exc
+        if void is not None:
+            raise void
+        self.reply(count, bytes(results))
 
     def on_abort(self, count: int, meta: bytes) -> None:
         for rid in wire.unpack_ids(meta, count):

@@ -67,8 +67,8 @@ class NodeConfig:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0 <= self.data_port < 65536:
             raise ValueError(f"data_port out of range: {self.data_port}")
-        if self.read_lease_timeout <= 0:
-            raise ValueError("read_lease_timeout must be positive")
+        if self.read_lease_timeout < 1.0:  # wire.MIN_LEASE_TIMEOUT (config imports no wire)
+            raise ValueError("read_lease_timeout must be >= 1 second")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
         if self.ssd_path and self.ssd_bytes <= 0:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstore.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -34,6 +35,7 @@ from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.policy import make_policy
 
 log = logging.getLogger("kvstore.node")
+T = TypeVar("T")
 _ROOM_ATTEMPTS = 8
 
 MAX_BATCH = 65536
@@ -488,13 +490,15 @@ class Node:
 
 
 class LeaseSet:
-    """Read leases a same-host client holds across requests, ended on release or close."""
+    """Read leases a same-host client holds across requests, ended on release, on expiry
+    (``expire``: ``--read-lease-timeout`` after they were granted) or on close."""
 
-    __slots__ = ("_leases", "_next_id", "_node")
+    __slots__ = ("_clock", "_leases", "_next_id", "_node")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, clock: Callable[[], float] = time.monotonic) -> None:
         self._node = node
-        self._leases: dict[int, BlockEntry] = {}
+        self._clock = clock
+        self._leases: dict[int, tuple[BlockEntry, float]] = {}  # in grant order
         self._next_id = 1
 
     def acquire(self, key: BlockKey) -> tuple[int, BlockEntry] | None:
@@ -503,18 +507,24 @@ class LeaseSet:
             return None
         lease_id = self._next_id
         self._next_id += 1
-        self._leases[lease_id] = entry
+        self._leases[lease_id] = (entry, self._clock())
         return lease_id, entry
 
     def release(self, lease_id: int) -> bool:
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+        """True if the lease was held (not expired, not unknown) until now."""
+        got = self._leases.pop(lease_id, None)
+        if got is None:
             return False
-        self._node.release_read(entry)
+        self._node.release_read(got[0])
         return True
 
+    def expire(self, timeout: float) -> int:
+        """Releases every lease granted ``timeout`` seconds ago or more; how many."""
+        return _expire(self._leases, self._clock() - timeout,
+                       lambda got: self._node.release_read(got[0]))
+
     def close(self) -> None:
-        for entry in self._leases.values():
+        for entry, _ in self._leases.values():
             self._node.release_read(entry)
         self._leases.clear()
 
@@ -523,13 +533,15 @@ class LeaseSet:
 
 
 class ReservationSet:
-    """Reservations a same-host client fills in shared memory, aborted if it goes away."""
+    """Reservations a same-host client fills in shared memory, aborted if it goes away or
+    when they expire (``expire``); a later commit of one fails cleanly."""
 
-    __slots__ = ("_next_id", "_node", "_pending")
+    __slots__ = ("_clock", "_next_id", "_node", "_pending")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, clock: Callable[[], float] = time.monotonic) -> None:
         self._node = node
-        self._pending: dict[int, Reservation] = {}
+        self._clock = clock
+        self._pending: dict[int, tuple[Reservation, float]] = {}  # in grant order
         self._next_id = 1
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool
@@ -539,21 +551,46 @@ class ReservationSet:
             return None
         rid = self._next_id
         self._next_id += 1
-        self._pending[rid] = reservation
+        self._pending[rid] = (reservation, self._clock())
         return rid, reservation
 
     def commit(self, rid: int) -> bool:
-        reservation = self._pending.pop(rid, None)
-        if reservation is None:
-            raise InvalidArgument(f"unknown reservation {rid}")
-        return self._node.commit(reservation)
+        got = self._pending.pop(rid, None)
+        if got is None:
+            raise InvalidArgument(f"reservation {rid} is unknown or expired (the node's "
+                                  f"--read-lease-timeout passed before its commit): nothing "
+                                  f"of it was stored")
+        return self._node.commit(got[0])
 
     def abort(self, rid: int) -> None:
-        reservation = self._pending.pop(rid, None)
-        if reservation is not None:
-            self._node.abort(reservation)
+        got = self._pending.pop(rid, None)
+        if got is not None:
+            self._node.abort(got[0])
+
+    def expire(self, timeout: float) -> int:
+        """Aborts every reservation made ``timeout`` seconds ago or more; how many."""
+        return _expire(self._pending, self._clock() - timeout,
+                       lambda got: self._node.abort(got[0]))
 
     def close(self) -> None:
-        for reservation in self._pending.values():
+        for reservation, _ in self._pending.values():
             self._node.abort(reservation)
         self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def _expire(held: dict[int, tuple[T, float]], before: float,
+            end: Callable[[tuple[T, float]], None]) -> int:
+    """Ends the items of ``held`` (in grant order) granted at or before ``before``."""
+    n = 0
+    while held:
+        first = next(iter(held))
+        got = held[first]
+        if got[1] > before:
+            break
+        del held[first]
+        end(got)
+        n += 1
+    return n

@@ -226,3 +226,94 @@ def test_a_client_killed_mid_put_leaves_nothing_behind(node: NodeProcess) -> Non
     wait_until(lambda: _used(node) == base, timeout=30, what="the reservation to be freed")
     with Client(node.addr, transport="tcp") as c:
         assert c.exists([b"p" * 16]) == [False]
+
+
+# ---- same-host clients that hold leases and reservations too long -----------------------------
+
+
+def _connect_shm(node: NodeProcess) -> socket.socket:
+    from kvstore.server import host_id
+
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(
+            pb.OpenChannelRequest(client_host_id=host_id()), timeout=10)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect("\0" + info.unix_path[1:])
+    s.sendall(wire.HELLO.pack(wire.MAGIC, info.token, wire.Mode.SHM))
+    msg, fds, _, _ = socket.recv_fds(s, wire.HELLO_REPLY.size, 1)
+    for fd in fds:
+        os.close(fd)
+    assert wire.HELLO_REPLY.unpack(msg)[0] == 0
+    return s
+
+
+def test_an_idle_same_host_client_loses_its_leases_and_reservations(node: NodeProcess) -> None:
+    key, other = b"L" * 16, b"R" * 16
+    with Client(node.addr, transport="grpc") as c:
+        assert c.put(key, bytes(MiB))
+    base = _used(node)
+    s = _connect_shm(node)
+    try:
+        s.sendall(HEADER.pack(Op.LEASE, 1, 16) + key)
+        status, _, meta = _reply(s)
+        lease, _, n = wire.LEASE_ITEM.unpack(meta)
+        assert status == 0 and lease and n == MiB
+        s.sendall(HEADER.pack(Op.RESERVE, 1, wire.PUT_ITEM.size)
+                  + wire.PUT_ITEM.pack(other, bytes(16), 2 * MiB, 0))
+        status, _, meta = _reply(s)
+        rid, _, state = wire.RESERVE_ITEM.unpack(meta)
+        assert status == 0 and state == wire.RESERVE_OK
+        with Client(node.addr, transport="grpc") as c:
+            assert c.remove(key)  # deferred: the lease still holds its bytes
+        assert _used(node) == base + 2 * MiB
+        # The client says nothing; within 1.5 x --read-lease-timeout both are gone.
+        wait_until(lambda: _used(node) == base - MiB, timeout=30,
+                   what="the idle client's lease and reservation to expire")
+        s.sendall(HEADER.pack(Op.RELEASE_CHECK, 1, 8) + wire.pack_ids([lease]))
+        assert _reply(s) == (0, 1, b"\x00")  # void: whatever it copied must not be used
+        s.sendall(HEADER.pack(Op.COMMIT, 1, 8) + wire.pack_ids([rid]))
+        status, _, meta = _reply(s)
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"unknown or expired" in meta
+        assert not _exists(s, other)  # the stream goes on; nothing was stored
+    finally:
+        s.close()
+
+
+def test_a_client_whose_lease_expired_mid_copy_reports_a_miss_not_other_bytes(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.channel_client import ChannelConnection
+
+    key, successor = b"E" * 16, b"F" * 16
+    value, other = b"\x11" * MiB, b"\x22" * MiB
+    with Client(node.addr, transport="grpc") as c:
+        assert c.put(key, value)
+    without = _used(node) - MiB  # once the block and its last lease are gone
+    real_call = ChannelConnection._call
+    stalled: list[Op] = []
+
+    def stalled_call(self: ChannelConnection, op: Op, count: int, meta: bytes,
+                     values: object = ()) -> tuple[int, bytes]:
+        got = real_call(self, op, count, meta, values)  # type: ignore[arg-type]
+        if op is Op.LEASE and key in meta and not stalled:
+            stalled.append(op)
+            # The engine stalls here, between the lease and its copy: the node expires the
+            # lease, the block goes, and another block takes its place in the region.
+            with Client(node.addr, transport="grpc") as c:
+                assert c.remove(key)
+                wait_until(lambda: _used(node) == without, timeout=30,
+                           what="the stalled lease to expire")
+                assert c.put(successor, other)
+        return got
+
+    monkeypatch.setattr(ChannelConnection, "_call", stalled_call)
+    with Client(node.addr, transport="shm") as c:
+        assert c.get(key) is None  # a miss: never the successor's bytes
+        assert stalled == [Op.LEASE]
+        buf = bytearray(MiB)
+        assert c.get_into(successor, buf) == MiB and buf == other
+    monkeypatch.undo()
+    with Client(node.addr, transport="grpc") as c:
+        assert c.remove(successor)
+
