@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.fit import check_fits
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
@@ -134,6 +135,7 @@ class Node:
         self._request_scope = _RequestScope(self)
 
     def _open_tiers(self, s: NodeSettings) -> tuple[list[Tier], list[bool]]:
+        check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device)
         tiers: list[Tier] = []
         durable: list[bool] = []
         try:
