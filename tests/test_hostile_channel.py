@@ -317,3 +317,20 @@ def test_a_client_whose_lease_expired_mid_copy_reports_a_miss_not_other_bytes(
     with Client(node.addr, transport="grpc") as c:
         assert c.remove(successor)
 
+
+
+def test_unknown_ids_are_refused_or_ignored_and_the_stream_goes_on(node: NodeProcess) -> None:
+    s = _connect_shm(node)
+    try:
+        ids = wire.pack_ids([0, 7, (1 << 64) - 1])
+        s.sendall(HEADER.pack(Op.RELEASE, 3, 24) + ids)  # no reply: nothing to release
+        s.sendall(HEADER.pack(Op.ABORT, 3, 24) + ids)  # no reply: nothing to abort
+        s.sendall(HEADER.pack(Op.RELEASE_CHECK, 3, 24) + ids)
+        assert _reply(s) == (0, 3, b"\x00\x00\x00")
+        s.sendall(HEADER.pack(Op.COMMIT, 3, 24) + ids)
+        status, _, meta = _reply(s)
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert b"reservation 0 is unknown or expired" in meta
+        assert _exists(s, SMALL_KEY)
+    finally:
+        s.close()
