@@ -104,8 +104,11 @@ class ChannelConnection:
         except BaseException:
             sock.close()
             raise
-        # A transfer takes as long as its size needs; only a stall is bounded.
-        sock.settimeout(io_timeout)
+        # Blocking from here on: a transfer takes as long as its size needs; only a stall
+        # is bounded, by the kernel (no poll before every call).
+        sock.settimeout(None)
+        if io_timeout is not None:
+            wire.set_stall_timeout(sock, io_timeout)
         self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:

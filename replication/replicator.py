@@ -69,7 +69,7 @@ def push_blocks(node: Node, peer: Client, keys: Sequence[BlockKey]) -> int:
 class _Round:
     """One group of keys with the same target order; fields guarded by the shared ``cond``."""
 
-    __slots__ = ("candidates", "cond", "failed", "keys", "running", "stored_on")
+    __slots__ = ("candidates", "cond", "failed", "inflight", "keys", "running", "stored_on")
 
     def __init__(self, cond: threading.Condition, keys: list[BlockKey], candidates: list[str]
                  ) -> None:
@@ -77,6 +77,7 @@ class _Round:
         self.keys = keys
         self.candidates = candidates  # not yet started, in order
         self.running = 0
+        self.inflight: list[str] = []  # addresses of the pushes running
         self.stored_on: list[str] = []
         self.failed: list[str] = []
 
@@ -161,8 +162,7 @@ class Replicator:
                     for r in rounds:
                         r.failed += [f"{a}: {why}" for a in r.candidates]
                         r.candidates.clear()
-                        if r.running:
-                            r.failed.append(f"{r.running} push(es) still running: {why}")
+                        r.failed += [f"{a}: still sending, {why}" for a in r.inflight]
                 return self._outcome(rounds, missing)
         finally:
             with self._waiting_lock:
@@ -186,6 +186,7 @@ class Replicator:
             rnd.failed.append(f"{addr}: node is stopping")
             return
         rnd.running += 1
+        rnd.inflight.append(addr)
 
     def _push(self, rnd: _Round, addr: str) -> None:
         error = ""
@@ -198,6 +199,7 @@ class Replicator:
             error = f"internal error: {exc}"
         with rnd.cond:
             rnd.running -= 1
+            rnd.inflight.remove(addr)
             if error:
                 rnd.failed.append(f"{addr}: {error}")
                 if rnd.candidates:

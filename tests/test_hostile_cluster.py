@@ -153,3 +153,39 @@ def test_sigterm_ends_a_node_with_stuck_replicate_calls_within_the_drain_timeout
     assert n.proc.wait(timeout=2 + 5 + 5) == 0, n.output()
     assert time.monotonic() - started < 2 + 5 + 5
     assert "kvstore: stopped" in n.output()
+
+
+def test_a_member_stopped_mid_transfer_costs_one_stall_timeout(tmp_path: Path) -> None:
+    member = start_node(tmp_path, dram="64MiB")
+    node = Node(NodeSettings(dram_bytes=64 * MiB, prefault=False))
+    server = NodeServer(node, listen=f"127.0.0.1:{free_port()}", grpc_workers=4,
+                        peer_timeout=1.0, members=[member.addr])
+    server.start()
+    try:
+        with Client(server.addresses.grpc, transport="grpc", timeout=60) as c:
+            assert c.put(KEY, VALUE)
+            reply = c._grpc("Replicate", pb.ReplicateRequest(
+                keys=[KEY], targets=[member.addr], copies=2, write_quorum=2))
+            assert list(reply.stored_on) == [member.addr]  # the peer stream is open now
+            big = b"b" * 16
+            assert c.put(big, bytes(range(256)) * (32 * MiB // 256))
+            member.proc.send_signal(signal.SIGSTOP)
+            try:
+                reply = c._grpc("Replicate", pb.ReplicateRequest(
+                    keys=[big], targets=[member.addr], copies=2, write_quorum=2))
+                assert reply.copies == 1 and list(reply.stored_on) == []
+                assert len(reply.failed) == 1 and reply.failed[0].startswith(member.addr)
+                assert c.get(KEY) == VALUE  # and the node answers
+                # The push holds a read lease on the block while it sends: once the stall
+                # timeout ends it (the member still stopped), a removal frees the space.
+                used = node.stats()["tiers"]["dram"]["used"]
+                assert node.remove(big)
+                wait_until(lambda: node.stats()["tiers"]["dram"]["used"] == used - 32 * MiB,
+                           timeout=30, what="the stalled push to end")
+            finally:
+                member.proc.send_signal(signal.SIGCONT)
+        assert server.stop(grace=5.0) is True
+    finally:
+        server.stop(grace=1.0)
+        node.close()
+        member.stop()
