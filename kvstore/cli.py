@@ -441,8 +441,9 @@ def format_stat_table(stats: dict) -> str:
     for name, t in stats["tiers"].items():
         row = [name]
         for col in cols[1:]:
-            v = t.get(col, "")
-            row.append(format_size(v) if col in ("capacity", "used") else str(v))
+            v = t.get(col)  # a tenant's view has fewer columns (kvstore.tenancy)
+            row.append("" if v is None else format_size(v) if col in ("capacity", "used")
+                       else str(v))
         rows.append(row)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]

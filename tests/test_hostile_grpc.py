@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import NodeProcess, start_node
+from conftest import REPO, NodeProcess, start_node
 
 from kvstore.client import Client
 from kvstore.errors import REPLY_BOUND, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -237,3 +239,14 @@ def test_the_address_space_limit_was_in_force(node: NodeProcess) -> None:
     assert peak * 1024 <= LIMIT_AS
     limits = Path(f"/proc/{node.proc.pid}/limits").read_text()
     assert f"Max address space         {LIMIT_AS}" in limits
+
+
+def test_the_stat_command_shows_a_tenant_its_view(node: NodeProcess, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKENS["a"])
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stat", "--addr", node.addr,
+                          "--transport", "grpc", "--token-file", str(token)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"namespace_bytes={{'a': {BIG + len(SMALL_VALUE)}}}" in out.stdout
+    assert "tenant=a" in out.stdout and "'b'" not in out.stdout
