@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.channel")
 
 _SCRATCH = 1 << 20
+MAX_CONNECTIONS = 1024
 
 
 class _Abandon(Exception):
@@ -303,10 +304,14 @@ class ChannelServer:
 
     def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
                  ssl_context: ssl.SSLContext | None = None,
-                 metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         """``stall_s``: how long a request may wait on its client's bytes (the node's
-        ``--read-lease-timeout``); None: forever."""
+        ``--read-lease-timeout``); None: forever. ``max_connections``: open connections
+        (each has a thread) past which new ones are closed at once."""
         self.node = node
+        self._max_connections = max_connections
+        self._live = 0  # connections with a thread; guarded by _lock
         self._stall_s = stall_s
         self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
@@ -356,10 +361,36 @@ class ChannelServer:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
-                             daemon=True).start()
+            with self._lock:
+                full = self._live >= self._max_connections
+                if not full:
+                    self._live += 1
+            if full:
+                # One thread per connection: past the cap, refuse rather than run the
+                # process out of threads (and address space) for every other client.
+                log.warning("refused a channel connection: %d open (the cap)",
+                            self._max_connections)
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep accepting
+                log.warning("refused a channel connection: cannot start a thread")
+                self._ended()
+                sock.close()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._live -= 1
 
     def _handle(self, sock: socket.socket) -> None:
+        try:
+            self._serve_socket(sock)
+        finally:
+            self._ended()
+
+    def _serve_socket(self, sock: socket.socket) -> None:
         with self._lock:
             if self._stopping.is_set():
                 sock.close()

@@ -334,3 +334,42 @@ def test_unknown_ids_are_refused_or_ignored_and_the_stream_goes_on(node: NodePro
         assert _exists(s, SMALL_KEY)
     finally:
         s.close()
+
+
+def test_connections_past_the_cap_are_closed_and_the_cap_frees_up() -> None:
+    from kvstore.channel_server import ChannelServer
+    from kvstore.node import Node, NodeSettings
+    from kvstore.security import OPEN
+
+    node = Node(NodeSettings(dram_bytes=8 * MiB, prefault=False))
+    server = ChannelServer(node, host="127.0.0.1", port=0, unix_name=None, max_connections=2)
+    server.start()
+    addr = server.tcp_address
+    token = server.token_for(OPEN)
+    held = [socket.create_connection(addr, timeout=30) for _ in range(2)]
+    try:
+        for s in held:  # both served (a thread each): their hello is answered
+            s.sendall(wire.HELLO.pack(wire.MAGIC, token, wire.Mode.TCP))
+            assert _hello(s) == 0
+        third = socket.create_connection(addr, timeout=30)
+        assert _closed(third)  # over the cap: closed before a byte is read
+        third.close()
+        held.pop().close()
+
+        def admitted() -> bool:
+            s = socket.create_connection(addr, timeout=30)
+            try:
+                s.sendall(wire.HELLO.pack(wire.MAGIC, token, wire.Mode.TCP))
+                return s.recv(1) != b""
+            except ConnectionError:
+                return False
+            finally:
+                s.close()
+
+        wait_until(admitted, what="a slot to free up once a connection ended")
+        assert _exists(held[0], SMALL_KEY) is False  # the first one still serves
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+        node.close()
