@@ -250,3 +250,48 @@ def test_the_stat_command_shows_a_tenant_its_view(node: NodeProcess, tmp_path: P
     assert out.returncode == 0, out.stderr
     assert f"namespace_bytes={{'a': {BIG + len(SMALL_VALUE)}}}" in out.stdout
     assert "tenant=a" in out.stdout and "'b'" not in out.stdout
+
+
+def test_concurrent_puts_gets_and_removes_of_one_key_are_values(node: NodeProcess) -> None:
+    with Client(node.addr, transport="grpc", token=TOKENS["cluster"]) as cl:
+        base = cl.stats()
+    key, value = os.urandom(16), os.urandom(MiB)
+    clients = [Client(node.addr, transport=t, token=TOKENS["a"])
+               for t in ("grpc", "tcp", "grpc", "tcp")]
+    rounds = 30
+    barrier = threading.Barrier(len(clients))
+    seen: list[list[object]] = [[] for _ in clients]
+
+    def churn(i: int) -> None:
+        c = clients[i]
+        barrier.wait(timeout=30)
+        try:
+            for n in range(rounds):
+                op = (i + n) % 3
+                if op == 0:
+                    seen[i].append(c.put(key, value))
+                elif op == 1:
+                    got = c.get(key)
+                    seen[i].append(got is None or got == value)  # never other bytes
+                else:
+                    seen[i].append(c.remove(key))
+        except Exception as exc:
+            seen[i].append(exc)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        for i, got in enumerate(seen):
+            assert len(got) == rounds and all(isinstance(v, bool) for v in got), (i, got)
+            assert all(got[n] for n in range(rounds) if (i + n) % 3 == 1)  # every get exact
+        clients[0].remove(key)
+    finally:
+        for c in clients:
+            c.close()
+    with Client(node.addr, transport="grpc", token=TOKENS["cluster"]) as cl:
+        after = cl.stats()
+    assert after["tiers"]["dram"]["used"] == base["tiers"]["dram"]["used"]
+    assert after["node"]["namespace_bytes"] == base["node"]["namespace_bytes"]
