@@ -296,6 +296,9 @@ class NodeServer:
         if tls is None and not insecure and not is_loopback(host):
             raise InvalidArgument(f"refusing to listen on {listen} without TLS: give --tls-cert "
                                   f"and --tls-key, or --insecure to accept plaintext")
+        if read_lease_timeout is not None and read_lease_timeout < wire.MIN_LEASE_TIMEOUT:
+            raise InvalidArgument(f"read lease timeout must be >= {wire.MIN_LEASE_TIMEOUT:g}s "
+                                  f"(clients rely on it), got {read_lease_timeout:g}")
         self._tls = tls
         self._host_id = host_id()
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
