@@ -352,7 +352,9 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
         repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
         etcd_tls=_etcd_tls(cfg)))
-    server.known_members.follow(lambda: [m.addr for m in role.membership.members()])
+    server.known_members.follow(
+        lambda: [m.addr for m in role.membership.members()],
+        wait=lambda ready, timeout: role.membership.wait_for(lambda _: ready(), timeout))
     role.join()
     return role
 

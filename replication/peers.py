@@ -26,13 +26,21 @@ from kvstore.security import ClientTls
 class KnownMembers:
     """The peer addresses a node may contact: a static list plus a live membership view."""
 
-    def __init__(self, static: Iterable[str] = ()) -> None:
+    def __init__(self, static: Iterable[str] = (), *, lag_s: float = 1.0) -> None:
         self._static = frozenset(a for a in static if a)
         self._live: Callable[[], Iterable[str]] | None = None
+        self._wait: Callable[[Callable[[], bool], float], bool] | None = None
+        self._lag_s = lag_s
 
-    def follow(self, live: Callable[[], Iterable[str]]) -> None:
-        """Adds a live source of addresses (a membership view, read on every check)."""
+    def follow(self, live: Callable[[], Iterable[str]],
+               wait: Callable[[Callable[[], bool], float], bool] | None = None) -> None:
+        """Adds a live source of addresses (a membership view, read on every check).
+
+        ``wait(ready, timeout)`` blocks until ``ready()`` or the timeout: an address not
+        yet in this node's view gets ``lag_s`` to appear (a node that just joined is in
+        the writer's view a moment before it is in this one's)."""
         self._live = live
+        self._wait = wait
 
     def addrs(self) -> frozenset[str]:
         live = self._live
@@ -40,7 +48,10 @@ class KnownMembers:
 
     def check(self, addr: str) -> None:
         """PermissionDenied unless ``addr`` is a known member."""
-        if addr not in self.addrs():
+        if addr in self.addrs():
+            return
+        wait = self._wait
+        if wait is None or not wait(lambda: addr in self.addrs(), self._lag_s):
             raise PermissionDenied(f"{addr} is not a member of this node's cluster: a node "
                                    f"sends blocks only to members it knows (etcd or --members)")
 
