@@ -20,6 +20,9 @@ from kvstore.errors import ResourceExhausted
 from kvstore.node import Node, NodeSettings
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server import NodeServer
+from replication.etcd_server import EtcdServer
+
+pytest_plugins = ["etcd_fixtures"]
 
 MiB = 1 << 20
 KEY = b"r" * 16
@@ -189,3 +192,22 @@ def test_a_member_stopped_mid_transfer_costs_one_stall_timeout(tmp_path: Path) -
         server.stop(grace=1.0)
         node.close()
         member.stop()
+
+
+def test_an_etcd_node_replicates_to_its_live_members_only(
+        tmp_path: Path, etcd: EtcdServer, listener: socket.socket) -> None:
+    nodes = [start_node(tmp_path, "--etcd", etcd.endpoint, "--node-id", f"n{i}")
+             for i in range(2)]
+    try:
+        with Client(nodes[0].addr, transport="grpc") as c:
+            assert c.put(KEY, VALUE)
+            reply = c._grpc("Replicate", pb.ReplicateRequest(
+                keys=[KEY], targets=[_addr(listener), nodes[1].addr], copies=2,
+                write_quorum=2))
+        assert (reply.copies, list(reply.stored_on)) == (2, [nodes[1].addr])
+        assert len(reply.failed) == 1 and reply.failed[0].startswith(_addr(listener))
+        assert "is not a member of this node's cluster" in reply.failed[0]
+        assert _nothing_connected(listener)
+    finally:
+        for n in nodes:
+            n.stop()
