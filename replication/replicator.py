@@ -99,6 +99,7 @@ class Replicator:
         self._closed = threading.Event()
         self._waiting: set[threading.Condition] = set()  # guarded by _waiting_lock
         self._waiting_lock = threading.Lock()
+        self._active = 0  # guarded by _waiting_lock
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
                                         thread_name_prefix="kvstore-replicate")
 
@@ -109,11 +110,21 @@ class Replicator:
         if not self._calls.acquire(blocking=False):
             raise ResourceExhausted(f"this node already runs {self._max_calls} replicate calls; "
                                     f"retry later")
+        with self._waiting_lock:
+            self._active += 1
         try:
             return self._replicate(keys, targets, copies=copies, write_quorum=write_quorum,
                                    orders=orders)
         finally:
+            with self._waiting_lock:
+                self._active -= 1
             self._calls.release()
+
+    @property
+    def active(self) -> int:
+        """Replicate calls running now (each holds one of the ``max_calls`` slots)."""
+        with self._waiting_lock:
+            return self._active
 
     def _replicate(self, keys: Sequence[BlockKey], targets: Sequence[str], *, copies: int,
                    write_quorum: int, orders: Sequence[Sequence[int]] | None = None

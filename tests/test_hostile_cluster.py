@@ -93,7 +93,7 @@ def stalled(listener: socket.socket) -> Iterator[tuple[Node, NodeServer]]:
 
 def test_replicate_calls_to_a_stalled_member_are_capped_and_cancelled_by_stop(
         stalled: tuple[Node, NodeServer], listener: socket.socket) -> None:
-    node, server = stalled
+    _, server = stalled
     addr = server.addresses.grpc
     with Client(addr, transport="grpc") as c:
         assert c.put(KEY, VALUE)
@@ -111,7 +111,7 @@ def test_replicate_calls_to_a_stalled_member_are_capped_and_cancelled_by_stop(
     threads = [threading.Thread(target=replicate) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: node.stats()["node"]["in_flight"] == 2, what="two replicate calls")
+    wait_until(lambda: server.replicator.active == 2, what="two replicate calls")
     with Client(addr, transport="grpc") as c:
         with pytest.raises(ResourceExhausted, match="already runs 2 replicate calls"):
             c._grpc("Replicate", pb.ReplicateRequest(keys=[KEY], targets=[_addr(listener)],
