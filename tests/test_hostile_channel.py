@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -105,7 +106,24 @@ def test_get_of_one_block_many_times_is_refused_and_the_stream_goes_on(
     assert _exists(sock, SMALL_KEY)  # the same stream, still in step
 
 
-def test_get_reply_bound_is_exact(sock: socket.socket) -> None:
+def test_get_reply_bound_is_exact(tmp_path: Path) -> None:
+    # Its own node with the default lease timeout: a 1 GiB reply read by a test process
+    # on a loaded machine may pause longer than the module node's 1 s allows.
+    roomy = start_node(tmp_path, dram="128MiB", limit_as=LIMIT_AS)
+    try:
+        with Client(roomy.addr, transport="grpc") as c:
+            assert c.put(BIG_KEY, BIG_VALUE) and c.put(SMALL_KEY, SMALL_VALUE)
+        sock = _connect(roomy)
+        try:
+            assert _hello(sock) == 0
+            _get_at_and_past_the_bound(sock)
+        finally:
+            sock.close()
+    finally:
+        assert roomy.stop() == 0, roomy.output()
+
+
+def _get_at_and_past_the_bound(sock: socket.socket) -> None:
     n = wire.MAX_REPLY_BYTES // BIG  # exactly the bound
     sock.sendall(HEADER.pack(Op.GET, n + 1, 16 * (n + 1)) + BIG_KEY * n + SMALL_KEY)
     status, _, meta = _reply(sock)
