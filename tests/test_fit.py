@@ -60,6 +60,11 @@ def limited_cgroup() -> Iterator[Path]:
         except OSError as exc:
             pytest.skip(f"cannot set a memory limit on {child}: {exc.strerror} (v2 needs the "
                         f"memory controller enabled in the parent's cgroup.subtree_control)")
+        try:  # a process must be able to join it (v2: no processes in inner cgroups)
+            subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60,
+                           preexec_fn=lambda: (child / "cgroup.procs").write_text("0"))
+        except (OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"cannot move a process into {child}: {exc}")
         yield child
     finally:
         child.rmdir()
