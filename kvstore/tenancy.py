@@ -2,11 +2,15 @@
 
 Both the gRPC servicer (``kvstore.server``) and the transfer channel
 (``kvstore.channel_server``) authenticate a caller into a ``Principal``
-(``kvstore.security``) and then ask this module, never decide themselves:
+(``kvstore.security`` reads tokens and the auth file) and then ask this module,
+never decide themselves:
 
 * **Key salting and quotas**: ``Principal.key``/``keys``/``parent`` salt a
-  tenant's keys; ``Principal.owner``/``quota`` are what a put is charged to
-  (``kvstore.quotas``). Transports pass them through unchanged.
+  tenant's keys (``salt_key``); ``Principal.owner``/``quota`` are what a put is
+  counted and limited under (``kvstore.quotas``). Transports pass every key they
+  are given through them.
+* **Shared memory**: ``Principal.may_map_region``: the whole region, so only an
+  open node's callers and the cluster role.
 * **Roles**: an operation marked ``@cluster_only`` (Replicate, Drain, and any
   channel op that moves blocks between nodes) is refused to tenant principals
   with PERMISSION_DENIED before it reads anything. Declaring a new op
@@ -21,13 +25,77 @@ Both the gRPC servicer (``kvstore.server``) and the transfer channel
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import xxhash
+
 from kvstore.errors import REPLY_BOUND, PermissionDenied, ResourceExhausted
-from kvstore.security import Principal
+from kvstore.keys import BlockKey
 from kvstore.sizes import format_size
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+TENANT_DOMAIN = b"kvstore-tenant-v1\x00"
+
+
+def salt_key(tenant: str, key: bytes) -> BlockKey:
+    """The stored key of ``key`` in ``tenant``'s namespace (the formula is in the
+    ``kvstore.security`` docstring, for other languages)."""
+    return BlockKey(xxhash.xxh3_128(TENANT_DOMAIN + tenant.encode() + b"\x00" + key).digest())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tenant:
+    name: str
+    token_sha256: bytes
+    role: str = "tenant"
+    quota_bytes: int | None = None
+
+    @property
+    def salts(self) -> bool:
+        return self.role == "tenant"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Principal:
+    """The caller of one request. ``tenant`` None: the node has no auth file (open)."""
+
+    tenant: Tenant | None = None
+
+    @property
+    def owner(self) -> str | None:
+        """The name a put's bytes are counted (and, with a quota, limited) under; None for
+        an open node and the cluster role (nobody is charged)."""
+        t = self.tenant
+        return t.name if t is not None and t.salts else None
+
+    @property
+    def quota(self) -> int | None:
+        return None if self.tenant is None else self.tenant.quota_bytes
+
+    @property
+    def may_map_region(self) -> bool:
+        """Same-host shared memory maps every block: only for an open node or the cluster."""
+        return self.tenant is None or not self.tenant.salts
+
+    def key(self, key: BlockKey) -> BlockKey:
+        t = self.tenant
+        return salt_key(t.name, key) if t is not None and t.salts else key
+
+    def keys(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        t = self.tenant
+        if t is None or not t.salts:
+            return list(keys)
+        return [salt_key(t.name, k) for k in keys]
+
+    def parent(self, parent: BlockKey | None) -> BlockKey | None:
+        return None if parent is None else self.key(parent)
+
+
+OPEN = Principal()
+
+
 
 _CLUSTER_ONLY = "_kvstore_cluster_only"
 
