@@ -391,3 +391,44 @@ def test_connections_past_the_cap_are_closed_and_the_cap_frees_up() -> None:
             s.close()
         server.stop()
         node.close()
+
+
+def test_a_channel_op_marked_cluster_only_is_refused_to_tenants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore import tenancy
+    from kvstore.channel_server import ChannelServer, _Connection
+    from kvstore.node import Node, NodeSettings
+    from kvstore.security import Principal, Tenant
+
+    original = _Connection.on_exists
+
+    @tenancy.cluster_only  # the one line a new op of the cluster's carries
+    def on_exists(self: _Connection, count: int, meta: bytes) -> None:
+        original(self, count, meta)
+
+    monkeypatch.setattr(_Connection, "on_exists", on_exists)
+    node = Node(NodeSettings(dram_bytes=8 * MiB, prefault=False))
+    server = ChannelServer(node, host="127.0.0.1", port=0, unix_name=None)
+    server.start()
+    try:
+        tenant = Principal(tenant=Tenant(name="t", token_sha256=b"\x01" * 32))
+        cluster = Principal(tenant=Tenant(name="c", token_sha256=b"\x02" * 32, role="cluster"))
+        for who, allowed in ((tenant, False), (cluster, True)):
+            s = socket.create_connection(server.tcp_address, timeout=30)
+            try:
+                s.sendall(wire.HELLO.pack(wire.MAGIC, server.token_for(who), wire.Mode.TCP))
+                assert _hello(s) == 0
+                s.sendall(HEADER.pack(Op.EXISTS, 1, 16) + SMALL_KEY)
+                status, _, meta = _reply(s)
+                if allowed:
+                    assert (status, meta) == (0, b"\x00")
+                else:
+                    assert status == grpc.StatusCode.PERMISSION_DENIED.value[0]
+                    assert b"EXISTS needs a cluster-role token; tenant 't'" in meta
+                    s.sendall(HEADER.pack(Op.GET, 1, 16) + SMALL_KEY)  # the stream goes on
+                    assert _reply(s) == (0, 1, wire.pack_ids([wire.MISS]))
+            finally:
+                s.close()
+    finally:
+        server.stop()
+        node.close()
