@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -76,7 +77,11 @@ def as_writable(buf: object) -> memoryview:
 class ChannelConnection:
     """One transfer-channel stream."""
 
-    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None) -> None:
+    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None,
+                 io_timeout: float | None = None) -> None:
+        """``timeout``: connecting and the hello; ``io_timeout``: how long any one read or
+        write may then stall before the call fails (None: block, as a local engine wants;
+        a node calling its peers sets it, so a stalled peer cannot hold its thread)."""
         self.session = session
         self.mode = mode
         if mode is Mode.SHM:
@@ -99,8 +104,11 @@ class ChannelConnection:
         except BaseException:
             sock.close()
             raise
-        # Blocking from here on: a transfer takes as long as its size needs.
+        # Blocking from here on: a transfer takes as long as its size needs; only a stall
+        # is bounded, by the kernel (no poll before every call).
         sock.settimeout(None)
+        if io_timeout is not None:
+            wire.set_stall_timeout(sock, io_timeout)
         self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:
@@ -189,6 +197,7 @@ class ChannelConnection:
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                  ) -> list[bytes | int | None]:
+        started = time.monotonic()
         _, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
         region = self.session.region
         assert region is not None
@@ -213,9 +222,25 @@ class ChannelConnection:
                     with memoryview(region) as rv:
                         out[:n] = rv[offset : offset + n]
                     results.append(n)
-        finally:
+        except BaseException:
             if leases:
                 self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            raise
+        if leases:
+            if time.monotonic() - started < wire.MIN_LEASE_TIMEOUT / 2:
+                # Granted after ``started`` and held at least MIN_LEASE_TIMEOUT: every
+                # lease held throughout the copy, no need to ask.
+                self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            else:
+                # Slow copy (a stall, a stop): the node may have expired a lease and reused
+                # its space. Bytes copied under a void lease are fetched again by stream.
+                _, held = self._call(Op.RELEASE_CHECK, len(leases), wire.pack_ids(leases))
+                void = {lease for lease, ok in zip(leases, held, strict=True) if not ok}
+                if void:
+                    unmapped += [i for i, (lease, _, _) in enumerate(items) if lease in void]
+                    unmapped.sort()
+                    for i in unmapped:
+                        results[i] = None
         if unmapped:
             # Blocks in HBM or on SSD come through the stream instead.
             fetched = self._get_stream([keys[i] for i in unmapped],

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstore import wire
+from kvstore import tenancy, wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
 from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.channel")
 
 _SCRATCH = 1 << 20
+MAX_CONNECTIONS = 1024
 
 
 class _Abandon(Exception):
@@ -45,9 +46,16 @@ class _Connection:
     """One client stream."""
 
     def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
         self.node = node
         self.sock = sock
+        self.lease_timeout = stall_s
+        if stall_s is not None:
+            # A request whose bytes stop flowing (a stalled or stopped client) ends within
+            # this: its reservation is aborted, its read leases released, the stream closed.
+            # Half of it, so that an idle same-host connection wakes often enough to expire
+            # its leases and reservations at most 1.5 timeouts after they were granted.
+            wire.set_stall_timeout(sock, stall_s / 2)
         self.mode = mode
         self.p = principal  # salts every key this connection names
         self.leases = LeaseSet(node)
@@ -65,22 +73,33 @@ class _Connection:
             self.handlers |= {
                 Op.LEASE: self.on_lease,
                 Op.RELEASE: self.on_release,
+                Op.RELEASE_CHECK: self.on_release_check,
                 Op.RESERVE: self.on_reserve,
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
             }
+        # Ops whose handler is marked ``@tenancy.cluster_only``: refused to tenants.
+        self.cluster_ops = frozenset(op for op, h in self.handlers.items()
+                                     if tenancy.is_cluster_only(h))
         if metrics is not None:  # each op's dispatch timed under its name
             self.handlers = {op: metrics.timed_channel_op(Op(op).name, handler)
                              for op, handler in self.handlers.items()}
 
     def serve(self) -> None:
         reader = self.reader
+        shm = self.mode is Mode.SHM
         try:
             while True:
+                if shm:
+                    self.expire()
                 try:
                     op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
                 except wire.PeerClosed:
                     return
+                except wire.STALLED:
+                    if reader.buffered:
+                        return  # stalled inside a header
+                    continue  # idle between requests (SHM: expire what it holds, above)
                 try:
                     op = self.check_frame(op_code, count, meta_len)
                 except ProtocolError as exc:
@@ -90,6 +109,8 @@ class _Connection:
                 payload = self.payload_bytes(op, meta)
                 try:
                     with self.node.request():
+                        if op in self.cluster_ops:
+                            tenancy.require_cluster_role(self.p, op.name)
                         payload = 0  # the handler consumes the payload from here on
                         self.handlers[op](count, meta)
                 except _Abandon as abandon:
@@ -109,6 +130,15 @@ class _Connection:
         finally:
             self.leases.close()
             self.reservations.close()
+
+    def expire(self) -> None:
+        """Ends the leases and reservations this client has held past the timeout."""
+        timeout = self.lease_timeout
+        if timeout is not None and (self.leases or self.reservations):
+            n = self.leases.expire(timeout) + self.reservations.expire(timeout)
+            if n:
+                log.info("expired %d read leases or reservations of a same-host client "
+                         "(held past --read-lease-timeout %gs)", n, timeout)
 
     @staticmethod
     def payload_bytes(op: Op, meta: bytes) -> int:
@@ -146,6 +176,8 @@ class _Connection:
         node = self.node
         entries = node.acquire_reads(self.p.keys(wire.unpack_keys(meta, count)))
         try:
+            tenancy.check_reply_bytes([None if e is None else e.nbytes for e in entries],
+                                      wire.MAX_REPLY_BYTES, "GET")
             views = node.block_views(entries)
             lengths = wire.pack_ids([wire.MISS if v is None else len(v) for v in views])
             self.reply(count, lengths, [v for v in views if v is not None])
@@ -223,6 +255,9 @@ class _Connection:
         for lease_id in wire.unpack_ids(meta, count):
             self.leases.release(lease_id)
 
+    def on_release_check(self, count: int, meta: bytes) -> None:
+        self.reply(count, bytes(self.leases.release(i) for i in wire.unpack_ids(meta, count)))
+
     def on_reserve(self, count: int, meta: bytes) -> None:
         out = bytearray()
         made: list[int] = []
@@ -248,8 +283,16 @@ class _Connection:
         self.reply(count, bytes(out))
 
     def on_commit(self, count: int, meta: bytes) -> None:
-        results = bytes(self.reservations.commit(rid) for rid in wire.unpack_ids(meta, count))
-        self.reply(count, results)
+        results = bytearray()
+        void: KVStoreError | None = None
+        for rid in wire.unpack_ids(meta, count):
+            try:  # every known reservation is settled, even when one of them expired
+                results.append(self.reservations.commit(rid))
+            except KVStoreError as exc:
+                void = void or exc
+        if void is not None:
+            raise void
+        self.reply(count, bytes(results))
 
     def on_abort(self, count: int, meta: bytes) -> None:
         for rid in wire.unpack_ids(meta, count):
@@ -261,8 +304,15 @@ class ChannelServer:
 
     def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
                  ssl_context: ssl.SSLContext | None = None,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        """``stall_s``: how long a request may wait on its client's bytes (the node's
+        ``--read-lease-timeout``); None: forever. ``max_connections``: open connections
+        (each has a thread) past which new ones are closed at once."""
         self.node = node
+        self._max_connections = max_connections
+        self._live = 0  # connections with a thread; guarded by _lock
+        self._stall_s = stall_s
         self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
         # HELLO token -> the principal it was issued to (one per tenant, by OpenChannel,
@@ -311,10 +361,36 @@ class ChannelServer:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
-                             daemon=True).start()
+            with self._lock:
+                full = self._live >= self._max_connections
+                if not full:
+                    self._live += 1
+            if full:
+                # One thread per connection: past the cap, refuse rather than run the
+                # process out of threads (and address space) for every other client.
+                log.warning("refused a channel connection: %d open (the cap)",
+                            self._max_connections)
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep accepting
+                log.warning("refused a channel connection: cannot start a thread")
+                self._ended()
+                sock.close()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._live -= 1
 
     def _handle(self, sock: socket.socket) -> None:
+        try:
+            self._serve_socket(sock)
+        finally:
+            self._ended()
+
+    def _serve_socket(self, sock: socket.socket) -> None:
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -332,7 +408,8 @@ class ChannelServer:
                     sock = tls
             accepted = self._handshake(sock)
             if accepted is not None:
-                _Connection(self.node, sock, *accepted, metrics=self._metrics).serve()
+                _Connection(self.node, sock, *accepted, metrics=self._metrics,
+                            stall_s=self._stall_s).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it

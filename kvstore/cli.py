@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
+    s.add_argument("--read-lease-timeout", type=float, metavar="S",
+                   help="seconds a client's read lease or unfinished put may pin space while "
+                   "its bytes stall; then it is released (default 30)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="least severe records logged (default info)")
     s.add_argument("--log-format", choices=["text", "json"],
@@ -96,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repair bandwidth cap, e.g. 100MiB (default 100MiB)")
     c.add_argument("--repair-interval", type=float,
                    help="seconds between periodic repair passes (default 30)")
+    c.add_argument("--members", metavar="HOST:PORT,...",
+                   help="static peers: with etcd's view, the only addresses this node sends "
+                   "blocks (and its peer token) to when asked to replicate")
 
     def client_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--addr", default=DEFAULT_ADDR, help=f"node address (default "
@@ -192,17 +198,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
-        "prefault", "shm", "grpc_workers", "drain_timeout", "log_level", "hbm_bytes",
+        "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
+        "hbm_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
-        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "tls_cert", "tls_key",
+        "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
+        "tls_key",
         "tls_ca", "tls_client_auth", "auth_file", "peer_token_file", "insecure", "etcd_ca",
         "etcd_cert", "etcd_key")}
     cfg = load_config(args.config, overrides)
     setup_logging(cfg.log_level, cfg.log_format)
     fmt = cfg.log_format
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if not stop.is_set():
+            stop.set()
+            _exit_watchdog(cfg.drain_timeout + STOP_MARGIN_S, fmt)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, policy=cfg.policy,
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
@@ -213,7 +227,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
-                            **_security(cfg), metrics=metrics)
+                            **_security(cfg), metrics=metrics, members=cfg.member_addrs(),
+                            read_lease_timeout=cfg.read_lease_timeout)
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
@@ -263,6 +278,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announce("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
              fmt=fmt)
     return 0
+
+
+STOP_MARGIN_S = 5.0
+"""SIGTERM ends the node within --drain-timeout plus this, whatever is still running."""
+
+
+def _exit_watchdog(after_s: float, fmt: str) -> None:
+    """Ends the process ``after_s`` seconds from now if it has not exited by then: a
+    thread stuck in a peer call or a stalled client must not keep a stopping node alive."""
+    import os
+
+    from kvstore.logs import announce
+
+    def expire() -> None:
+        announce(f"kvstore: stopped (forced after {after_s:g}s: some work did not end)",
+                 fmt=fmt)
+        os._exit(0)
+
+    timer = threading.Timer(after_s, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def _security(cfg: Any) -> dict[str, Any]:
@@ -316,6 +352,9 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
         repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
         etcd_tls=_etcd_tls(cfg)))
+    server.known_members.follow(
+        lambda: [m.addr for m in role.membership.members()],
+        wait=lambda ready, timeout: role.membership.wait_for(lambda _: ready(), timeout))
     role.join()
     return role
 
@@ -404,8 +443,9 @@ def format_stat_table(stats: dict) -> str:
     for name, t in stats["tiers"].items():
         row = [name]
         for col in cols[1:]:
-            v = t.get(col, "")
-            row.append(format_size(v) if col in ("capacity", "used") else str(v))
+            v = t.get(col)  # a tenant's view has fewer columns (kvstore.tenancy)
+            row.append("" if v is None else format_size(v) if col in ("capacity", "used")
+                       else str(v))
         rows.append(row)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]

@@ -34,7 +34,14 @@ from kvstore.channel_client import (
     as_readable,
     as_writable,
 )
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, error_for_code
+from kvstore.errors import (
+    REPLY_BOUND,
+    InvalidArgument,
+    KVStoreError,
+    ResourceExhausted,
+    Unavailable,
+    error_for_code,
+)
 from kvstore.keys import BlockKey
 from kvstore.logs import REQUEST_ID_HEADER
 from kvstore.node import MAX_BATCH, check_key, check_parent
@@ -79,20 +86,23 @@ class Client(SingleKeyCalls):
             from replication.cluster_client import ClusterClient  # builds on this module
 
             return ClusterClient(**options)
-        cluster_only = set(options) - {"transport", "timeout", "token", "tls"}
+        cluster_only = set(options) - {"transport", "timeout", "token", "tls", "io_timeout"}
         if cluster_only:
             raise InvalidArgument(f"{', '.join(sorted(cluster_only))}: cluster options need "
                                   f"etcd= or members= instead of a node address")
         return super().__new__(cls)
 
     def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
-                 token: str | None = None, tls: ClientTls | None = None) -> None:
+                 token: str | None = None, tls: ClientTls | None = None,
+                 io_timeout: float | None = None) -> None:
         """``token``: the bearer token a node with tenants requires (see
-        ``kvstore.security``); ``tls``: connect over TLS (gRPC and the TCP channel)."""
+        ``kvstore.security``); ``tls``: connect over TLS (gRPC and the TCP channel);
+        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound)."""
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
         self.timeout = timeout
+        self._io_timeout = io_timeout
         self._requested = transport
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._tls = tls
@@ -182,7 +192,8 @@ class Client(SingleKeyCalls):
             if mode is None:
                 break
             try:
-                conn = ChannelConnection(session, mode, timeout=self.timeout)
+                conn = ChannelConnection(session, mode, timeout=self.timeout,
+                                         io_timeout=self._io_timeout)
             except (OSError, KVStoreError) as exc:
                 last = exc
                 continue
@@ -239,7 +250,8 @@ class Client(SingleKeyCalls):
         if session is None or mode is None:
             raise Unavailable(f"{self.addr}: transfer channel was reset; retry")
         with self._errors():
-            return ChannelConnection(session, mode, timeout=self.timeout)
+            return ChannelConnection(session, mode, timeout=self.timeout,
+                                     io_timeout=self._io_timeout)
 
     def _checkin(self, conn: ChannelConnection) -> None:
         with self._lock:
@@ -277,18 +289,22 @@ class Client(SingleKeyCalls):
         ks = [check_key(k) for k in keys]
         if self._uses_channel():
             return self._batched(ks, lambda c, part, lo: c.get(part, None))
+        def batch_get(part: list[BlockKey], lo: int) -> list[bytes | None]:
+            reply = self._grpc("BatchGet", pb.BatchGetRequest(keys=part))
+            return [i.value if i.found else None for i in reply.items]
+
         out: list[bytes | None] = []
         for lo in range(0, len(ks), MAX_BATCH):
-            reply = self._grpc("BatchGet", pb.BatchGetRequest(keys=ks[lo : lo + MAX_BATCH]))
-            out += [i.value if i.found else None for i in reply.items]
+            out += _split_on_bound(batch_get, ks[lo : lo + MAX_BATCH], lo)
         return out
 
     def _batched(self, ks: list[BlockKey], fn: Any) -> list[Any]:
         """``fn(conn, part, offset)`` over slices of at most MAX_BATCH keys, results joined."""
         out: list[Any] = []
         for lo in range(0, len(ks), MAX_BATCH):
-            part = ks[lo : lo + MAX_BATCH]
-            out += self._channel_call(lambda c, part=part, lo=lo: fn(c, part, lo))
+            out += _split_on_bound(
+                lambda part, lo: self._channel_call(lambda c: fn(c, part, lo)),
+                ks[lo : lo + MAX_BATCH], lo)
         return out
 
     def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
@@ -372,6 +388,18 @@ def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
     if len(ps) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
     return ks, [as_readable(v) for v in values], ps
+
+
+def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
+    """``fn(part, lo)``; a read the node refuses as past its reply bound (``REPLY_BOUND``)
+    is asked for again in halves, down to one key (a single block always fits)."""
+    try:
+        return fn(part, lo)
+    except ResourceExhausted as exc:
+        if REPLY_BOUND not in str(exc) or len(part) < 2:
+            raise
+    mid = len(part) // 2
+    return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:

@@ -26,6 +26,7 @@ class NodeConfig:
     shm: bool = True
     grpc_workers: int = 16
     drain_timeout: float = 10.0
+    read_lease_timeout: float = 30.0  # seconds a stalled client may pin a lease or a put
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json" (one object per line, stdout and stderr)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus /metrics endpoint; "": none
@@ -43,6 +44,8 @@ class NodeConfig:
     replicas: int = 2  # copies repair keeps of every block
     repair_bytes_per_s: int = 100 << 20
     repair_interval: float = 30.0  # seconds between periodic repair passes
+    members: str = ""  # static peers "HOST:PORT,HOST:PORT": the only ones (with etcd's view)
+    # this node sends blocks and its peer token to
     # security (see kvstore/security.py):
     tls_cert: str = ""  # server certificate (PEM); with tls_key: TLS on gRPC and the channel
     tls_key: str = ""
@@ -64,6 +67,8 @@ class NodeConfig:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0 <= self.data_port < 65536:
             raise ValueError(f"data_port out of range: {self.data_port}")
+        if self.read_lease_timeout < 1.0:  # wire.MIN_LEASE_TIMEOUT (config imports no wire)
+            raise ValueError("read_lease_timeout must be >= 1 second")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
         if self.ssd_path and self.ssd_bytes <= 0:
@@ -78,6 +83,10 @@ class NodeConfig:
             raise ValueError("repair_bytes_per_s must be positive")
         if self.repair_interval <= 0:
             raise ValueError("repair_interval must be positive")
+        for m in self.member_addrs():
+            host, _, port = m.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"members must be HOST:PORT,HOST:PORT..., got {m!r}")
         if self.etcd and ":" not in self.etcd:
             raise ValueError(f"etcd must be HOST:PORT, got {self.etcd!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -93,6 +102,10 @@ class NodeConfig:
             if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"metrics_listen must be HOST:PORT, got "
                                  f"{self.metrics_listen!r}")
+
+
+    def member_addrs(self) -> list[str]:
+        return [m.strip() for m in self.members.split(",") if m.strip()]
 
 
 _SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"}

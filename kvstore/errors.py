@@ -27,6 +27,10 @@ class ResourceExhausted(KVStoreError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+REPLY_BOUND = "bound of one reply"
+"""Words every refusal of a too-large read carries: clients split the batch and retry."""
+
+
 class Unavailable(KVStoreError, ConnectionError):
     """The node is draining, stopped or unreachable. Another node, or a later retry, may serve."""
 

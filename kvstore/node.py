@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
-from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.fit import check_fits
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
@@ -34,6 +36,7 @@ from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.policy import make_policy
 
 log = logging.getLogger("kvstore.node")
+T = TypeVar("T")
 _ROOM_ATTEMPTS = 8
 
 MAX_BATCH = 65536
@@ -132,6 +135,7 @@ class Node:
         self._request_scope = _RequestScope(self)
 
     def _open_tiers(self, s: NodeSettings) -> tuple[list[Tier], list[bool]]:
+        check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device)
         tiers: list[Tier] = []
         durable: list[bool] = []
         try:
@@ -221,7 +225,7 @@ class Node:
                         self._quotas.check(owner, quota, nbytes)
                     reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
                     if reservation is not None and owner is not None:
-                        self._quotas.charge(owner, key, nbytes)
+                        self._quotas.charge_reservation(owner, reservation, nbytes)
                     # Evicted blocks leave their owner's quota; nothing else needs to hear
                     # of them, so the events cannot pile up.
                     for gone in self._manager.drain_evicted():
@@ -257,13 +261,17 @@ class Node:
         return self._manager.fill_view(reservation)
 
     def commit(self, reservation: Reservation) -> bool:
+        """Publishes the block: True, or False (space and charge returned) if another put
+        of the key stored it first."""
         with self._lock:
-            return self._manager.commit(reservation)
+            stored = self._manager.commit(reservation)
+            self._quotas.settle(reservation, reservation.key, stored=stored)
+            return stored
 
     def abort(self, reservation: Reservation) -> None:
         with self._lock:
             self._manager.abort(reservation)
-            self._quotas.release(reservation.key)
+            self._quotas.settle(reservation, reservation.key, stored=False)
 
     @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
@@ -349,19 +357,30 @@ class Node:
         return self._manager.read_view(entry)
 
     @contextmanager
-    def reading_many(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
+    def reading_many(self, keys: Sequence[BlockKey], *, max_bytes: int | None = None
+                     ) -> Iterator[list[memoryview | None]]:
         """Views of several blocks (None per miss), valid inside the scope."""
-        with self.reading_blocks(keys) as blocks:
+        with self.reading_blocks(keys, max_bytes=max_bytes) as blocks:
             yield [None if b is None else b[1] for b in blocks]
 
     @contextmanager
-    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True
+    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True,
+                       max_bytes: int | None = None
                        ) -> Iterator[list[tuple[BlockEntry, memoryview] | None]]:
         """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope.
 
-        ``access=False`` for copies the cluster makes: not counted as reads."""
+        ``access=False`` for copies the cluster makes: not counted as reads.
+        ``max_bytes``: ResourceExhausted if the leased blocks (repeats included) sum past
+        it, checked on the leases themselves (no put can grow the total after the check)
+        and before any block is read into a buffer."""
         entries = self.acquire_reads(keys, access=access)
         try:
+            if max_bytes is not None:
+                total = sum(e.nbytes for e in entries if e is not None)
+                if total > max_bytes:
+                    raise ResourceExhausted(
+                        f"the reply would be {total} bytes, over the {max_bytes}-byte "
+                        f"{REPLY_BOUND}: ask for fewer keys per request")
             views = self.block_views(entries)
             yield [None if e is None or v is None else (e, v)
                    for e, v in zip(entries, views, strict=True)]
@@ -473,13 +492,15 @@ class Node:
 
 
 class LeaseSet:
-    """Read leases a same-host client holds across requests, ended on release or close."""
+    """Read leases a same-host client holds across requests, ended on release, on expiry
+    (``expire``: ``--read-lease-timeout`` after they were granted) or on close."""
 
-    __slots__ = ("_leases", "_next_id", "_node")
+    __slots__ = ("_clock", "_leases", "_next_id", "_node")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, clock: Callable[[], float] = time.monotonic) -> None:
         self._node = node
-        self._leases: dict[int, BlockEntry] = {}
+        self._clock = clock
+        self._leases: dict[int, tuple[BlockEntry, float]] = {}  # in grant order
         self._next_id = 1
 
     def acquire(self, key: BlockKey) -> tuple[int, BlockEntry] | None:
@@ -488,18 +509,24 @@ class LeaseSet:
             return None
         lease_id = self._next_id
         self._next_id += 1
-        self._leases[lease_id] = entry
+        self._leases[lease_id] = (entry, self._clock())
         return lease_id, entry
 
     def release(self, lease_id: int) -> bool:
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+        """True if the lease was held (not expired, not unknown) until now."""
+        got = self._leases.pop(lease_id, None)
+        if got is None:
             return False
-        self._node.release_read(entry)
+        self._node.release_read(got[0])
         return True
 
+    def expire(self, timeout: float) -> int:
+        """Releases every lease granted ``timeout`` seconds ago or more; how many."""
+        return _expire(self._leases, self._clock() - timeout,
+                       lambda got: self._node.release_read(got[0]))
+
     def close(self) -> None:
-        for entry in self._leases.values():
+        for entry, _ in self._leases.values():
             self._node.release_read(entry)
         self._leases.clear()
 
@@ -508,13 +535,15 @@ class LeaseSet:
 
 
 class ReservationSet:
-    """Reservations a same-host client fills in shared memory, aborted if it goes away."""
+    """Reservations a same-host client fills in shared memory, aborted if it goes away or
+    when they expire (``expire``); a later commit of one fails cleanly."""
 
-    __slots__ = ("_next_id", "_node", "_pending")
+    __slots__ = ("_clock", "_next_id", "_node", "_pending")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, clock: Callable[[], float] = time.monotonic) -> None:
         self._node = node
-        self._pending: dict[int, Reservation] = {}
+        self._clock = clock
+        self._pending: dict[int, tuple[Reservation, float]] = {}  # in grant order
         self._next_id = 1
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool
@@ -524,21 +553,46 @@ class ReservationSet:
             return None
         rid = self._next_id
         self._next_id += 1
-        self._pending[rid] = reservation
+        self._pending[rid] = (reservation, self._clock())
         return rid, reservation
 
     def commit(self, rid: int) -> bool:
-        reservation = self._pending.pop(rid, None)
-        if reservation is None:
-            raise InvalidArgument(f"unknown reservation {rid}")
-        return self._node.commit(reservation)
+        got = self._pending.pop(rid, None)
+        if got is None:
+            raise InvalidArgument(f"reservation {rid} is unknown or expired (the node's "
+                                  f"--read-lease-timeout passed before its commit): nothing "
+                                  f"of it was stored")
+        return self._node.commit(got[0])
 
     def abort(self, rid: int) -> None:
-        reservation = self._pending.pop(rid, None)
-        if reservation is not None:
-            self._node.abort(reservation)
+        got = self._pending.pop(rid, None)
+        if got is not None:
+            self._node.abort(got[0])
+
+    def expire(self, timeout: float) -> int:
+        """Aborts every reservation made ``timeout`` seconds ago or more; how many."""
+        return _expire(self._pending, self._clock() - timeout,
+                       lambda got: self._node.abort(got[0]))
 
     def close(self) -> None:
-        for reservation in self._pending.values():
+        for reservation, _ in self._pending.values():
             self._node.abort(reservation)
         self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def _expire(held: dict[int, tuple[T, float]], before: float,
+            end: Callable[[tuple[T, float]], None]) -> int:
+    """Ends the items of ``held`` (in grant order) granted at or before ``before``."""
+    n = 0
+    while held:
+        first = next(iter(held))
+        got = held[first]
+        if got[1] > before:
+            break
+        del held[first]
+        end(got)
+        n += 1
+    return n

@@ -1,10 +1,18 @@
-"""Per-tenant byte quotas of one node.
+"""Per-tenant byte counts (and quotas) of one node.
 
 A ``QuotaBook`` is pure and single-owner: the node calls it under its metadata
 lock, in the same critical section as the reservation it charges, so a check and
-its charge can never interleave with another put. A key is charged from the
-moment its space is reserved until it leaves the node (eviction, removal) or its
-reservation is aborted; each key is charged to at most one tenant (keys are
+its charge can never interleave with another put.
+
+Invariant: ``used(owner)`` is the sum of the bytes of the owner's open
+reservations plus the bytes of the owner's stored blocks. A reservation is
+charged when its space is reserved (``charge_reservation``) and its charge ends
+when it is aborted, or when its commit loses to another put of the same key
+(``settle(stored=False)``); a commit that stores the block moves the charge onto
+the key (``settle(stored=True)``), where it stays until the block leaves the node
+(eviction, removal: ``release``). Two puts of one key may hold two reservations
+at once (a same-key race): each carries its own charge, so whichever wins, the
+loser's bytes come back exactly. A key is charged to at most one tenant (keys are
 salted per tenant, so two tenants never share one).
 """
 
@@ -18,7 +26,8 @@ from kvstore.sizes import format_size
 class QuotaBook:
     def __init__(self) -> None:
         self._used: dict[str, int] = {}
-        self._charged: dict[BlockKey, tuple[str, int]] = {}
+        self._charged: dict[BlockKey, tuple[str, int]] = {}  # stored blocks
+        self._pending: dict[int, tuple[str, int]] = {}  # id(reservation) -> charge
 
     def check(self, owner: str, quota: int, nbytes: int) -> None:
         used = self._used.get(owner, 0)
@@ -27,17 +36,39 @@ class QuotaBook:
                 f"namespace {owner!r} is over its quota on this node: {format_size(used)} used "
                 f"+ {format_size(nbytes)} > {format_size(quota)}")
 
-    def charge(self, owner: str, key: BlockKey, nbytes: int) -> None:
-        if key in self._charged:
-            raise AssertionError(f"key {key.hex()} charged twice")
-        self._charged[key] = (owner, nbytes)
+    def charge_reservation(self, owner: str, reservation: object, nbytes: int) -> None:
+        rid = id(reservation)
+        if rid in self._pending:
+            raise AssertionError("reservation charged twice")
+        self._pending[rid] = (owner, nbytes)
         self._used[owner] = self._used.get(owner, 0) + nbytes
 
+    def settle(self, reservation: object, key: BlockKey, *, stored: bool) -> None:
+        """Ends a reservation's charge: onto ``key`` if it ``stored`` the block, else gone."""
+        got = self._pending.pop(id(reservation), None)
+        if got is None:
+            return
+        if stored and key not in self._charged:
+            self._charged[key] = got
+        else:
+            self._drop(got)
+
     def release(self, key: BlockKey) -> None:
+        """The stored block ``key`` left the node."""
         got = self._charged.pop(key, None)
         if got is not None:
-            owner, nbytes = got
-            self._used[owner] -= nbytes
+            self._drop(got)
+
+    def _drop(self, charge: tuple[str, int]) -> None:
+        owner, nbytes = charge
+        left = self._used[owner] - nbytes
+        if left:
+            self._used[owner] = left
+        else:
+            del self._used[owner]
 
     def used(self) -> dict[str, int]:
         return dict(self._used)
+
+    def open_reservations(self) -> int:
+        return len(self._pending)

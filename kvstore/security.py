@@ -54,69 +54,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import xxhash
 
 from kvstore.errors import Unauthenticated
-from kvstore.keys import BlockKey
 from kvstore.sizes import parse_size
 
-TENANT_DOMAIN = b"kvstore-tenant-v1\x00"
+# The tenant view (salting, quotas, roles) lives in kvstore.tenancy; its names are
+# re-exported here, where callers have always found them.
+from kvstore.tenancy import OPEN, TENANT_DOMAIN, Principal, Tenant, salt_key
+
+__all__ = ["OPEN", "ROLES", "TENANT_DOMAIN", "ClientTls", "Principal", "ServerTls", "Tenant",
+           "TenantRegistry", "bearer_token", "is_loopback", "salt_key"]
+
 ROLES = ("tenant", "cluster")
-
-
-def salt_key(tenant: str, key: bytes) -> BlockKey:
-    """The stored key of ``key`` in ``tenant``'s namespace (see the module spec)."""
-    return BlockKey(xxhash.xxh3_128(TENANT_DOMAIN + tenant.encode() + b"\x00" + key).digest())
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tenant:
-    name: str
-    token_sha256: bytes
-    role: str = "tenant"
-    quota_bytes: int | None = None
-
-    @property
-    def salts(self) -> bool:
-        return self.role == "tenant"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Principal:
-    """The caller of one request. ``tenant`` None: the node has no auth file (open)."""
-
-    tenant: Tenant | None = None
-
-    @property
-    def owner(self) -> str | None:
-        """The name quotas are charged to (None: nobody is charged)."""
-        t = self.tenant
-        return t.name if t is not None and t.quota_bytes is not None else None
-
-    @property
-    def quota(self) -> int | None:
-        return None if self.tenant is None else self.tenant.quota_bytes
-
-    @property
-    def may_map_region(self) -> bool:
-        """Same-host shared memory maps every block: only for an open node or the cluster."""
-        return self.tenant is None or not self.tenant.salts
-
-    def key(self, key: BlockKey) -> BlockKey:
-        t = self.tenant
-        return salt_key(t.name, key) if t is not None and t.salts else key
-
-    def keys(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        t = self.tenant
-        if t is None or not t.salts:
-            return list(keys)
-        return [salt_key(t.name, k) for k in keys]
-
-    def parent(self, parent: BlockKey | None) -> BlockKey | None:
-        return None if parent is None else self.key(parent)
-
-
-OPEN = Principal()
 
 
 class TenantRegistry:

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,9 +21,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import wire
+from kvstore import tenancy, wire
 from kvstore.channel_server import ChannelServer
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -43,10 +43,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 
 MAX_MESSAGE_BYTES = 512 << 20
+MAX_REPLY_VALUE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
+"""Most value bytes one Get/BatchGet reply carries (the rest of a message is framing:
+at most MAX_BATCH items of a few bytes each). A read past it is refused up front."""
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+
+DEFAULT_READ_LEASE_TIMEOUT = 30.0
+"""Seconds (``--read-lease-timeout``) a stalled client may pin a read lease or a put."""
 
 R = TypeVar("R")
 
@@ -65,6 +71,7 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
     def wrapper(self: KVStoreServicer, request: Any, context: grpc.ServicerContext) -> R:
         try:
             principal = self.authenticate(context)  # before anything about keys is read
+            tenancy.check_role(principal, method, method.__name__)
             with self.node.request():
                 return method(self, request, context, principal)
         except KVStoreError as exc:
@@ -110,7 +117,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext, p: Principal
             ) -> pb.GetResponse:
-        value = self.node.get(p.key(check_key(request.key)))
+        key = p.key(check_key(request.key))
+        tenancy.check_reply_bytes(self.node.block_sizes([key]), MAX_REPLY_VALUE_BYTES, "Get")
+        value = self.node.get(key)
         return pb.GetResponse(found=False) if value is None else pb.GetResponse(found=True,
                                                                                  value=value)
 
@@ -143,7 +152,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def BatchGet(self, request: pb.BatchGetRequest, context: grpc.ServicerContext,
                  p: Principal) -> pb.BatchGetResponse:
         keys = p.keys(check_keys(request.keys))
-        with self.node.reading_many(keys) as views:
+        # Checked twice: on sizes first (a cheap refusal), then on the leases themselves.
+        tenancy.check_reply_bytes(self.node.block_sizes(keys), MAX_REPLY_VALUE_BYTES,
+                                  "BatchGet")
+        with self.node.reading_many(keys, max_bytes=MAX_REPLY_VALUE_BYTES) as views:
             items = [pb.GetResponse(found=False) if v is None else
                      pb.GetResponse(found=True, value=bytes(v)) for v in views]
         return pb.BatchGetResponse(items=items)
@@ -151,7 +163,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext, p: Principal
               ) -> pb.StatsResponse:
-        stats = self.node.stats()
+        stats = tenancy.stats_view(p, self.node.stats())
         tiers = [
             pb.TierStats(name=name, counters={k: v for k, v in t.items() if isinstance(v, int)})
             for name, t in stats["tiers"].items()
@@ -166,6 +178,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LocateResponse(tiers=[t or "" for t in tiers])
 
     @_rpc
+    @tenancy.cluster_only
     def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext,
                   p: Principal) -> pb.ReplicateResponse:
         if self._replicator is None:
@@ -181,10 +194,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                     stored_on=out.stored_on, failed=out.failed)
 
     @_rpc
+    @tenancy.cluster_only
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext, p: Principal
               ) -> pb.DrainResponse:
-        if p.tenant is not None and p.tenant.salts:
-            raise PermissionDenied("draining a node needs a cluster-role token")
         if self.drain_handler is None:
             raise InvalidArgument("this node is not in a cluster: there is no one to hand its "
                                   "blocks to (stop it with SIGTERM)")
@@ -263,12 +275,17 @@ class NodeServer:
                  enable_shm: bool = True, peer_timeout: float = 10.0,
                  tls: ServerTls | None = None, auth: TenantRegistry | None = None,
                  peer_token: str | None = None, insecure: bool = False,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, members: Sequence[str] = (),
+                 read_lease_timeout: float | None = DEFAULT_READ_LEASE_TIMEOUT) -> None:
         """``tls``/``auth``: see ``kvstore.security``. ``peer_token`` is what this node
         presents to its peers (a cluster-role token) when it replicates or repairs.
-        Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``."""
+        Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``.
+        ``members``: the static list of peer addresses this node may send blocks to (a
+        cluster node adds its etcd view with ``known_members.follow``); no one else.
+        ``read_lease_timeout``: seconds a client's read lease or unfinished put may pin
+        space while its bytes do not flow (see ``kvstore.channel_server``)."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
-        from replication.peers import PeerPool  # replication builds on the client: import late
+        from replication.peers import KnownMembers, PeerPool  # builds on the client: late
         from replication.replicator import Replicator
 
         self.node = node
@@ -279,12 +296,15 @@ class NodeServer:
         if tls is None and not insecure and not is_loopback(host):
             raise InvalidArgument(f"refusing to listen on {listen} without TLS: give --tls-cert "
                                   f"and --tls-key, or --insecure to accept plaintext")
+        if read_lease_timeout is not None and read_lease_timeout < wire.MIN_LEASE_TIMEOUT:
+            raise InvalidArgument(f"read lease timeout must be >= {wire.MIN_LEASE_TIMEOUT:g}s "
+                                  f"(clients rely on it), got {read_lease_timeout:g}")
         self._tls = tls
         self._host_id = host_id()
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
         self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
                                      ssl_context=tls.ssl_context() if tls else None,
-                                     metrics=metrics)
+                                     metrics=metrics, stall_s=read_lease_timeout)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
                                  options=GRPC_OPTIONS,
@@ -297,9 +317,14 @@ class NodeServer:
         self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)
+        self.known_members = KnownMembers(members)
         self.peers = PeerPool(timeout=peer_timeout, token=peer_token,
-                              tls=tls.peer() if tls else None)
-        self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
+                              tls=tls.peer() if tls else None, members=self.known_members)
+        # Half the handler threads at most wait on replication; each at most two peer
+        # timeouts (a push and one fallback).
+        self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc,
+                                     max_calls=max(1, grpc_workers // 2),
+                                     wait_s=2 * peer_timeout)
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
         self.health = NodeHealth(node)
@@ -332,7 +357,14 @@ class NodeServer:
         Returns True if every in-flight request finished within ``grace`` seconds.
         """
         self.health.enter_graceful_shutdown()  # NOT_SERVING from here on, Watch streams too
-        drained = self.node.drain(grace)
+        drained = self.node.drain(grace / 2)
+        if not drained:
+            # What still runs may be waiting on peers: cancel the outbound work (waiting
+            # replicate calls answer at once, calls to peers end) and give the rest the time
+            # left, so the whole stop stays within ``grace``.
+            self.replicator.close()
+            self.peers.close()
+            drained = self.node.drain(grace / 2)
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
         self.replicator.close()

@@ -37,6 +37,15 @@ Per-op meta:
     RESERVE  req  count x PUT_ITEM              resp count x RESERVE_ITEM
     COMMIT   req  count x u64 reservation id    resp count x u8 (0 existed, 1 stored)
     ABORT    req  count x u64 reservation id    no response
+    RELEASE_CHECK  req  count x u64 lease id    resp count x u8 (1: the lease was still held
+                                                when released, 0: it had expired or was
+                                                never granted: bytes copied under it are void)
+
+Leases and reservations of a same-host (SHM) client expire ``--read-lease-timeout``
+seconds after they were granted (``MIN_LEASE_TIMEOUT`` at least); a client whose copy
+out of shared memory took long enough that its lease may have expired releases with
+RELEASE_CHECK instead of RELEASE and discards what it copied under a void lease; a
+COMMIT of an expired reservation fails (UNAVAILABLE) and stores nothing from it.
 """
 
 from __future__ import annotations
@@ -66,6 +75,12 @@ RESERVE_EXISTED = 0
 RESERVE_OK = 1
 
 MAX_META = 64 << 20  # 65536 x 48-byte items fits with room to spare
+MIN_LEASE_TIMEOUT = 1.0
+"""Smallest ``--read-lease-timeout``: a client that finishes a copy within half of it
+knows its leases held throughout and releases them without asking."""
+MAX_REPLY_BYTES = 1 << 30
+"""Most value bytes one GET reply carries (repeated keys count each time); a GET past it
+is refused with RESOURCE_EXHAUSTED before any block is read (clients split and retry)."""
 
 
 class Mode(IntEnum):
@@ -84,10 +99,11 @@ class Op(IntEnum):
     RESERVE = 8
     COMMIT = 9
     ABORT = 10
+    RELEASE_CHECK = 20
 
 
 KEY_META_OPS = frozenset({Op.GET, Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.LEASE})
-ID_META_OPS = frozenset({Op.RELEASE, Op.COMMIT, Op.ABORT})
+ID_META_OPS = frozenset({Op.RELEASE, Op.COMMIT, Op.ABORT, Op.RELEASE_CHECK})
 ITEM_META_OPS = frozenset({Op.PUT, Op.RESERVE})
 NO_REPLY_OPS = frozenset({Op.RELEASE, Op.ABORT})
 
@@ -123,6 +139,27 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
                 raise PeerClosed("peer closed the stream")
             raise ConnectionError(f"stream ended after {got} of {n} bytes")
         got += r
+
+
+def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bounds how long any one ``recv``/``send`` on ``sock`` may wait for the peer.
+
+    A plain socket stays blocking (no poll before every call, ``MSG_WAITALL`` keeps
+    working) and the kernel ends a stalled call after ``seconds`` (SO_RCVTIMEO /
+    SO_SNDTIMEO: the call raises BlockingIOError, or returns what arrived so far); a
+    TLS socket gets Python's own timeout (TimeoutError).
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+STALLED = (BlockingIOError, TimeoutError)
+"""What a socket call raises when the peer stalled past ``set_stall_timeout``."""
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -186,7 +223,11 @@ class StreamReader:
             end -= start
             self._start = 0
         while end < n:
-            r = self._sock.recv_into(self._view[end:])
+            try:
+                r = self._sock.recv_into(self._view[end:])
+            except OSError:
+                self._end = end  # keep what arrived (from 0): a retry continues from it
+                raise
             if r == 0:
                 if end == 0:
                     raise PeerClosed("peer closed the stream")
@@ -195,6 +236,11 @@ class StreamReader:
         self._end = end
         self._start = n
         return bytes(self._view[:n])
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet read."""
+        return self._end - self._start
 
     def read_into(self, dest: memoryview) -> None:
         """Fills ``dest``: buffered bytes first, then straight from the socket."""

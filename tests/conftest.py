@@ -68,16 +68,28 @@ def flip_byte(path: Path | str, pos: int) -> None:
         os.close(fd)
 
 
-def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0
-               ) -> NodeProcess:
-    port = free_port()
+def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: float = 30.0,
+               port: int | None = None, limit_as: int | None = None) -> NodeProcess:
+    """``limit_as``: the node's address-space limit (RLIMIT_AS) in bytes, so an unbounded
+    allocation fails inside the node (and the test) instead of taking the machine."""
+    port = port or free_port()
     addr = f"127.0.0.1:{port}"
     log = tmp_path / f"node-{port}.log"
     args = [sys.executable, "-m", "kvstore", "serve", "--listen", addr, "--dram-bytes", dram,
             "--no-prefault", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    preexec = None
+    if limit_as is not None:
+        import resource
+
+        env["MALLOC_ARENA_MAX"] = "2"  # arenas reserve 64 MiB of address space each
+
+        def preexec() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env=env, preexec_fn=preexec)
     node = NodeProcess(addr=addr, proc=proc, log=log, args=args)
     deadline = time.monotonic() + ready_timeout
     while "kvstore: serving on" not in node.output():
@@ -88,6 +100,22 @@ def start_node(tmp_path: Path, *extra: str, dram: str = "64MiB", ready_timeout: 
             raise RuntimeError(f"node not ready in {ready_timeout}s:\n{node.output()}")
         time.sleep(0.02)
     return node
+
+
+def start_static_cluster(tmp_path: Path, n: int, *extra: str, dram: str = "64MiB"
+                         ) -> list[NodeProcess]:
+    """``n`` nodes that know each other from ``--members`` (a static cluster, no etcd)."""
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    nodes: list[NodeProcess] = []
+    try:
+        for p in ports:
+            nodes.append(start_node(tmp_path, "--members", members, *extra, dram=dram, port=p))
+    except BaseException:
+        for node in nodes:
+            node.stop(signal.SIGKILL)
+        raise
+    return nodes
 
 
 @pytest.fixture(scope="session")

@@ -265,7 +265,7 @@ def _first_frame_is_malformed(data: bytes, mode: Mode) -> bool | None:
     op, count, meta_len = HEADER.unpack_from(data)
     allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE}
     if mode is Mode.SHM:
-        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT}
+        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RELEASE_CHECK}
     if op not in allowed or count > MAX_BATCH:
         return True
     return meta_len != count * wire.meta_item_size(Op(op))
@@ -349,7 +349,7 @@ def frames(draw: st.DrawFn, mode: Mode, region_bytes: int) -> Frame:
         malformed = True
     allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE}
     if mode is Mode.SHM:
-        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT}
+        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RELEASE_CHECK}
     if op not in allowed:
         malformed = True
     return Frame(op, count, meta, payload if not malformed else b"", keys, malformed,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import free_port, start_node, wait_until
+from conftest import free_port, start_node, start_static_cluster, wait_until
 
 from kvstore import Client, namespace_root_key
 from kvstore.integrations.mooncake_compat import (
@@ -45,7 +45,7 @@ def single_addr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def cluster_addrs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     tmp = tmp_path_factory.mktemp("mc-cluster")
-    nodes = [start_node(tmp) for _ in range(3)]
+    nodes = start_static_cluster(tmp, 3)
     yield [n.addr for n in nodes]
     for n in nodes:
         n.stop()

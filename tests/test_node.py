@@ -209,3 +209,29 @@ def test_put_waits_for_victims_already_moving_instead_of_failing(tmp_path) -> No
         assert all(n.get(k(i)) == bytes([i]) * block for i in range(7))
     finally:
         n.close()
+
+
+def test_leases_and_reservations_expire_in_grant_order(node: Node) -> None:
+    now = [100.0]
+    node.put(k(1), memoryview(b"x" * 64))
+    node.put(k(2), memoryview(b"y" * 64))
+    leases = LeaseSet(node, clock=lambda: now[0])
+    rs = ReservationSet(node, clock=lambda: now[0])
+    first = leases.acquire(k(1))
+    got = rs.reserve(k(3), 100, parent=None, pin=False)
+    assert first is not None and got is not None
+    now[0] = 104.0
+    second = leases.acquire(k(2))
+    assert second is not None
+    assert node.remove(k(1)) and node.remove(k(2))
+    assert used(node) == 64 + 64 + 128  # both leased, one reservation
+    now[0] = 104.999
+    assert leases.expire(5.0) == 0 and rs.expire(5.0) == 0
+    now[0] = 105.0  # the first lease and the reservation are exactly 5 s old
+    assert leases.expire(5.0) == 1 and rs.expire(5.0) == 1
+    assert used(node) == 64 and len(leases) == 1 and len(rs) == 0
+    assert not leases.release(first[0])  # expired: the holder learns its lease was void
+    with pytest.raises(InvalidArgument, match="unknown or expired"):
+        rs.commit(got[0])
+    assert node.exists([k(3)]) == [False]
+    assert leases.release(second[0]) and used(node) == 0

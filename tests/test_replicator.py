@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, start_node, wait_until
+from conftest import NodeProcess, start_static_cluster, wait_until
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument, Unavailable
@@ -27,7 +27,7 @@ def _value(i: int, n: int = 3000) -> bytes:
 
 @pytest.fixture
 def trio(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    nodes = [start_node(tmp_path, dram="32MiB") for _ in range(3)]
+    nodes = start_static_cluster(tmp_path, 3, dram="32MiB")
     try:
         yield nodes
     finally:

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, NodeProcess, free_port, start_node
+from conftest import REPO, NodeProcess, free_port, start_node, start_static_cluster
 
 from kvstore.client import Client
-from kvstore.errors import ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.errors import PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.security import ClientTls, salt_key
 from replication.placement import Member, NodeId, Placement
 
@@ -201,25 +202,37 @@ def test_quota_is_enforced_and_freed_by_removal(secured: NodeProcess, transport:
 
 def test_replication_between_secured_nodes_uses_the_peer_token(
         tmp_path: Path, auth_file: Path) -> None:
+    """Replicate is the cluster's: a tenant is refused; a cluster-role caller's copies go
+    out under the node's own peer token, to its --members only."""
     token_file = tmp_path / "peer-token"
     token_file.write_text(TOKENS["cluster"] + "\n")
-    nodes = [start_node(tmp_path, "--auth-file", str(auth_file), "--peer-token-file",
-                        str(token_file)) for _ in range(3)]
+    nodes = start_static_cluster(tmp_path, 3, "--auth-file", str(auth_file),
+                                 "--peer-token-file", str(token_file))
     try:
         members = [Member(node_id=NodeId(f"n{i}"), addr=n.addr) for i, n in enumerate(nodes)]
         placement = Placement(members)
+        by_id = {m.node_id: m.addr for m in members}
+        keys = [_key(i) for i in range(20)]
         with Client(members=members, replicas=2, write_quorum=2, token=TOKENS["a"]) as a, \
-                Client(members=members, token=TOKENS["b"]) as b:
-            keys = [_key(i) for i in range(20)]
+                pytest.raises(PermissionDenied, match="cluster-role token"):
             a.put_batch(keys, [bytes([i]) * 500 for i in range(20)])
+        with Client(members=members, replicas=1, token=TOKENS["a"]) as a, \
+                Client(members=members, token=TOKENS["b"]) as b:
+            a.put_batch(keys, [bytes([i]) * 500 for i in range(20)])  # on the masters only
             assert b.get_batch(keys) == [None] * 20
-            for i, k in enumerate(keys):
-                holders = set()
-                for m, n in zip(members, nodes, strict=True):
-                    with Client(n.addr, token=TOKENS["cluster"]) as cl:
-                        if cl.get(salt_key("a", k)) == bytes([i]) * 500:
-                            holders.add(m.node_id)
-                assert holders == set(placement.owners(k, 2))
+        for k in keys:
+            master, replica = placement.owners(k, 2)
+            with Client(by_id[master], transport="grpc", token=TOKENS["cluster"]) as cl:
+                reply = cl._grpc("Replicate", pb.ReplicateRequest(
+                    keys=[salt_key("a", k)], targets=[by_id[replica]], copies=2, write_quorum=2))
+                assert (reply.copies, list(reply.stored_on)) == (2, [by_id[replica]])
+        for i, k in enumerate(keys):
+            holders = set()
+            for m, n in zip(members, nodes, strict=True):
+                with Client(n.addr, token=TOKENS["cluster"]) as cl:
+                    if cl.get(salt_key("a", k)) == bytes([i]) * 500:
+                        holders.add(m.node_id)
+            assert holders == set(placement.owners(k, 2))
     finally:
         for n in nodes:
             n.stop()

@@ -1,0 +1,74 @@
+"""Quota accounting: each reservation carries its own charge, so same-key races settle exactly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.errors import ResourceExhausted
+from kvstore.keys import BlockKey
+from kvstore.node import Node, NodeSettings
+from kvstore.quotas import QuotaBook
+
+K = BlockKey(b"k" * 16)
+
+
+def test_two_reservations_of_one_key_settle_to_one_charge() -> None:
+    book = QuotaBook()
+    r1, r2 = object(), object()
+    book.charge_reservation("a", r1, 100)
+    book.charge_reservation("a", r2, 100)
+    assert book.used() == {"a": 200} and book.open_reservations() == 2
+    book.settle(r1, K, stored=True)
+    book.settle(r2, K, stored=False)  # lost the race: its bytes come back
+    assert book.used() == {"a": 100} and book.open_reservations() == 0
+    book.release(K)
+    assert book.used() == {} and book.open_reservations() == 0
+    book.release(K)  # twice: nothing left to give back
+    book.settle(r1, K, stored=True)  # already settled
+    assert book.used() == {}
+
+
+def test_check_counts_open_reservations() -> None:
+    book = QuotaBook()
+    book.charge_reservation("a", object(), 600)
+    book.check("a", 1000, 400)
+    with pytest.raises(ResourceExhausted, match="over its quota"):
+        book.check("a", 1000, 401)
+
+
+@pytest.mark.parametrize("quota", [None, 1 << 20])
+def test_concurrent_puts_of_one_key_one_stores_the_rest_get_false(quota: int | None) -> None:
+    node = Node(NodeSettings(dram_bytes=8 << 20, prefault=False))
+    try:
+        base = node.stats()["tiers"]["dram"]["used"]
+        n = 8
+        barrier = threading.Barrier(n)
+        results: list[bool | BaseException] = [False] * n
+        value = memoryview(bytes(range(256)) * 64)
+
+        def put(i: int) -> None:
+            # All reserve before any commits: each holds a reservation of the same key.
+            try:
+                with node.put_slot(K, len(value), owner="a", quota=quota) as slot:
+                    barrier.wait(timeout=10)
+                    assert slot is not None
+                    slot.view[:] = value
+                results[i] = slot.stored
+            except BaseException as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results, key=str) == [False] * (n - 1) + [True]
+        assert node.get(K) == bytes(value)
+        assert node.stats()["node"]["namespace_bytes"] == {"a": len(value)}
+        assert node.remove(K)
+        assert "namespace_bytes" not in node.stats()["node"]
+        assert node.stats()["tiers"]["dram"]["used"] == base
+    finally:
+        node.close()
