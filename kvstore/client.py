@@ -34,14 +34,14 @@ from kvstore.channel_client import (
     as_readable,
     as_writable,
 )
+from kvstore.checks import MAX_BATCH, check_key, check_parent
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, error_for_code
+from kvstore.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
 from kvstore.keys import BlockKey
 from kvstore.logs import REQUEST_ID_HEADER
-from kvstore.node import MAX_BATCH, check_key, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.security import ClientTls
-from kvstore.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
 from kvstore.wire import Mode
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")

@@ -23,8 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+# Re-exported: these lived here before kvstore.checks, and callers import them from here.
+from kvstore.checks import MAX_BATCH as MAX_BATCH
+from kvstore.checks import check_key as check_key
+from kvstore.checks import check_keys as check_keys
+from kvstore.checks import check_parent as check_parent
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
 from tiers.dram import DramTier
@@ -36,7 +41,6 @@ from tiers.policy import make_policy
 log = logging.getLogger("kvstore.node")
 _ROOM_ATTEMPTS = 8
 
-MAX_BATCH = 65536
 """Most keys one request may name; larger batches are split by the client."""
 
 
@@ -52,25 +56,6 @@ class NodeSettings:
     ssd_path: str | None = None  # None: no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"
-
-
-def check_key(key: object, what: str = "key") -> BlockKey:
-    if not isinstance(key, bytes | bytearray | memoryview) or len(key) != KEY_BYTES:
-        n = len(key) if isinstance(key, bytes | bytearray | memoryview) else type(key).__name__
-        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {n}")
-    return BlockKey(bytes(key))
-
-
-def check_keys(keys: Sequence[object]) -> list[BlockKey]:
-    if len(keys) > MAX_BATCH:
-        raise InvalidArgument(f"at most {MAX_BATCH} keys per request, got {len(keys)}")
-    return [check_key(k) for k in keys]
-
-
-def check_parent(parent: object) -> BlockKey | None:
-    if parent is None or (isinstance(parent, bytes | bytearray | memoryview) and len(parent) == 0):
-        return None
-    return check_key(parent, "parent key")
 
 
 class _RequestScope:

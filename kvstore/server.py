@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import wire
 from kvstore.channel_server import ChannelServer
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.grpc_options import GRPC_OPTIONS, host_id
+from kvstore.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -42,22 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.server")
 
-MAX_MESSAGE_BYTES = 512 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
-
 R = TypeVar("R")
-
-
-def host_id() -> str:
-    """Identifies this machine's running kernel: equal ids mean a shared memory is possible."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _rpc(method: Callable[..., R]) -> Callable[..., R]:

@@ -42,10 +42,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.checks import check_key
 from kvstore.client import Client, SingleKeyCalls, check_put_batch
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.node import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.security import ClientTls
 from replication.etcd_membership import EtcdMembership
