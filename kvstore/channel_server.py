@@ -10,6 +10,7 @@ released when it closes, however it closes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore import channel_replicated as replicated
 from kvstore import wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
@@ -26,6 +28,7 @@ from kvstore.security import Principal
 from kvstore.wire import HEADER, Mode, Op, ProtocolError
 
 if TYPE_CHECKING:
+    from kvstore.forwarding import Forwarding
     from kvstore.metrics import NodeMetrics
 
 log = logging.getLogger("kvstore.channel")
@@ -45,8 +48,10 @@ class _Connection:
     """One client stream."""
 
     def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, forwarder: Forwarding | None = None
+                 ) -> None:
         self.node = node
+        self.forwarder = forwarder  # replicated puts (RPUT, RCOMMIT); None outside a cluster
         self.sock = sock
         self.mode = mode
         self.p = principal  # salts every key this connection names
@@ -60,6 +65,7 @@ class _Connection:
             Op.EXISTS: self.on_exists,
             Op.PREFIX: self.on_prefix,
             Op.REMOVE: self.on_remove,
+            Op.RPUT: functools.partial(replicated.on_rput, self),
         }
         if mode is Mode.SHM:
             self.handlers |= {
@@ -68,6 +74,7 @@ class _Connection:
                 Op.RESERVE: self.on_reserve,
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
+                Op.RCOMMIT: functools.partial(replicated.on_rcommit, self),
             }
         if metrics is not None:  # each op's dispatch timed under its name
             self.handlers = {op: metrics.timed_channel_op(Op(op).name, handler)
@@ -112,6 +119,8 @@ class _Connection:
 
     @staticmethod
     def payload_bytes(op: Op, meta: bytes) -> int:
+        if op is Op.RPUT:
+            return sum(item[2] for item in wire.RPUT_ITEM.iter_unpack(meta))
         if op is not Op.PUT:
             return 0
         return sum(item[2] for item in wire.PUT_ITEM.iter_unpack(meta))
@@ -154,12 +163,7 @@ class _Connection:
 
     def on_put(self, count: int, meta: bytes) -> None:
         items = list(wire.PUT_ITEM.iter_unpack(meta))
-        limit = self.node.region_bytes
-        for item in items:
-            if item[2] > limit:
-                # Larger than the node could ever hold: refuse without reading it.
-                raise _Abandon(ResourceExhausted(
-                    f"value of {item[2]} bytes exceeds the node's capacity of {limit} bytes"))
+        self.refuse_oversized([item[2] for item in items])
         results = bytearray(count)
         failure: KVStoreError | None = None
         for i, (key, parent, nbytes, flags) in enumerate(items):
@@ -185,6 +189,14 @@ class _Connection:
         if failure is not None:
             raise failure
         self.reply(count, bytes(results))
+
+    def refuse_oversized(self, sizes: list[int]) -> None:
+        limit = self.node.region_bytes
+        for n in sizes:
+            if n > limit:
+                # Larger than the node could ever hold: refuse without reading it.
+                raise _Abandon(ResourceExhausted(
+                    f"value of {n} bytes exceeds the node's capacity of {limit} bytes"))
 
     def discard(self, nbytes: int) -> None:
         if self.scratch is None:
@@ -261,8 +273,10 @@ class ChannelServer:
 
     def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
                  ssl_context: ssl.SSLContext | None = None,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, forwarder: Forwarding | None = None
+                 ) -> None:
         self.node = node
+        self.forwarder = forwarder
         self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
         # HELLO token -> the principal it was issued to (one per tenant, by OpenChannel,
@@ -332,7 +346,8 @@ class ChannelServer:
                     sock = tls
             accepted = self._handshake(sock)
             if accepted is not None:
-                _Connection(self.node, sock, *accepted, metrics=self._metrics).serve()
+                _Connection(self.node, sock, *accepted, metrics=self._metrics,
+                            forwarder=self.forwarder).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it

@@ -315,7 +315,7 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
         etcd=cfg.etcd, node_id=cfg.node_id or addr, addr=addr, zone=cfg.zone,
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
         repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
-        etcd_tls=_etcd_tls(cfg)))
+        etcd_tls=_etcd_tls(cfg)), forwarder=server.forwarder)
     role.join()
     return role
 

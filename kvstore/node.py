@@ -29,6 +29,7 @@ from kvstore.checks import check_key as check_key
 from kvstore.checks import check_keys as check_keys
 from kvstore.checks import check_parent as check_parent
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.forwarding import BlockCopy
 from kvstore.keys import BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
@@ -353,6 +354,15 @@ class Node:
         finally:
             self.release_reads(entries)
 
+    @contextmanager
+    def copying(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockCopy | None]]:
+        """Frozen copies-to-be of the blocks (None per miss) for replication and repair,
+        their bytes valid inside the scope; not counted as reads."""
+        with self.reading_blocks(keys, access=False) as blocks:
+            yield [None if b is None else BlockCopy(key=b[0].key, place=b[0].key,
+                                                    parent=b[0].parent, pin=b[0].pinned,
+                                                    value=b[1]) for b in blocks]
+
     def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's block size (None if absent); not counted as reads."""
         with self._lock:
@@ -511,6 +521,13 @@ class ReservationSet:
         self._next_id += 1
         self._pending[rid] = reservation
         return rid, reservation
+
+    def get(self, rid: int) -> Reservation:
+        """A pending reservation, left pending (InvalidArgument if unknown)."""
+        reservation = self._pending.get(rid)
+        if reservation is None:
+            raise InvalidArgument(f"unknown reservation {rid}")
+        return reservation
 
     def commit(self, rid: int) -> bool:
         reservation = self._pending.pop(rid, None)

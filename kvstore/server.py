@@ -255,7 +255,8 @@ class NodeServer:
         presents to its peers (a cluster-role token) when it replicates or repairs.
         Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
-        from replication.peers import PeerPool  # replication builds on the client: import late
+        from replication.forwarder import Forwarder  # replication builds on the client: late
+        from replication.peers import PeerPool
         from replication.replicator import Replicator
 
         self.node = node
@@ -287,6 +288,9 @@ class NodeServer:
         self.peers = PeerPool(timeout=peer_timeout, token=peer_token,
                               tls=tls.peer() if tls else None)
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
+        # Inert until a cluster role attaches its membership (replicated puts on the channel).
+        self.forwarder = Forwarder(self.peers)
+        self.channel.forwarder = self.forwarder
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
         self.health = NodeHealth(node)
@@ -323,6 +327,7 @@ class NodeServer:
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
         self.replicator.close()
+        self.forwarder.close()
         self.peers.close()
         return drained
 

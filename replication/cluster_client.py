@@ -4,10 +4,15 @@
 these. It watches membership, ranks the live nodes for every key (see
 ``replication/placement.py``), and:
 
-* **put**: sends each key to its master (the top-ranked live node; if that
-  node is unreachable, the next ranked node stands in), then asks that node to
-  replicate to the other owners (``Replicate``), and returns once
-  ``write_quorum`` copies exist. Fewer copies raise ``Unavailable``; the copies
+* **put**: sends each key once to its master (the top-ranked live node; if that
+  node is unreachable, the next ranked node stands in), a batch's masters
+  concurrently. With ``replicas > 1`` it is a replicated put on the transfer
+  channel: the master stores the bytes and forwards them itself to the other
+  owners, ranked by its own membership (``replication/forwarder.py``), and
+  answers once they settled. A master outside an etcd cluster (a static member
+  list) refuses that; then the put is stored and the master asked to
+  ``Replicate`` (two trips). Either way the call returns once ``write_quorum``
+  copies exist; fewer raise ``QuorumNotMet`` (an ``Unavailable``); the copies
   that were made stay (they are correct bytes, and repair completes them).
 * **get / exists / prefix_match / locate**: each key is asked of its read
   candidates in order (owners, then hot-block fan-out nodes, then the next
@@ -44,7 +49,7 @@ from typing import Any
 
 from kvstore.checks import check_key
 from kvstore.client import Client, SingleKeyCalls, check_put_batch
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.security import ClientTls
@@ -139,6 +144,8 @@ class ClusterClient(SingleKeyCalls):
         self._view = _View(placement=Placement(()), by_id={}, replicas=replicas)
         self._suspects: dict[NodeId, float] = {}  # node -> until (clock)
         self._fanned: dict[BlockKey, list[NodeId]] = {}  # hot key -> nodes given extra copies
+        # Nodes that refused a replicated put (outside an etcd cluster): put + Replicate there.
+        self._no_forward: set[NodeId] = set()
         self._next_cool_check = 0.0
         self._spread = itertools.count()
         self._on_members(membership.members())
@@ -252,6 +259,16 @@ class ClusterClient(SingleKeyCalls):
                 keys = [ks[i] for i in idx]
                 vals, pars = [views[i] for i in idx], [ps[i] for i in idx]
                 try:
+                    if self.replicas > 1 and master not in self._no_forward:
+                        try:
+                            flags = self._put_forwarded(client, keys, vals, pars, pin)
+                        except FailedPrecondition:  # not an etcd member: the two-trip path
+                            with self._lock:
+                                self._no_forward.add(master)
+                        else:
+                            for i, f in zip(idx, flags, strict=True):
+                                stored[i] = f
+                            return
                     flags = client.put_batch(keys, vals, parents=pars, pin=pin)
                     if self.replicas > 1:
                         others = [n for n in view.by_id if n != master]
@@ -274,6 +291,18 @@ class ClusterClient(SingleKeyCalls):
             self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()])
             pending = retry
         return stored
+
+    def _put_forwarded(self, client: Client, keys: list[BlockKey], values: list[memoryview],
+                       parents: list[BlockKey | None], pin: bool) -> list[bool]:
+        """One trip: the master stores the blocks and forwards them to the owners it
+        ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
+        flags, copies, failed = client.put_batch_replicated(
+            keys, values, parents=parents, pin=pin, copies=self.replicas,
+            write_quorum=self.write_quorum)
+        if copies < self.write_quorum:
+            raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
+                               f"({'; '.join(failed)})")
+        return flags
 
     def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
                    orders: list[list[int]], values: list[memoryview],
