@@ -68,6 +68,19 @@ def _batched(keys: list[bytes], fn: Callable[[list[bytes]], object]) -> None:
         fn(keys[lo : lo + BATCH])
 
 
+def _cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) used so far by this process and the node processes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(os.times()[:2])
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def _put_all(c: Any, keys: list[bytes], value: bytes) -> float:
     return _timed(lambda: _batched(keys, lambda ks: c.put_batch(ks, [value] * len(ks))))
 
@@ -87,6 +100,7 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
     fresh keys); ratios are medians of the per-round ratios to the round's one node."""
     rows = []
     tag = 1
+    pids = [rec.pid for rec in cluster.nodes]
     for transport in TRANSPORTS:
         clients: dict[str, Any] = {
             "single node": Client(cluster.nodes[0].addr, transport=transport),
@@ -101,12 +115,20 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
                 bufs = [bytearray(size) for _ in range(BATCH)]
                 puts: dict[str, list[float]] = {name: [] for name in clients}
                 gets: dict[str, list[float]] = {name: [] for name in clients}
+                # CPU time of every process involved, which the machine's other load
+                # does not change: what a byte costs, whoever's core it runs on.
+                cpu = {name: [0.0, 0.0] for name in clients}
                 for _ in range(rounds):
                     for name, c in clients.items():
                         keys = _keys(tag, n)
                         tag += 1
+                        c0 = _cpu_s(pids)
                         puts[name].append(_put_all(c, keys, value))
+                        c1 = _cpu_s(pids)
                         gets[name].append(_get_all(c, keys, bufs))
+                        c2 = _cpu_s(pids)
+                        cpu[name][0] += c1 - c0
+                        cpu[name][1] += c2 - c1
                         for k in keys:  # keep memory bounded between rounds
                             c.remove(k)
                 base_p, base_g = puts["single node"], gets["single node"]
@@ -119,7 +141,9 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
                            "put_vs_single": median([b / t for b, t in
                                                     zip(base_p, puts[name], strict=True)]),
                            "get_vs_single": median([b / t for b, t in
-                                                    zip(base_g, gets[name], strict=True)])}
+                                                    zip(base_g, gets[name], strict=True)]),
+                           "put_cpu_ms_per_mib": cpu[name][0] * 1e3 / (rounds * n * size / 2**20),
+                           "get_cpu_ms_per_mib": cpu[name][1] * 1e3 / (rounds * n * size / 2**20)}
                     if name in TARGETS:
                         put_t, get_t = TARGETS[name]
                         row |= {"put_target": put_t, "get_target": get_t,
@@ -253,13 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report(result: dict[str, Any]) -> None:
     rows = [[r["transport"], r["client"], size_label(r["size"]), r["put_gbps"],
-             r["put_vs_single"], r["get_gbps"], r["get_vs_single"],
+             r["put_vs_single"], r["put_cpu_ms_per_mib"], r["get_gbps"], r["get_vs_single"],
+             r["get_cpu_ms_per_mib"],
              "" if "meets_target" not in r else
              f"{'yes' if r['meets_target'] else 'NO'} (>= {r['put_target']}/{r['get_target']})"]
             for r in result["throughput"]]
     print("\nthroughput (GB/s; ratio to one node: median of per-round ratios)")
-    print(format_table(["transport", "client", "block", "put GB/s", "put ratio", "get GB/s",
-                        "get ratio", "meets target (put/get)"], rows))
+    print(format_table(["transport", "client", "block", "put GB/s", "put ratio",
+                        "put CPU ms/MiB", "get GB/s", "get ratio", "get CPU ms/MiB",
+                        "meets target (put/get)"], rows))
     f = result["fanout"]
     print("\nZipf(1.1) reads, replicas=1: per-node reads max/mean (1.0 is even)")
     print(format_table(["", "max/mean", "reads per node", "hot keys fanned out"],

@@ -19,11 +19,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.forwarding import BlockCopy, ForwardOutcome
+from kvstore.keys import BlockKey
 from replication import quorum
 from replication.membership import Membership
 from replication.peers import PeerPool
 from replication.placement import Member, NodeId, Placement
 from replication.replicator import send_copies
+
+_CACHE_KEYS = 1 << 16
 
 
 class Forwarder:
@@ -39,6 +42,8 @@ class Forwarder:
         self._placement: Placement | None = None
         self._addrs: dict[NodeId, str] = {}
         self._unsubscribe: Callable[[], None] | None = None
+        # Each block's targets under the current view (keys repeat: re-puts, fan-out).
+        self._cache: dict[tuple[BlockKey, int], tuple[str, ...]] = {}
 
     def attach(self, membership: Membership, self_id: str) -> None:
         """Forward by ``membership``'s live view from now on, as node ``self_id``."""
@@ -62,6 +67,7 @@ class Forwarder:
         with self._lock:
             self._placement = placement
             self._addrs = {m.node_id: m.addr for m in members}
+            self._cache = {}  # a new dict: forwards in flight keep the old view's
 
     @property
     def available(self) -> bool:
@@ -71,13 +77,20 @@ class Forwarder:
     def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int
                 ) -> ForwardOutcome:
         with self._lock:
-            placement, addrs, me = self._placement, self._addrs, self._self_id
+            placement, addrs, me, cache = (self._placement, self._addrs, self._self_id,
+                                           self._cache)
         if placement is None or copies == 1 or not blocks:
             return ForwardOutcome(copies=1)
         groups: dict[tuple[str, ...], list[BlockCopy]] = {}
+        r = min(copies, len(addrs))
         for b in blocks:
-            owners, rest = placement.candidates(b.place, min(copies, len(addrs)))
-            cands = tuple(addrs[n] for n in owners + rest if n != me)
+            cands = cache.get((b.place, r))
+            if cands is None:
+                owners, rest = placement.candidates(b.place, r)
+                cands = tuple(addrs[n] for n in owners + rest if n != me)
+                if len(cache) >= _CACHE_KEYS:
+                    cache.clear()  # bounded; recomputing is cheap, only not free
+                cache[(b.place, r)] = cands
             groups.setdefault(cands, []).append(b)
         out = quorum.run(
             self._pool,

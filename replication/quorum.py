@@ -4,7 +4,8 @@ A group is a set of blocks with the same candidate order (owners first, then the
 next ranked nodes). Its first ``copies - 1`` candidates are pushed to at once;
 each push that fails is replaced by the next unused candidate (a sloppy quorum: a
 copy on a lower-ranked node still counts, and repair later moves it to its
-owner). ``run`` answers when every group has ``write_quorum - 1`` copies or no
+owner). The first push runs in the caller's thread, the others on ``pool``. ``run``
+answers when every group has ``write_quorum - 1`` copies or no
 candidate left, or, with ``wait_all``, only once every push it started has
 settled (the caller lends the bytes and must not reuse them before).
 """
@@ -58,10 +59,18 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
     cond = threading.Condition()
     rounds = [_Round(cond, list(cands), push) for cands, push in groups]
     need = write_quorum - 1
+    first: tuple[_Round, str] | None = None
     with cond:
         for rnd in rounds:
             for _ in range(min(copies - 1, len(rnd.candidates))):
-                _start(pool, rnd)
+                if first is None:  # run here, not on the pool: the caller would only wait
+                    first = (rnd, rnd.candidates.pop(0))
+                    rnd.running += 1
+                else:
+                    _start(pool, rnd)
+    if first is not None:
+        _push(pool, *first)
+    with cond:
         while not all(r.settled(need, wait_all) for r in rounds):
             cond.wait()
         stored = set.intersection(*(set(r.stored_on) for r in rounds))
