@@ -14,6 +14,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey
 
 MAX_BATCH = 65536
+"""Most keys one request may name; larger batches are split by the client."""
 
 
 def check_key(key: object, what: str = "key") -> BlockKey:

@@ -42,8 +42,6 @@ from tiers.policy import make_policy
 log = logging.getLogger("kvstore.node")
 _ROOM_ATTEMPTS = 8
 
-"""Most keys one request may name; larger batches are split by the client."""
-
 
 @dataclass(slots=True, kw_only=True)
 class NodeSettings:
