@@ -76,7 +76,11 @@ def as_writable(buf: object) -> memoryview:
 class ChannelConnection:
     """One transfer-channel stream."""
 
-    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None) -> None:
+    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None,
+                 io_timeout: float | None = None) -> None:
+        """``timeout``: for connecting and the hello. ``io_timeout``: for every later
+        socket operation (None: none, a transfer takes as long as its size needs; a node
+        forwarding to a peer sets one, so a stopped peer cannot hold a writer forever)."""
         self.session = session
         self.mode = mode
         if mode is Mode.SHM:
@@ -99,8 +103,9 @@ class ChannelConnection:
         except BaseException:
             sock.close()
             raise
-        # Blocking from here on: a transfer takes as long as its size needs.
-        sock.settimeout(None)
+        # Blocking from here on (unless io_timeout): a transfer takes as long as its size
+        # needs.
+        sock.settimeout(io_timeout)
         self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:

@@ -85,16 +85,20 @@ class Client(SingleKeyCalls):
             from replication.cluster_client import ClusterClient  # builds on this module
 
             return ClusterClient(**options)
-        cluster_only = set(options) - {"transport", "timeout", "token", "tls"}
+        cluster_only = set(options) - {"transport", "timeout", "token", "tls",
+                                       "channel_io_timeout"}
         if cluster_only:
             raise InvalidArgument(f"{', '.join(sorted(cluster_only))}: cluster options need "
                                   f"etcd= or members= instead of a node address")
         return super().__new__(cls)
 
     def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
-                 token: str | None = None, tls: ClientTls | None = None) -> None:
+                 token: str | None = None, tls: ClientTls | None = None,
+                 channel_io_timeout: float | None = None) -> None:
         """``token``: the bearer token a node with tenants requires (see
-        ``kvstore.security``); ``tls``: connect over TLS (gRPC and the TCP channel)."""
+        ``kvstore.security``); ``tls``: connect over TLS (gRPC and the TCP channel);
+        ``channel_io_timeout``: seconds any one transfer-channel socket operation may wait
+        (default: no limit once connected)."""
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
@@ -102,6 +106,7 @@ class Client(SingleKeyCalls):
         self._requested = transport
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._tls = tls
+        self._io_timeout = channel_io_timeout
         self._grpc_channel = (
             grpc.secure_channel(addr, tls.grpc_credentials(), options=GRPC_OPTIONS) if tls
             else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
@@ -188,7 +193,8 @@ class Client(SingleKeyCalls):
             if mode is None:
                 break
             try:
-                conn = ChannelConnection(session, mode, timeout=self.timeout)
+                conn = ChannelConnection(session, mode, timeout=self.timeout,
+                                         io_timeout=self._io_timeout)
             except (OSError, KVStoreError) as exc:
                 last = exc
                 continue
@@ -245,7 +251,8 @@ class Client(SingleKeyCalls):
         if session is None or mode is None:
             raise Unavailable(f"{self.addr}: transfer channel was reset; retry")
         with self._errors():
-            return ChannelConnection(session, mode, timeout=self.timeout)
+            return ChannelConnection(session, mode, timeout=self.timeout,
+                                     io_timeout=self._io_timeout)
 
     def _checkin(self, conn: ChannelConnection) -> None:
         with self._lock:

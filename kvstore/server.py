@@ -289,7 +289,11 @@ class NodeServer:
                               tls=tls.peer() if tls else None)
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc)
         # Inert until a cluster role attaches its membership (replicated puts on the channel).
-        self.forwarder = Forwarder(self.peers)
+        # Its own peer clients, whose channel operations time out: a stopped peer fails
+        # the forward (and is replaced) instead of holding the writer's put forever.
+        self.forwarder = Forwarder(PeerPool(timeout=peer_timeout, token=peer_token,
+                                            tls=tls.peer() if tls else None,
+                                            channel_io_timeout=peer_timeout))
         self.channel.forwarder = self.forwarder
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))

@@ -30,7 +30,9 @@ _CACHE_KEYS = 1 << 16
 
 
 class Forwarder:
-    """Implements ``kvstore.forwarding.Forwarding``; thread-safe. Inert until ``attach``."""
+    """Implements ``kvstore.forwarding.Forwarding``; thread-safe. Inert until ``attach``.
+
+    Owns ``peers`` (``close`` closes it)."""
 
     def __init__(self, peers: PeerPool, *, max_workers: int = 32) -> None:
         self.peers = peers
@@ -104,6 +106,7 @@ class Forwarder:
 
     def close(self) -> None:
         self.detach()
+        self.peers.close()
         # Queued pushes still run (each ends within the peer timeout): a handler waits
         # for every push it started.
         self._pool.shutdown(wait=False)

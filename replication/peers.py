@@ -17,9 +17,11 @@ from kvstore.security import ClientTls
 
 class PeerPool:
     def __init__(self, *, transport: str = "auto", timeout: float = 10.0,
-                 token: str | None = None, tls: ClientTls | None = None) -> None:
+                 token: str | None = None, tls: ClientTls | None = None,
+                 channel_io_timeout: float | None = None) -> None:
         self.transport = transport
         self.timeout = timeout
+        self._io_timeout = channel_io_timeout
         self._token = token
         self._tls = tls
         self._lock = threading.Lock()
@@ -34,7 +36,8 @@ class PeerPool:
             client = self._clients.get(addr)
             if client is None:
                 client = Client(addr, transport=self.transport, timeout=self.timeout,
-                                token=self._token, tls=self._tls)
+                                token=self._token, tls=self._tls,
+                                channel_io_timeout=self._io_timeout)
                 self._clients[addr] = client
             return client
 

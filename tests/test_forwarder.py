@@ -8,6 +8,7 @@ master forwards to the owners its own membership ranks (``replication/forwarder.
 from __future__ import annotations
 
 import random
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,28 @@ def test_a_dead_replica_is_replaced_by_the_next_ranked_node(
         assert c.put_batch(mine, [_value(keys.index(k)) for k in mine]) == [True] * len(mine)
         for k in mine:
             assert _holders(cluster, k, skip={dead}) == {"node-1", "node-2"}
+
+
+def test_a_stopped_replica_times_out_and_is_replaced(cluster: LocalCluster,
+                                                     one_trip: None) -> None:
+    """SIGSTOP: the replica's socket stays open and silent. The master's forward times
+    out (its peer timeout, 10 s) and the next ranked node takes the copy."""
+    with Client(etcd=cluster.etcd, replicas=2, write_quorum=2, transport="tcp") as c:
+        placement = _placement(c)
+        keys = [_key(i) for i in range(200, 300)]
+        to_3 = [k for k in keys if placement.owners(k, 2)[1] == "node-3"]
+        # First, each master forwards to node-3 once: its channel to node-3 is open.
+        warm = [next(k for k in to_3 if placement.master(k) == m) for m in ("node-1", "node-2")]
+        assert c.put_batch(warm, [b"w" * 1000] * 2) == [True, True]
+        mine = [k for k in to_3 if k not in warm][:4]
+        cluster.signal_node("node-3", signal.SIGSTOP)
+        try:
+            assert c.put_batch(mine, [_value(i) for i in range(len(mine))]) == \
+                [True] * len(mine)
+            for k in mine:
+                assert _holders(cluster, k, skip={"node-3"}) == {"node-1", "node-2"}
+        finally:
+            cluster.signal_node("node-3", signal.SIGCONT)
 
 
 def test_quorum_not_met_raises_and_keeps_the_master_copy(
