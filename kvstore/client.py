@@ -261,6 +261,14 @@ class Client(SingleKeyCalls):
                 return
         conn.close()
 
+    @property
+    def maps_node_memory(self) -> bool:
+        """True once this client moves values through the node's shared memory: its
+        copies then hold the GIL, so calls to several such nodes gain nothing from
+        threads (the cluster client runs them one after another). Never connects."""
+        with self._lock:
+            return self._resolved and self._mode is Mode.SHM
+
     def _uses_channel(self) -> bool:
         self._resolve()
         return self._mode is not None

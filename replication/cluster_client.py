@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,7 +288,9 @@ class ClusterClient(SingleKeyCalls):
                 for i, f in zip(idx, flags, strict=True):
                     stored[i] = f
 
-            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()])
+            # Replicated puts wait on their masters' forwards (no GIL): those overlap.
+            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()],
+                           serial=self.replicas == 1 and self._all_mapped(view, groups))
             pending = retry
         return stored
 
@@ -361,7 +363,8 @@ class ClusterClient(SingleKeyCalls):
                     results[i] = a
                     answered[i] = True
 
-            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()])
+            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()],
+                           serial=self._all_mapped(view, groups))
             nxt = []
             for node, idx in groups.items():
                 for i in idx:
@@ -521,9 +524,19 @@ class ClusterClient(SingleKeyCalls):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _parallel(self, calls: list[Callable[[], None]]) -> None:
-        """Runs the calls, in parallel when there are several; re-raises the first error."""
+    def _all_mapped(self, view: _View, nodes: Iterable[NodeId]) -> bool:
+        """True if every node's client copies through shared memory (see
+        ``Client.maps_node_memory``): threads would only take turns holding the GIL."""
+        return all(self._client(view, n).maps_node_memory for n in nodes)
+
+    def _parallel(self, calls: list[Callable[[], None]], *, serial: bool = False) -> None:
+        """Runs the calls, in parallel when there are several (unless ``serial``);
+        re-raises the first error."""
         if not calls:
+            return
+        if serial:
+            for call in calls:
+                call()
             return
         futures = [self._pool.submit(c) for c in calls[1:]]
         try:
