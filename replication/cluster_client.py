@@ -26,6 +26,11 @@ these. It watches membership, ranks the live nodes for every key (see
   reads rotate over owners and those copies; when it cools, the extra copies
   are removed.
 
+Calls to several nodes run in parallel threads, except when every node involved is
+reached through same-host shared memory (and the call is not a replicated put, which
+waits on its masters' forwards): those copies hold the GIL, so threads would only take
+turns, and running them one after another costs less.
+
 Nodes that failed a call are tried last for ``suspect_s`` seconds, so one dead
 node costs one failed call, not one per request, until membership drops it.
 
