@@ -115,8 +115,8 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
                 bufs = [bytearray(size) for _ in range(BATCH)]
                 puts: dict[str, list[float]] = {name: [] for name in clients}
                 gets: dict[str, list[float]] = {name: [] for name in clients}
-                # CPU time of every process involved, which the machine's other load
-                # does not change: what a byte costs, whoever's core it runs on.
+                # CPU time of every process involved: what a byte costs, whoever's core
+                # runs it; the machine's other load moves it far less than wall time.
                 cpu = {name: [0.0, 0.0] for name in clients}
                 for _ in range(rounds):
                     for name, c in clients.items():
