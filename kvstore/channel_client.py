@@ -249,8 +249,7 @@ class ChannelConnection:
                 results[i] = r
         return results
 
-    def put(self, keys: Sequence[bytes], values: Sequence[memoryview],
-            parents: Sequence[bytes | None], pin: bool) -> list[bool]:
+    def _sizes(self, values: Sequence[memoryview]) -> list[int]:
         sizes = [len(v) for v in values]
         limit = self.session.region_bytes
         for n in sizes:
@@ -260,6 +259,11 @@ class ChannelConnection:
                 raise error_for_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"value of {n} bytes exceeds the node's capacity of "
                                      f"{limit} bytes")
+        return sizes
+
+    def put(self, keys: Sequence[bytes], values: Sequence[memoryview],
+            parents: Sequence[bytes | None], pin: bool) -> list[bool]:
+        sizes = self._sizes(values)
         meta = wire.pack_put_items(keys, sizes, parents, pin)
         if self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES:
             return self._put_shm(keys, values, meta)
@@ -268,6 +272,17 @@ class ChannelConnection:
 
     def _put_shm(self, keys: Sequence[bytes], values: Sequence[memoryview], meta: bytes
                  ) -> list[bool]:
+        rids, slots = self._reserve_and_fill(keys, values, meta)
+        if not rids:
+            return [False] * len(keys)
+        _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
+        done = iter(committed)
+        return [False if offset is None else bool(next(done)) for offset in slots]
+
+    def _reserve_and_fill(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                          meta: bytes) -> tuple[list[int], list[int | None]]:
+        """Reserves room for the values in the mapped region and copies them there; the
+        reservation ids, and each value's offset (None: the key was already stored)."""
         _, reply = self._call(Op.RESERVE, len(keys), meta)
         region = self.session.region
         assert region is not None
@@ -280,7 +295,7 @@ class ChannelConnection:
             else:
                 slots.append(None)
         if not rids:
-            return [False] * len(keys)
+            return rids, slots
         try:
             with memoryview(region) as rv:
                 for offset, value in zip(slots, values, strict=True):
@@ -289,9 +304,43 @@ class ChannelConnection:
         except BaseException:
             self._send(Op.ABORT, len(rids), wire.pack_ids(rids))
             raise
-        _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
-        done = iter(committed)
-        return [False if offset is None else bool(next(done)) for offset in slots]
+        return rids, slots
+
+    def put_replicated(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                       parents: Sequence[bytes | None], pin: bool, copies: int,
+                       write_quorum: int) -> tuple[list[bool], int, str]:
+        """A replicated put to the keys' master (RPUT, or RESERVE + RCOMMIT over shared
+        memory): (stored flags, copies holding every key, text of failed forwards)."""
+        sizes = self._sizes(values)
+        if not (self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES):
+            return self._rput(keys, values, sizes, parents, pin, copies, write_quorum)
+        rids, slots = self._reserve_and_fill(
+            keys, values, wire.pack_put_items(keys, sizes, parents, pin))
+        stored = [False] * len(keys)
+        made, failures = 255, []
+        if rids:
+            meta = b"".join(wire.RCOMMIT_ITEM.pack(rid, copies, write_quorum) for rid in rids)
+            _, reply = self._call(Op.RCOMMIT, len(rids), meta)
+            flags, made, text = wire.unpack_repl_reply(reply, len(rids))
+            failures.append(text)
+            done = iter(flags)
+            stored = [False if offset is None else next(done) for offset in slots]
+        existed = [i for i, offset in enumerate(slots) if offset is None]
+        if existed:
+            # Already on the master; its other owners may lack them: forward from the stream.
+            _, more, text = self._rput([keys[i] for i in existed], [values[i] for i in existed],
+                                       [sizes[i] for i in existed],
+                                       [parents[i] for i in existed], pin, copies, write_quorum)
+            made = min(made, more)
+            failures.append(text)
+        return stored, made, "; ".join(f for f in failures if f)
+
+    def _rput(self, keys: Sequence[bytes], values: Sequence[memoryview], sizes: Sequence[int],
+              parents: Sequence[bytes | None], pin: bool, copies: int, write_quorum: int
+              ) -> tuple[list[bool], int, str]:
+        meta = wire.pack_rput_items(keys, sizes, parents, pin, copies, write_quorum)
+        _, reply = self._call(Op.RPUT, len(keys), meta, values)
+        return wire.unpack_repl_reply(reply, len(keys))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         _, meta = self._call(Op.EXISTS, len(keys), wire.pack_keys(keys))

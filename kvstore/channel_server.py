@@ -10,6 +10,7 @@ released when it closes, however it closes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore import channel_replicated as replicated
 from kvstore import tenancy, wire
 from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import BlockKey
@@ -26,6 +28,7 @@ from kvstore.security import Principal
 from kvstore.wire import HEADER, Mode, Op, ProtocolError
 
 if TYPE_CHECKING:
+    from kvstore.forwarding import Forwarding
     from kvstore.metrics import NodeMetrics
 
 log = logging.getLogger("kvstore.channel")
@@ -46,8 +49,10 @@ class _Connection:
     """One client stream."""
 
     def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
-                 metrics: NodeMetrics | None = None, stall_s: float | None = None) -> None:
+                 metrics: NodeMetrics | None = None, stall_s: float | None = None,
+                 forwarder: Forwarding | None = None) -> None:
         self.node = node
+        self.forwarder = forwarder  # replicated puts (RPUT, RCOMMIT); None outside a cluster
         self.sock = sock
         self.lease_timeout = stall_s
         if stall_s is not None:
@@ -68,6 +73,7 @@ class _Connection:
             Op.EXISTS: self.on_exists,
             Op.PREFIX: self.on_prefix,
             Op.REMOVE: self.on_remove,
+            Op.RPUT: functools.partial(replicated.on_rput, self),
         }
         if mode is Mode.SHM:
             self.handlers |= {
@@ -77,6 +83,7 @@ class _Connection:
                 Op.RESERVE: self.on_reserve,
                 Op.COMMIT: self.on_commit,
                 Op.ABORT: self.on_abort,
+                Op.RCOMMIT: functools.partial(replicated.on_rcommit, self),
             }
         # Ops whose handler is marked ``@tenancy.cluster_only``: refused to tenants.
         self.cluster_ops = frozenset(op for op, h in self.handlers.items()
@@ -142,6 +149,8 @@ class _Connection:
 
     @staticmethod
     def payload_bytes(op: Op, meta: bytes) -> int:
+        if op is Op.RPUT:
+            return sum(item[2] for item in wire.RPUT_ITEM.iter_unpack(meta))
         if op is not Op.PUT:
             return 0
         return sum(item[2] for item in wire.PUT_ITEM.iter_unpack(meta))
@@ -186,12 +195,7 @@ class _Connection:
 
     def on_put(self, count: int, meta: bytes) -> None:
         items = list(wire.PUT_ITEM.iter_unpack(meta))
-        limit = self.node.region_bytes
-        for item in items:
-            if item[2] > limit:
-                # Larger than the node could ever hold: refuse without reading it.
-                raise _Abandon(ResourceExhausted(
-                    f"value of {item[2]} bytes exceeds the node's capacity of {limit} bytes"))
+        self.refuse_oversized([item[2] for item in items])
         results = bytearray(count)
         failure: KVStoreError | None = None
         for i, (key, parent, nbytes, flags) in enumerate(items):
@@ -217,6 +221,14 @@ class _Connection:
         if failure is not None:
             raise failure
         self.reply(count, bytes(results))
+
+    def refuse_oversized(self, sizes: list[int]) -> None:
+        limit = self.node.region_bytes
+        for n in sizes:
+            if n > limit:
+                # Larger than the node could ever hold: refuse without reading it.
+                raise _Abandon(ResourceExhausted(
+                    f"value of {n} bytes exceeds the node's capacity of {limit} bytes"))
 
     def discard(self, nbytes: int) -> None:
         if self.scratch is None:
@@ -305,11 +317,14 @@ class ChannelServer:
     def __init__(self, node: Node, *, host: str, port: int, unix_name: str | None,
                  ssl_context: ssl.SSLContext | None = None,
                  metrics: NodeMetrics | None = None, stall_s: float | None = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, forwarder: Forwarding | None = None
+                 ) -> None:
         """``stall_s``: how long a request may wait on its client's bytes (the node's
         ``--read-lease-timeout``); None: forever. ``max_connections``: open connections
-        (each has a thread) past which new ones are closed at once."""
+        (each has a thread) past which new ones are closed at once. ``forwarder``:
+        replicated puts (RPUT, RCOMMIT); None outside a cluster (a cluster role sets it)."""
         self.node = node
+        self.forwarder = forwarder
         self._max_connections = max_connections
         self._live = 0  # connections with a thread; guarded by _lock
         self._stall_s = stall_s
@@ -409,7 +424,7 @@ class ChannelServer:
             accepted = self._handshake(sock)
             if accepted is not None:
                 _Connection(self.node, sock, *accepted, metrics=self._metrics,
-                            stall_s=self._stall_s).serve()
+                            stall_s=self._stall_s, forwarder=self.forwarder).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it

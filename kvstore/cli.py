@@ -236,6 +236,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     server.start()
     role = None
+    if not cfg.etcd and cfg.member_addrs():
+        _forward_in_static_cluster(cfg, server, fmt)
     if cfg.etcd:
         try:
             role = _join_cluster(cfg, node, server)
@@ -342,6 +344,25 @@ def _start_exporter(metrics: Any, listen: str, server: Any) -> Any:
         raise
 
 
+def _forward_in_static_cluster(cfg: Any, server: Any, fmt: str) -> None:
+    """A node of a static cluster (``--members``, no etcd) forwards replicated puts by the
+    same list its clients rank (``members=``, ``kvstore_members``: node id = address). Only
+    when the list names this node as clients reach it: otherwise it would rank itself as
+    another node, and a copy it forwarded to itself would count twice."""
+    from kvstore.logs import announce
+    from replication.membership import StaticMembership
+    from replication.placement import Member, NodeId
+
+    me, addrs = cfg.advertise or server.addresses.grpc, cfg.member_addrs()
+    if me not in addrs:
+        announce(f"kvstore: --members does not list this node ({me}): replicated puts take "
+                 f"the two-trip path (put, then Replicate, which needs a cluster-role token)",
+                 fmt=fmt)
+        return
+    server.forwarder.attach(
+        StaticMembership([Member(node_id=NodeId(a), addr=a) for a in dict.fromkeys(addrs)]), me)
+
+
 def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
     from replication.cluster_node import ClusterRole, ClusterSettings
 
@@ -351,7 +372,7 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
         etcd=cfg.etcd, node_id=cfg.node_id or addr, addr=addr, zone=cfg.zone,
         weight=max(capacity / (1 << 30), 1e-6), lease_ttl=cfg.lease_ttl, replicas=cfg.replicas,
         repair_bytes_per_s=cfg.repair_bytes_per_s, repair_interval_s=cfg.repair_interval,
-        etcd_tls=_etcd_tls(cfg)))
+        etcd_tls=_etcd_tls(cfg)), forwarder=server.forwarder)
     server.known_members.follow(
         lambda: [m.addr for m in role.membership.members()],
         wait=lambda ready, timeout: role.membership.wait_for(lambda _: ready(), timeout))

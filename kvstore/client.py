@@ -34,21 +34,22 @@ from kvstore.channel_client import (
     as_readable,
     as_writable,
 )
+from kvstore.checks import MAX_BATCH, check_key, check_parent
 from kvstore.errors import (
     REPLY_BOUND,
+    FailedPrecondition,
     InvalidArgument,
     KVStoreError,
     ResourceExhausted,
     Unavailable,
     error_for_code,
 )
+from kvstore.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
 from kvstore.keys import BlockKey
 from kvstore.logs import REQUEST_ID_HEADER
-from kvstore.node import MAX_BATCH, check_key, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.security import ClientTls
-from kvstore.server import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
 from kvstore.wire import Mode
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
@@ -260,6 +261,14 @@ class Client(SingleKeyCalls):
                 return
         conn.close()
 
+    @property
+    def maps_node_memory(self) -> bool:
+        """True once this client moves values through the node's shared memory: its
+        copies then hold the GIL, so calls to several such nodes gain nothing from
+        threads (the cluster client runs them one after another). Never connects."""
+        with self._lock:
+            return self._resolved and self._mode is Mode.SHM
+
     def _uses_channel(self) -> bool:
         self._resolve()
         return self._mode is not None
@@ -284,6 +293,30 @@ class Client(SingleKeyCalls):
                      for k, v, p in zip(ks[lo:hi], views[lo:hi], ps[lo:hi], strict=True)]
             stored.extend(self._grpc("BatchPut", pb.BatchPutRequest(items=items)).stored)
         return stored
+
+    def put_batch_replicated(self, keys: Sequence[bytes], values: Sequence[object], *,
+                             parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                             copies: int, write_quorum: int
+                             ) -> tuple[list[bool], int, list[str]]:
+        """For the cluster client: a put this node, the keys' master, forwards to
+        ``copies - 1`` other owners of its own choosing before it answers (one trip from
+        here). Returns (stored flags, copies holding every key, failed forwards).
+        FailedPrecondition: the node is not an etcd cluster member, or no transfer channel."""
+        ks, views, ps = check_put_batch(keys, values, parents)
+        if not self._uses_channel():
+            raise FailedPrecondition(f"{self.addr}: a replicated put needs the transfer channel")
+        stored: list[bool] = []
+        made, failed = copies, []
+        for lo in range(0, len(ks), MAX_BATCH):
+            hi = lo + MAX_BATCH
+            flags, n, text = self._channel_call(
+                lambda c, lo=lo, hi=hi: c.put_replicated(ks[lo:hi], views[lo:hi], ps[lo:hi],
+                                                         pin, copies, write_quorum))
+            stored += flags
+            made = min(made, n)
+            if text:
+                failed.append(text)
+        return stored, made, failed
 
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = [check_key(k) for k in keys]

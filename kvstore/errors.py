@@ -49,6 +49,13 @@ class PermissionDenied(KVStoreError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class FailedPrecondition(KVStoreError):
+    """The node cannot do this in its present role (a replicated put to a node outside
+    a cluster)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class InternalError(KVStoreError):
     """A bug in the node; the message says where."""
 
@@ -57,7 +64,7 @@ class InternalError(KVStoreError):
 
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     cls.code: cls for cls in (InvalidArgument, ResourceExhausted, Unavailable, InternalError,
-                              Unauthenticated, PermissionDenied)
+                              Unauthenticated, PermissionDenied, FailedPrecondition)
 }
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
 

@@ -24,9 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+# Re-exported: these lived here before kvstore.checks, and callers import them from here.
+from kvstore.checks import MAX_BATCH as MAX_BATCH
+from kvstore.checks import check_key as check_key
+from kvstore.checks import check_keys as check_keys
+from kvstore.checks import check_parent as check_parent
 from kvstore.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.fit import check_fits
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.forwarding import BlockCopy
+from kvstore.keys import BlockKey
 from kvstore.quotas import QuotaBook
 from tiers.base import Tier
 from tiers.dram import DramTier
@@ -38,9 +44,6 @@ from tiers.policy import make_policy
 log = logging.getLogger("kvstore.node")
 T = TypeVar("T")
 _ROOM_ATTEMPTS = 8
-
-MAX_BATCH = 65536
-"""Most keys one request may name; larger batches are split by the client."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -55,25 +58,6 @@ class NodeSettings:
     ssd_path: str | None = None  # None: no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"
-
-
-def check_key(key: object, what: str = "key") -> BlockKey:
-    if not isinstance(key, bytes | bytearray | memoryview) or len(key) != KEY_BYTES:
-        n = len(key) if isinstance(key, bytes | bytearray | memoryview) else type(key).__name__
-        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {n}")
-    return BlockKey(bytes(key))
-
-
-def check_keys(keys: Sequence[object]) -> list[BlockKey]:
-    if len(keys) > MAX_BATCH:
-        raise InvalidArgument(f"at most {MAX_BATCH} keys per request, got {len(keys)}")
-    return [check_key(k) for k in keys]
-
-
-def check_parent(parent: object) -> BlockKey | None:
-    if parent is None or (isinstance(parent, bytes | bytearray | memoryview) and len(parent) == 0):
-        return None
-    return check_key(parent, "parent key")
 
 
 class _RequestScope:
@@ -387,6 +371,15 @@ class Node:
         finally:
             self.release_reads(entries)
 
+    @contextmanager
+    def copying(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockCopy | None]]:
+        """Frozen copies-to-be of the blocks (None per miss) for replication and repair,
+        their bytes valid inside the scope; not counted as reads."""
+        with self.reading_blocks(keys, access=False) as blocks:
+            yield [None if b is None else BlockCopy(key=b[0].key, place=b[0].key,
+                                                    parent=b[0].parent, pin=b[0].pinned,
+                                                    value=b[1]) for b in blocks]
+
     def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's block size (None if absent); not counted as reads."""
         with self._lock:
@@ -555,6 +548,14 @@ class ReservationSet:
         self._next_id += 1
         self._pending[rid] = (reservation, self._clock())
         return rid, reservation
+
+    def get(self, rid: int) -> Reservation:
+        """A pending reservation, left pending (InvalidArgument if unknown)."""
+        got = self._pending.get(rid)
+        if got is None:
+            raise InvalidArgument(f"reservation {rid} is unknown or expired (the node's "
+                                  f"--read-lease-timeout passed before its commit)")
+        return got[0]
 
     def commit(self, rid: int) -> bool:
         got = self._pending.pop(rid, None)

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import tenancy, wire
 from kvstore.channel_server import ChannelServer
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.grpc_options import GRPC_OPTIONS, host_id
+from kvstore.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -42,28 +44,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.server")
 
-MAX_MESSAGE_BYTES = 512 << 20
 MAX_REPLY_VALUE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
 """Most value bytes one Get/BatchGet reply carries (the rest of a message is framing:
 at most MAX_BATCH items of a few bytes each). A read past it is refused up front."""
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 DEFAULT_READ_LEASE_TIMEOUT = 30.0
 """Seconds (``--read-lease-timeout``) a stalled client may pin a read lease or a put."""
 
 R = TypeVar("R")
-
-
-def host_id() -> str:
-    """Identifies this machine's running kernel: equal ids mean a shared memory is possible."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _rpc(method: Callable[..., R]) -> Callable[..., R]:
@@ -285,7 +273,8 @@ class NodeServer:
         ``read_lease_timeout``: seconds a client's read lease or unfinished put may pin
         space while its bytes do not flow (see ``kvstore.channel_server``)."""
         from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
-        from replication.peers import KnownMembers, PeerPool  # builds on the client: late
+        from replication.forwarder import Forwarder  # replication builds on the client: late
+        from replication.peers import KnownMembers, PeerPool
         from replication.replicator import Replicator
 
         self.node = node
@@ -325,6 +314,13 @@ class NodeServer:
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc,
                                      max_calls=max(1, grpc_workers // 2),
                                      wait_s=2 * peer_timeout)
+        # Inert until a cluster role attaches its membership (replicated puts on the channel).
+        # Its own peer clients (the same member rule and stall timeout), so forwards never
+        # queue behind Replicate or repair pushes for a connection.
+        self.forwarder = Forwarder(PeerPool(timeout=peer_timeout, token=peer_token,
+                                            tls=tls.peer() if tls else None,
+                                            members=self.known_members))
+        self.channel.forwarder = self.forwarder
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
         self.health = NodeHealth(node)
@@ -363,11 +359,13 @@ class NodeServer:
             # replicate calls answer at once, calls to peers end) and give the rest the time
             # left, so the whole stop stays within ``grace``.
             self.replicator.close()
+            self.forwarder.close()
             self.peers.close()
             drained = self.node.drain(grace / 2)
         self.channel.stop()
         self._grpc.stop(grace=1.0).wait()
         self.replicator.close()
+        self.forwarder.close()
         self.peers.close()
         return drained
 

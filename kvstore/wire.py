@@ -37,9 +37,20 @@ Per-op meta:
     RESERVE  req  count x PUT_ITEM              resp count x RESERVE_ITEM
     COMMIT   req  count x u64 reservation id    resp count x u8 (0 existed, 1 stored)
     ABORT    req  count x u64 reservation id    no response
+    RPUT     req  count x RPUT_ITEM             resp count x u8 (0 existed, 1 stored), then
+                                                REPL_TAIL, then UTF-8 text of the failed
+                                                forwards ("ADDR: reason; ...")
+    RCOMMIT  req  count x RCOMMIT_ITEM          resp as RPUT
     RELEASE_CHECK  req  count x u64 lease id    resp count x u8 (1: the lease was still held
                                                 when released, 0: it had expired or was
                                                 never granted: bytes copied under it are void)
+
+RPUT and RCOMMIT are the cluster's replicated puts, in one trip from the writer: the
+node (the keys' master) stores the values (RPUT: from the stream; RCOMMIT: the SHM
+reservations named) and forwards them to the other owners, which it takes from its
+own membership, before it answers. Every item of one request carries the same
+copies and write quorum. A node outside a cluster answers FAILED_PRECONDITION (the
+writer then puts and asks for ``Replicate``).
 
 Leases and reservations of a same-host (SHM) client expire ``--read-lease-timeout``
 seconds after they were granted (``MIN_LEASE_TIMEOUT`` at least); a client whose copy
@@ -67,6 +78,9 @@ PUT_ITEM = struct.Struct("<16s16sQB7x")  # key, parent, nbytes, flags
 LEASE_ITEM = struct.Struct("<QQQ")  # lease id, region offset, nbytes
 RESERVE_ITEM = struct.Struct("<QQB7x")  # reservation id, region offset, state
 U64 = struct.Struct("<Q")
+RPUT_ITEM = struct.Struct("<16s16sQBBB5x")  # key, parent, nbytes, flags, copies, write quorum
+RCOMMIT_ITEM = struct.Struct("<QBB6x")  # reservation id, copies, write quorum
+REPL_TAIL = struct.Struct("<B")  # copies that hold every item, the master's included
 
 MISS = (1 << 64) - 1
 FLAG_PARENT = 1
@@ -99,6 +113,8 @@ class Op(IntEnum):
     RESERVE = 8
     COMMIT = 9
     ABORT = 10
+    RPUT = 11
+    RCOMMIT = 12
     RELEASE_CHECK = 20
 
 
@@ -113,6 +129,10 @@ def meta_item_size(op: Op) -> int:
         return 16
     if op in ID_META_OPS:
         return 8
+    if op is Op.RPUT:
+        return RPUT_ITEM.size
+    if op is Op.RCOMMIT:
+        return RCOMMIT_ITEM.size
     return PUT_ITEM.size
 
 
@@ -335,3 +355,27 @@ def pack_put_items(
         flags = (FLAG_PARENT if parent is not None else 0) | (FLAG_PIN if pin else 0)
         out += PUT_ITEM.pack(key, parent if parent is not None else zero, size, flags)
     return bytes(out)
+
+
+def pack_rput_items(keys: Sequence[bytes], sizes: Sequence[int], parents: Sequence[bytes | None],
+                    pin: bool, copies: int, write_quorum: int) -> bytes:
+    out = bytearray()
+    zero = bytes(16)
+    for key, size, parent in zip(keys, sizes, parents, strict=True):
+        flags = (FLAG_PARENT if parent is not None else 0) | (FLAG_PIN if pin else 0)
+        out += RPUT_ITEM.pack(key, parent if parent is not None else zero, size, flags,
+                              copies, write_quorum)
+    return bytes(out)
+
+
+def pack_repl_reply(stored: Sequence[bool], copies: int, failed: Sequence[str]) -> bytes:
+    return bytes(stored) + REPL_TAIL.pack(min(copies, 255)) + "; ".join(failed).encode()
+
+
+def unpack_repl_reply(meta: bytes, count: int) -> tuple[list[bool], int, str]:
+    """(stored flags, copies, failures text) of an RPUT or RCOMMIT reply."""
+    if len(meta) < count + REPL_TAIL.size:
+        raise ProtocolError(f"replicated-put reply of {len(meta)} bytes for {count} items")
+    (copies,) = REPL_TAIL.unpack_from(meta, count)
+    text = meta[count + REPL_TAIL.size :].decode("utf-8", "replace")
+    return [bool(b) for b in meta[:count]], copies, text

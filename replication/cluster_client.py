@@ -4,10 +4,15 @@
 these. It watches membership, ranks the live nodes for every key (see
 ``replication/placement.py``), and:
 
-* **put**: sends each key to its master (the top-ranked live node; if that
-  node is unreachable, the next ranked node stands in), then asks that node to
-  replicate to the other owners (``Replicate``), and returns once
-  ``write_quorum`` copies exist. Fewer copies raise ``Unavailable``; the copies
+* **put**: sends each key once to its master (the top-ranked live node; if that
+  node is unreachable, the next ranked node stands in), a batch's masters
+  concurrently. With ``replicas > 1`` it is a replicated put on the transfer
+  channel: the master stores the bytes and forwards them itself to the other
+  owners, ranked by its own membership (``replication/forwarder.py``), and
+  answers once they settled. A master outside an etcd cluster (a static member
+  list) refuses that; then the put is stored and the master asked to
+  ``Replicate`` (two trips). Either way the call returns once ``write_quorum``
+  copies exist; fewer raise ``QuorumNotMet`` (an ``Unavailable``); the copies
   that were made stay (they are correct bytes, and repair completes them).
 * **get / exists / prefix_match / locate**: each key is asked of its read
   candidates in order (owners, then hot-block fan-out nodes, then the next
@@ -20,6 +25,11 @@ these. It watches membership, ranks the live nodes for every key (see
   the ``fanout`` next-ranked nodes (by its master, in the background) and its
   reads rotate over owners and those copies; when it cools, the extra copies
   are removed.
+
+Calls to several nodes run in parallel threads, except when every node involved is
+reached through same-host shared memory (and the call is not a replicated put, which
+waits on its masters' forwards): those copies hold the GIL, so threads would only take
+turns, and running them one after another costs less.
 
 Nodes that failed a call are tried last for ``suspect_s`` seconds, so one dead
 node costs one failed call, not one per request, until membership drops it.
@@ -37,15 +47,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.checks import check_key
 from kvstore.client import Client, SingleKeyCalls, check_put_batch
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.node import check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.security import ClientTls
 from replication.etcd_membership import EtcdMembership
@@ -139,6 +149,8 @@ class ClusterClient(SingleKeyCalls):
         self._view = _View(placement=Placement(()), by_id={}, replicas=replicas)
         self._suspects: dict[NodeId, float] = {}  # node -> until (clock)
         self._fanned: dict[BlockKey, list[NodeId]] = {}  # hot key -> nodes given extra copies
+        # Nodes that refused a replicated put (outside an etcd cluster): put + Replicate there.
+        self._no_forward: set[NodeId] = set()
         self._next_cool_check = 0.0
         self._spread = itertools.count()
         self._on_members(membership.members())
@@ -252,6 +264,16 @@ class ClusterClient(SingleKeyCalls):
                 keys = [ks[i] for i in idx]
                 vals, pars = [views[i] for i in idx], [ps[i] for i in idx]
                 try:
+                    if self.replicas > 1 and master not in self._no_forward:
+                        try:
+                            flags = self._put_forwarded(client, keys, vals, pars, pin)
+                        except FailedPrecondition:  # not an etcd member: the two-trip path
+                            with self._lock:
+                                self._no_forward.add(master)
+                        else:
+                            for i, f in zip(idx, flags, strict=True):
+                                stored[i] = f
+                            return
                     flags = client.put_batch(keys, vals, parents=pars, pin=pin)
                     if self.replicas > 1:
                         others = [n for n in view.by_id if n != master]
@@ -271,9 +293,23 @@ class ClusterClient(SingleKeyCalls):
                 for i, f in zip(idx, flags, strict=True):
                     stored[i] = f
 
-            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()])
+            # Replicated puts wait on their masters' forwards (no GIL): those overlap.
+            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()],
+                           serial=self.replicas == 1 and self._all_mapped(view, groups))
             pending = retry
         return stored
+
+    def _put_forwarded(self, client: Client, keys: list[BlockKey], values: list[memoryview],
+                       parents: list[BlockKey | None], pin: bool) -> list[bool]:
+        """One trip: the master stores the blocks and forwards them to the owners it
+        ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
+        flags, copies, failed = client.put_batch_replicated(
+            keys, values, parents=parents, pin=pin, copies=self.replicas,
+            write_quorum=self.write_quorum)
+        if copies < self.write_quorum:
+            raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
+                               f"({'; '.join(failed)})")
+        return flags
 
     def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
                    orders: list[list[int]], values: list[memoryview],
@@ -332,7 +368,8 @@ class ClusterClient(SingleKeyCalls):
                     results[i] = a
                     answered[i] = True
 
-            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()])
+            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()],
+                           serial=self._all_mapped(view, groups))
             nxt = []
             for node, idx in groups.items():
                 for i in idx:
@@ -492,9 +529,19 @@ class ClusterClient(SingleKeyCalls):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _parallel(self, calls: list[Callable[[], None]]) -> None:
-        """Runs the calls, in parallel when there are several; re-raises the first error."""
+    def _all_mapped(self, view: _View, nodes: Iterable[NodeId]) -> bool:
+        """True if every node's client copies through shared memory (see
+        ``Client.maps_node_memory``): threads would only take turns holding the GIL."""
+        return all(self._client(view, n).maps_node_memory for n in nodes)
+
+    def _parallel(self, calls: list[Callable[[], None]], *, serial: bool = False) -> None:
+        """Runs the calls, in parallel when there are several (unless ``serial``);
+        re-raises the first error."""
         if not calls:
+            return
+        if serial:
+            for call in calls:
+                call()
             return
         futures = [self._pool.submit(c) for c in calls[1:]]
         try:

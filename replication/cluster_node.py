@@ -14,6 +14,7 @@ from kvstore.errors import Unavailable
 from kvstore.node import Node
 from kvstore.security import ClientTls
 from replication.etcd_membership import EtcdMembership
+from replication.forwarder import Forwarder
 from replication.peers import PeerPool
 from replication.placement import Member, NodeId
 from replication.ratelimit import TokenBucket
@@ -42,8 +43,10 @@ class ClusterSettings:
 class ClusterRole:
     """Registers ``node`` in etcd and runs its repair worker until ``leave``."""
 
-    def __init__(self, node: Node, peers: PeerPool, settings: ClusterSettings) -> None:
+    def __init__(self, node: Node, peers: PeerPool, settings: ClusterSettings, *,
+                 forwarder: Forwarder | None = None) -> None:
         self.settings = settings
+        self.forwarder = forwarder  # takes replicated puts while this node is a member
         self.member = Member(node_id=NodeId(settings.node_id), addr=settings.addr,
                              zone=settings.zone, weight=settings.weight)
         self.membership = EtcdMembership(settings.etcd, tls=settings.etcd_tls)
@@ -63,6 +66,8 @@ class ClusterRole:
             self.membership.close()
             raise
         self._joined = True
+        if self.forwarder is not None:
+            self.forwarder.attach(self.membership, self.settings.node_id)
         self.repair.start()
         log.info("joined the cluster at %s as %s (zone %r, weight %.3g)", self.settings.etcd,
                  self.member.node_id, self.member.zone, self.member.weight)
@@ -71,6 +76,8 @@ class ClusterRole:
         if not self._joined:
             return
         self._joined = False
+        if self.forwarder is not None:
+            self.forwarder.detach()
         try:
             self.membership.leave()
         finally:

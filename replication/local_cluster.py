@@ -152,6 +152,20 @@ class LocalCluster:
         if self._ours(rec.pid):
             os.kill(rec.pid, sig)
 
+    def kill_node(self, node_id: str, *, timeout: float = 20.0) -> None:
+        """SIGKILL, as a crash: returns once the process is gone. The node stays in the
+        manifest (and in etcd until its lease expires)."""
+        rec = self.node(node_id)
+        if not self._ours(rec.pid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rec.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while _alive(rec.pid, self._procs):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{node_id} (pid {rec.pid}) outlived SIGKILL")
+            time.sleep(0.01)
+
     def stop_node(self, node_id: str, *, timeout: float = 20.0) -> None:
         rec = self.node(node_id)
         self._stop_pid(rec.pid, timeout)

@@ -29,7 +29,7 @@ from kvstore.server import host_id
 from kvstore.wire import HEADER, Mode, Op
 
 SC = grpc.StatusCode
-OK, INVALID, EXHAUSTED, INTERNAL = 0, 3, 8, 13
+OK, INVALID, EXHAUSTED, PRECONDITION, INTERNAL = 0, 3, 8, 9, 13
 FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -263,9 +263,10 @@ def _first_frame_is_malformed(data: bytes, mode: Mode) -> bool | None:
     if len(data) < HEADER.size:
         return None
     op, count, meta_len = HEADER.unpack_from(data)
-    allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE}
+    allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.RPUT}
     if mode is Mode.SHM:
-        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RELEASE_CHECK}
+        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RCOMMIT,
+                    Op.RELEASE_CHECK}
     if op not in allowed or count > MAX_BATCH:
         return True
     return meta_len != count * wire.meta_item_size(Op(op))
@@ -311,7 +312,7 @@ _read_key = _random_key | st.sampled_from(sorted(KNOWN))
 
 @st.composite
 def frames(draw: st.DrawFn, mode: Mode, region_bytes: int) -> Frame:
-    op = draw(st.integers(0, 12))
+    op = draw(st.integers(0, 14))
     count = draw(st.integers(0, 5))
     keys: tuple[bytes, ...] = ()
     payload = b""
@@ -325,7 +326,10 @@ def frames(draw: st.DrawFn, mode: Mode, region_bytes: int) -> Frame:
         ids = draw(st.lists(st.integers(0, 6) | st.integers(0, (1 << 64) - 1),
                             min_size=count, max_size=count))
         meta = wire.pack_ids(ids)
-    elif op in (Op.PUT, Op.RESERVE):
+    elif op == Op.RCOMMIT:
+        meta = b"".join(wire.RCOMMIT_ITEM.pack(draw(st.integers(0, 6)), draw(st.integers(0, 3)),
+                                               draw(st.integers(0, 3))) for _ in range(count))
+    elif op in (Op.PUT, Op.RESERVE, Op.RPUT):
         items = bytearray()
         sizes = []
         for _ in range(count):
@@ -334,10 +338,14 @@ def frames(draw: st.DrawFn, mode: Mode, region_bytes: int) -> Frame:
             small = st.integers(1, 2048)
             nbytes = draw(st.one_of(small, small, small, st.sampled_from(
                 [0, region_bytes + 1, (1 << 64) - 1])))
-            items += wire.PUT_ITEM.pack(k, parent, nbytes, draw(st.integers(0, 255)))
+            if op == Op.RPUT:
+                items += wire.RPUT_ITEM.pack(k, parent, nbytes, draw(st.integers(0, 255)),
+                                             draw(st.integers(0, 3)), draw(st.integers(0, 3)))
+            else:
+                items += wire.PUT_ITEM.pack(k, parent, nbytes, draw(st.integers(0, 255)))
             sizes.append(nbytes)
         meta = bytes(items)
-        if op == Op.PUT:
+        if op in (Op.PUT, Op.RPUT):
             abandoned = any(n > region_bytes for n in sizes)
             if not abandoned:
                 payload = draw(st.sampled_from([b"\x00", b"\xff"])) * sum(sizes)
@@ -347,9 +355,10 @@ def frames(draw: st.DrawFn, mode: Mode, region_bytes: int) -> Frame:
     if draw(st.integers(0, 9)) == 0:  # a metadata length that does not match the count
         meta += draw(st.binary(min_size=1, max_size=20))
         malformed = True
-    allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE}
+    allowed = {Op.GET, Op.PUT, Op.EXISTS, Op.PREFIX, Op.REMOVE, Op.RPUT}
     if mode is Mode.SHM:
-        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RELEASE_CHECK}
+        allowed |= {Op.LEASE, Op.RELEASE, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.RCOMMIT,
+                    Op.RELEASE_CHECK}
     if op not in allowed:
         malformed = True
     return Frame(op, count, meta, payload if not malformed else b"", keys, malformed,
@@ -370,7 +379,9 @@ def _assert_closed(sock: socket.socket) -> None:
 def _check_reply(sock: socket.socket, f: Frame, region: mmap.mmap | None) -> None:
     """Reads and checks the reply to a frame the node must process."""
     status, count, meta = _response(sock)
-    assert status in (OK, INVALID, EXHAUSTED), (Op(f.op).name, status, meta[:200])
+    if f.op in (Op.RPUT, Op.RCOMMIT):  # a node outside a cluster replicates nothing
+        assert status in (INVALID, PRECONDITION), (Op(f.op).name, status, meta[:200])
+    assert status in (OK, INVALID, EXHAUSTED, PRECONDITION), (Op(f.op).name, status, meta[:200])
     if status != OK:
         assert count == 0 and meta.decode("utf-8"), meta
         return

@@ -202,31 +202,38 @@ def test_quota_is_enforced_and_freed_by_removal(secured: NodeProcess, transport:
 
 def test_replication_between_secured_nodes_uses_the_peer_token(
         tmp_path: Path, auth_file: Path) -> None:
-    """Replicate is the cluster's: a tenant is refused; a cluster-role caller's copies go
-    out under the node's own peer token, to its --members only."""
+    """Replicate is the cluster's: a tenant calling it is refused, but a tenant's replicated
+    put goes in one trip to its master, which forwards it under the node's own peer token,
+    to its --members only; a cluster-role caller may Replicate."""
     token_file = tmp_path / "peer-token"
     token_file.write_text(TOKENS["cluster"] + "\n")
     nodes = start_static_cluster(tmp_path, 3, "--auth-file", str(auth_file),
                                  "--peer-token-file", str(token_file))
     try:
-        members = [Member(node_id=NodeId(f"n{i}"), addr=n.addr) for i, n in enumerate(nodes)]
+        # Ids as the nodes name each other in a static cluster: their addresses.
+        members = [Member(node_id=NodeId(n.addr), addr=n.addr) for n in nodes]
         placement = Placement(members)
         by_id = {m.node_id: m.addr for m in members}
         keys = [_key(i) for i in range(20)]
-        with Client(members=members, replicas=2, write_quorum=2, token=TOKENS["a"]) as a, \
+        with Client(members=members, replicas=2, write_quorum=2, token=TOKENS["a"]) as a:
+            assert a.put_batch(keys[:10], [bytes([i]) * 500 for i in range(10)]) == [True] * 10
+        with Client(nodes[0].addr, transport="grpc", token=TOKENS["a"]) as a, \
                 pytest.raises(PermissionDenied, match="cluster-role token"):
-            a.put_batch(keys, [bytes([i]) * 500 for i in range(20)])
+            a._grpc("Replicate", pb.ReplicateRequest(
+                keys=[salt_key("a", keys[0])], targets=[nodes[1].addr], copies=2,
+                write_quorum=2))
+        keys = keys[10:]
         with Client(members=members, replicas=1, token=TOKENS["a"]) as a, \
                 Client(members=members, token=TOKENS["b"]) as b:
-            a.put_batch(keys, [bytes([i]) * 500 for i in range(20)])  # on the masters only
-            assert b.get_batch(keys) == [None] * 20
+            a.put_batch(keys, [bytes([i]) * 500 for i in range(10, 20)])  # on the masters only
+            assert b.get_batch(keys) == [None] * 10
         for k in keys:
             master, replica = placement.owners(k, 2)
             with Client(by_id[master], transport="grpc", token=TOKENS["cluster"]) as cl:
                 reply = cl._grpc("Replicate", pb.ReplicateRequest(
                     keys=[salt_key("a", k)], targets=[by_id[replica]], copies=2, write_quorum=2))
                 assert (reply.copies, list(reply.stored_on)) == (2, [by_id[replica]])
-        for i, k in enumerate(keys):
+        for i, k in enumerate([_key(i) for i in range(20)]):
             holders = set()
             for m, n in zip(members, nodes, strict=True):
                 with Client(n.addr, token=TOKENS["cluster"]) as cl:

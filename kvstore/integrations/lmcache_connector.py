@@ -9,7 +9,10 @@ connector.base_connector``), loaded by LMCache's ``remote_storage_plugins`` mech
     extra_config:
       remote_storage_plugin.kvstore.module_path: kvstore.integrations.lmcache_connector
       remote_storage_plugin.kvstore.class_name: KVStoreRemoteConnector
-      kvstore_addr: "127.0.0.1:7600"      # required
+      kvstore_addr: "127.0.0.1:7600"      # one node; or a cluster:
+      # kvstore_etcd: "HOST:PORT"  or  kvstore_members: "H1:P1,H2:P2,H3:P3"
+      # replicas: 2                                   (cluster: copies of each chunk)
+      # write_quorum: 2                               (cluster: copies a put waits for)
       # kvstore_transport: auto | grpc | tcp | shm   (default auto)
       # kvstore_token: ...                            (a node with tenants)
       # kvstore_timeout: 30                           (seconds per call)
@@ -54,6 +57,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.mooncake_compat import mooncake_key
+from kvstore.integrations.store_config import store_spec
 
 logger = logging.getLogger(__name__)
 
@@ -86,22 +90,17 @@ class KVStoreRemoteConnector(RemoteConnector):
         extra = dict(config.extra_config or {})
         self._owns_client = client is None
         if client is None:
-            from kvstore import Client
-
-            addr = _setting(extra, "kvstore_addr")
-            if not addr:
-                raise ValueError("KVStoreRemoteConnector needs extra_config['kvstore_addr'] "
-                                 "(HOST:PORT of a kvstore node)")
             timeout = _setting(extra, "kvstore_timeout", 30.0)
-            client = Client(str(addr), transport=str(_setting(extra, "kvstore_transport",
-                                                               "auto")),
-                            timeout=float(timeout), token=_setting(extra, "kvstore_token"))
+            spec = store_spec(lambda key: _setting(extra, key),
+                              who="KVStoreRemoteConnector extra_config")
+            client = spec.connect(transport=str(_setting(extra, "kvstore_transport", "auto")),
+                                  timeout=float(timeout), token=_setting(extra, "kvstore_token"))
         self.client = client
         self._written: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
         logger.info("KVStoreRemoteConnector on %s (full chunk %d bytes)",
-                    getattr(client, "addr", client), self.full_chunk_size_bytes)
+                    getattr(client, "addr", None) or "the cluster", self.full_chunk_size_bytes)
 
     # ---- existence ---------------------------------------------------------------------
 

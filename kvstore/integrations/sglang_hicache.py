@@ -17,8 +17,10 @@ memfd (``ShmHostTensorAllocator``), which this backend maps itself (see *Memory*
 Where kvstore is (keys of the extra config; the rest of it is SGLang's):
 
 * ``kvstore_addr`` ``"HOST:PORT"``: one node, ``kvstore.Client(addr)``;
-* ``kvstore_etcd`` ``"HOST:PORT"``: the cluster registered in that etcd,
-  ``Client(etcd=..., replicas=kvstore_replicas, write_quorum=kvstore_write_quorum)``;
+* ``kvstore_etcd`` ``"HOST:PORT"``: the cluster registered in that etcd, or
+  ``kvstore_members`` ``"H1:P1,H2:P2,..."``: a fixed list of cluster nodes; with either,
+  ``replicas`` and ``write_quorum`` (also spelled ``kvstore_replicas`` and
+  ``kvstore_write_quorum``), see ``kvstore.integrations.store_config``;
 * optional: ``kvstore_transport`` (``auto``, the default: shared memory with a node on
   this host, else the TCP channel), ``kvstore_timeout`` (s), ``kvstore_token`` (a tenant's
   bearer token), ``kvstore_namespace`` (a string mixed into every key, to keep
@@ -88,9 +90,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvstore import Client
 from kvstore.errors import KVStoreError
 from kvstore.integrations.mooncake_compat import mooncake_key
+from kvstore.integrations.store_config import PLACE_KEYS, store_spec
 
 __all__ = ["KVStoreHiCacheStorage", "page_object_name"]
 
@@ -233,17 +235,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             opts["timeout"] = float(extra["kvstore_timeout"])
         if extra.get("kvstore_token"):
             opts["token"] = str(extra["kvstore_token"])
-        if extra.get("kvstore_etcd"):
-            etcd = str(extra["kvstore_etcd"]).removeprefix("etcd://")
-            replicas = int(extra.get("kvstore_replicas", 1))
-            quorum = extra.get("kvstore_write_quorum")
-            return Client(etcd=etcd, replicas=replicas,
-                          write_quorum=None if quorum is None else int(quorum), **opts)
-        addr = extra.get("kvstore_addr") or os.environ.get("KVSTORE_ADDR")
-        if not addr:
-            raise ValueError("KVStoreHiCacheStorage needs kvstore_addr (HOST:PORT) or "
-                             "kvstore_etcd (HOST:PORT) in the storage backend extra config")
-        return Client(str(addr), **opts)
+        if not any(extra.get(k) for k in PLACE_KEYS) and os.environ.get("KVSTORE_ADDR"):
+            extra = {**extra, "kvstore_addr": os.environ["KVSTORE_ADDR"]}
+
+        def get(key: str) -> Any:
+            value = extra.get(key)
+            if value is None and key in ("replicas", "write_quorum"):
+                value = extra.get(f"kvstore_{key}")  # the names this backend took first
+            return value
+
+        return store_spec(get, who="KVStoreHiCacheStorage (storage backend extra config)"
+                          ).connect(**opts)
 
     def _shard(self, pool_name: str) -> str:
         c = self.storage_config

@@ -11,7 +11,11 @@ upstream, so other versions are refused at import)::
         kv_connector_extra_config={"kvstore_addr": "127.0.0.1:7600"},
     )
 
-``kv_connector_extra_config`` keys: ``kvstore_addr`` (required), ``namespace`` (default:
+``kv_connector_extra_config`` keys: where the store is, exactly one of ``kvstore_addr``
+(``"HOST:PORT"`` of one node), ``kvstore_etcd`` (``"HOST:PORT"`` of a cluster's etcd) or
+``kvstore_members`` (``"H1:P1,H2:P2,..."``, a fixed cluster), with a cluster ``replicas``
+(copies of each block, default 1) and ``write_quorum`` (copies a save waits for, default
+``replicas``), see ``kvstore.integrations.store_config``; ``namespace`` (default:
 ``default_namespace``), ``kvstore_token`` (bearer token of a node with tenants),
 ``max_pending_saves`` (save batches in flight before a step waits, default 4),
 ``timeout`` (seconds per store call, default 30).
@@ -67,6 +71,7 @@ import torch
 import vllm
 
 from kvstore import Client, block_keys
+from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm_blocks import BlockLayout
 
 if not vllm.__version__.startswith("0.32."):
@@ -192,10 +197,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 f"KVStoreConnector supports one KV cache group, got {len(groups)}")
         self._layer_names = list(groups[0].layer_names)
         self._block_size = groups[0].kv_cache_spec.block_size
-        addr = cfg.get_from_extra_config("kvstore_addr", None)
-        if not addr:
-            raise ValueError("kv_connector_extra_config needs 'kvstore_addr' (HOST:PORT)")
-        self._addr = str(addr)
+        self._store = store_spec(lambda key: cfg.get_from_extra_config(key, None),
+                                 who="kv_connector_extra_config")
+        self._addr = self._store.describe()
         self._token = cfg.get_from_extra_config("kvstore_token", None)
         self._timeout = float(cfg.get_from_extra_config("timeout", 30.0))
         self._namespace = str(cfg.get_from_extra_config("namespace", "")
@@ -230,7 +234,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                           "layers_copied_at_step_end": 0}
 
     def _new_client(self) -> Client:
-        return Client(self._addr, timeout=self._timeout, token=self._token)
+        return self._store.connect(timeout=self._timeout, token=self._token)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -330,3 +330,72 @@ def _key_of(engine, tokens, i: int):
     """The CacheEngineKey of chunk ``i`` of ``tokens`` in ``engine``."""
     keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
     return keys[i]
+
+
+CLUSTER_ARGS = ["--dram-bytes", "128MiB", "--no-prefault", "--lease-ttl", "30",
+                "--replicas", "2", "--repair-interval", "600"]
+
+
+def cluster_engine(place: str, where: str, **extra):
+    """An engine whose plugin reaches a cluster (no kvstore_addr)."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    cfg = engine_config("", **{place: where, **extra})
+    del cfg.extra_config["kvstore_addr"]
+    name = f"kvstore-{uuid.uuid4().hex[:8]}"
+    engine = LMCacheEngineBuilder.get_or_create(
+        name, cfg, metadata(), cpu_gpu_connector(), lambda t, src: None, lambda obj, src: obj)
+    engine.post_init()
+    return name, engine
+
+
+def fullest_node(cluster) -> str:
+    from kvstore import Client
+
+    def blocks(addr: str) -> int:
+        with Client(addr, transport="grpc") as c:
+            return sum(int(t.get("blocks", 0)) for t in c.stats()["tiers"].values())
+
+    return max(cluster.nodes, key=lambda rec: blocks(rec.addr)).id
+
+
+class TestLMCacheOnACluster:
+    __test__ = HAVE_LMCACHE
+
+    @pytest.mark.parametrize("place", ["kvstore_etcd", "kvstore_members"])
+    def test_chunks_survive_a_killed_node_byte_exact(self, tmp_path, place):
+        """Engine A stores through a 3-node cluster (replicas 2, write quorum 2); the node
+        holding most copies is SIGKILLed; engine B retrieves every token, bytes exact."""
+        import torch
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        from replication.cluster_client import ClusterClient
+        from replication.local_cluster import LocalCluster
+
+        cluster = LocalCluster.up(tmp_path / "cluster", 3, node_args=CLUSTER_ARGS)
+        names = []
+        try:
+            where = (cluster.etcd if place == "kvstore_etcd"
+                     else ",".join(rec.addr for rec in cluster.nodes))
+            n = 5 * CHUNK + 3
+            tokens, kv = tokens_and_kv(n, seed=11)
+            name, a = cluster_engine(place, where, replicas=2, write_quorum=2)
+            names.append(name)
+            _, conn_a = remote_connector(a)
+            assert isinstance(conn_a.client, ClusterClient)
+            a.store(tokens, kvcaches=kv)
+            wait_for(lambda: len(asyncio.run(conn_a.list())) == 6, what="remote puts")
+            cluster.kill_node(fullest_node(cluster))
+
+            name, b = cluster_engine(place, where, replicas=2, write_quorum=2,
+                                     kvstore_timeout=5)
+            names.append(name)
+            assert b.lookup(tokens) == n
+            out = torch.zeros_like(kv)
+            ret = b.retrieve(tokens, kvcaches=out)
+            assert int(ret.sum()) == n
+            assert torch.equal(out, kv)
+        finally:
+            for name in names:
+                LMCacheEngineBuilder.destroy(name)
+            cluster.down(timeout=10)

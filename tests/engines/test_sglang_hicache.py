@@ -386,3 +386,74 @@ class TestSGLangReadmeConfig:
             assert_bytes_equal(from_host(host, kv, dst), device_rows(kv, dev))
         finally:
             backend.close()
+
+
+CLUSTER_ARGS = ["--dram-bytes", "128MiB", "--no-prefault", "--lease-ttl", "30",
+                "--replicas", "2", "--repair-interval", "600"]
+
+
+def _fullest_node(cluster) -> str:
+    """The node holding the most blocks: the one whose loss costs the most copies."""
+    from kvstore import Client
+
+    def blocks(addr: str) -> int:
+        with Client(addr, transport="grpc") as c:
+            return sum(int(t.get("blocks", 0)) for t in c.stats()["tiers"].values())
+
+    return max(cluster.nodes, key=lambda rec: blocks(rec.addr)).id
+
+
+class TestSGLangHiCacheOnACluster:
+    __test__ = sf.HAVE_SGLANG
+
+    @pytest.mark.parametrize("place", ["kvstore_etcd", "kvstore_members"])
+    def test_pages_survive_a_killed_node_byte_exact(self, tmp_path, kv, place):
+        """One server saves pages to a 3-node cluster (replicas 2, write quorum 2); the
+        node holding most copies is SIGKILLed; another server loads every page."""
+        import torch
+
+        from replication.cluster_client import ClusterClient
+        from replication.local_cluster import LocalCluster
+
+        cluster = LocalCluster.up(tmp_path / "cluster", 3, node_args=CLUSTER_ARGS)
+        try:
+            where = (cluster.etcd if place == "kvstore_etcd"
+                     else ",".join(rec.addr for rec in cluster.nodes))
+            extra = sf.dynamic_extra("", allocator="shm", replicas=2, write_quorum=2,
+                                     **{place: where})
+            del extra["kvstore_addr"]
+            pages = 6
+            keys = _keys(pages)
+            dev = torch.arange(64, 64 + pages * sf.PAGE)
+            host_a = sf.host_pool(kv, "page_first", "shm")
+            a = sf.create_backend(extra, host_a)
+            try:
+                assert isinstance(a.client, ClusterClient)
+                src = host_a.alloc(pages * sf.PAGE)
+                to_host(host_a, kv, src, dev)
+                assert a.batch_set_v1(keys, src) == [True] * pages
+            finally:
+                a.close()
+            cluster.kill_node(_fullest_node(cluster))
+
+            host_b = sf.host_pool(kv, "page_first", "default")
+            b = sf.create_backend({**extra, "kvstore_timeout": 5.0}, host_b)
+            try:
+                assert b.batch_exists(keys) == pages
+                dst = host_b.alloc(pages * sf.PAGE)
+                assert b.batch_get_v1(keys, dst) == [True] * pages
+                assert_bytes_equal(from_host(host_b, kv, dst), device_rows(kv, dev))
+            finally:
+                b.close()
+        finally:
+            cluster.down(timeout=10)
+
+    def test_cluster_config_errors(self, sgl):
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        both = sf.dynamic_extra("127.0.0.1:1", kvstore_etcd="127.0.0.1:2")
+        with pytest.raises(ValueError, match="exactly one of kvstore_addr"):
+            StorageBackendFactory.create_backend("dynamic", sf.storage_config(both), None)
+        lone = sf.dynamic_extra("127.0.0.1:1", replicas=2)
+        with pytest.raises(ValueError, match="replicas and write_quorum need a cluster"):
+            StorageBackendFactory.create_backend("dynamic", sf.storage_config(lone), None)

@@ -1,0 +1,110 @@
+"""Copies to a write quorum: start ``copies - 1`` pushes per group, replace each that fails.
+
+A group is a set of blocks with the same candidate order (owners first, then the
+next ranked nodes). Its first ``copies - 1`` candidates are pushed to at once;
+each push that fails is replaced by the next unused candidate (a sloppy quorum: a
+copy on a lower-ranked node still counts, and repair later moves it to its
+owner). The first push runs in the caller's thread, the others on ``pool``. ``run``
+answers when every group has ``write_quorum - 1`` copies or no
+candidate left, or, with ``wait_all``, only once every push it started has
+settled (the caller lends the bytes and must not reuse them before).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.replicator")
+
+Push = Callable[[str], None]  # copies the group's blocks to the node at ADDR; raises on failure
+
+
+@dataclass(slots=True, kw_only=True)
+class QuorumResult:
+    copies: int  # copies holding every block of every group, the caller's included
+    stored_on: list[str] = field(default_factory=list)  # nodes holding every group
+    failed: list[str] = field(default_factory=list)  # "ADDR: reason"
+
+
+class _Round:
+    """One group; fields guarded by the shared ``cond``."""
+
+    __slots__ = ("candidates", "cond", "failed", "push", "running", "stored_on")
+
+    def __init__(self, cond: threading.Condition, candidates: list[str], push: Push) -> None:
+        self.cond = cond
+        self.candidates = candidates  # not yet started, in order
+        self.push = push
+        self.running = 0
+        self.stored_on: list[str] = []
+        self.failed: list[str] = []
+
+    def settled(self, need: int, wait_all: bool) -> bool:
+        if self.running and wait_all:
+            return False
+        return len(self.stored_on) >= need or not (self.running or self.candidates)
+
+
+def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], *,
+        copies: int, write_quorum: int, wait_all: bool = False) -> QuorumResult:
+    """Pushes each group to ``copies - 1`` of its candidates; see the module docstring."""
+    if not groups or copies == 1:
+        return QuorumResult(copies=1)
+    cond = threading.Condition()
+    rounds = [_Round(cond, list(cands), push) for cands, push in groups]
+    need = write_quorum - 1
+    first: tuple[_Round, str] | None = None
+    with cond:
+        for rnd in rounds:
+            for _ in range(min(copies - 1, len(rnd.candidates))):
+                if first is None:  # run here, not on the pool: the caller would only wait
+                    first = (rnd, rnd.candidates.pop(0))
+                    rnd.running += 1
+                else:
+                    _start(pool, rnd)
+    if first is not None:
+        _push(pool, *first)
+    with cond:
+        while not all(r.settled(need, wait_all) for r in rounds):
+            cond.wait()
+        stored = set.intersection(*(set(r.stored_on) for r in rounds))
+        return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
+                            stored_on=[t for t in rounds[0].stored_on if t in stored],
+                            failed=[f for r in rounds for f in r.failed])
+
+
+def _start(pool: ThreadPoolExecutor, rnd: _Round) -> None:
+    """Starts a push to the next candidate; caller holds ``rnd.cond``."""
+    addr = rnd.candidates.pop(0)
+    try:
+        pool.submit(_push, pool, rnd, addr)
+    except RuntimeError:  # shut down: the node is stopping
+        rnd.failed.append(f"{addr}: node is stopping")
+        return
+    rnd.running += 1
+
+
+def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
+    error = ""
+    try:
+        rnd.push(addr)
+    except KVStoreError as exc:
+        error = str(exc)
+    except Exception as exc:  # a bug must not strand the waiting writer
+        log.exception("replicating to %s failed", addr)
+        error = f"internal error: {exc}"
+    with rnd.cond:
+        rnd.running -= 1
+        if error:
+            rnd.failed.append(f"{addr}: {error}")
+            if rnd.candidates:
+                _start(pool, rnd)
+        else:
+            rnd.stored_on.append(addr)
+        rnd.cond.notify_all()
