@@ -44,11 +44,12 @@ TBT_DEFINITIONS: Final = {
 
 
 def tail_k(n_intervals: int) -> int:
-    """How many of ``n_intervals`` intervals the tail mean averages: ``max(1, ceil(n/10))``,
-    in integers (``0.1 * 30`` is 3.0000000000000004 in floating point)."""
+    """How many of ``n_intervals`` intervals the tail mean averages: ``max(1, ceil(n/10))``
+    for ``n >= 1`` (0 for none), in integers: ``ceil(0.1 * 30)`` would be 4, since
+    ``0.1 * 30`` is 3.0000000000000004 in floating point."""
     if n_intervals < 0:
         raise ValueError("n_intervals must be >= 0")
-    return max(1, (n_intervals + 9) // 10) if n_intervals else 0
+    return (n_intervals + 9) // 10
 
 
 def tail_mean_s(intervals: Sequence[float] | np.ndarray) -> float:
