@@ -14,8 +14,7 @@ Conductor is the real one, handed the simulated ``now``. The cluster model:
   prefill of ``P`` s, a whole-prompt transfer of
   ``T = transfer_s(prompt_tokens * kv_bytes_per_token)`` and ``L = kv_stream_layers``
   (80 for LLaMA2-70B; ``1`` = no overlap, the transfer after the prefill). There the
-  decode-side check
-  of the rejection mode runs. An admitted request waits for KV space (FIFO; a
+  decode-side check of the rejection mode runs. An admitted request waits for KV space (FIFO; a
   request larger than an instance's whole capacity is admitted into an empty
   batch), joins the batch at the next step boundary and produces one token per
   step until its ``output_tokens - 1`` remaining tokens are out.
@@ -225,7 +224,8 @@ def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
                 conductor.forget(rid)
                 return
             seq += 1
-            heapq.heappush(events, (ready, seq, _KV_READY, rid))
+            # Never before the first token, whatever the float rounding of the sums.
+            heapq.heappush(events, (max(ready, t), seq, _KV_READY, rid))
         else:
             engine = engines[conductor.decode_of(rid).id]
             engine.advance_to(t)
