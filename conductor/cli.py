@@ -123,7 +123,7 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                        "cluster driven by the Conductor (LLaMA2-70B on 8 x A800 per instance). "
                        "A request meets the SLOs if TTFT <= --ttft-slo and its TBT <= "
                        "--tbt-slo, TBT being by default its tail-mean TBT: the mean of the "
-                       "longest 10%% (at least one) of its token intervals, FAST'25's "
+                       "longest 10% (at least one) of its token intervals, FAST'25's "
                        "definition (--tbt-statistic mean: its mean interval). The JSON keeps "
                        "avg_tbt_s / p90_tbt_s (mean interval) and adds tail_tbt_s (mean over "
                        "requests of the tail-mean TBT).")

@@ -73,6 +73,17 @@ def test_single_policy_with_rejection_and_limit(trace: Path,
     assert result["load-balancing"]["requests"] == 10
 
 
+def test_simulate_help_says_which_tbt_the_slo_uses(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # no line wrap inside the phrases below
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tail-mean TBT: the mean of the longest 10% (at least one) of its token" in text
+    assert "--tbt-statistic mean: its mean interval" in text
+
+
 def test_tbt_statistic_picks_the_slo_check(trace: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     got = {}
