@@ -260,7 +260,8 @@ def bench_capacity(trace: Sequence[TraceRequest], *, instances: int, attainment:
             str(t): contract["thresholds"][threshold_key(t)]["gain"] for t in TBT_SLOS},
     }
     print("\nbest disaggregated split vs the better colocated variant: "
-          + ", ".join(f"TBT {k} {v['best_split']} {v['gain']:+.0%}"
+          + ", ".join(f"TBT {k} {v['best_split']} "
+                      + ("n/a" if v["gain"] is None else f"{v['gain']:+.0%}")
                       for k, v in contract["thresholds"].items()))
     out["colocated_cache_blocks"] = colocated_cache_blocks
     if diagnostic:

@@ -65,14 +65,24 @@ def threshold_key(tbt_s: float) -> str:
 
 def bisect_speed(attain: Callable[[float], float], target: float, lo: float, hi: float,
                  tol: float) -> float:
-    """Highest speed in [lo, hi] with ``attain(speed) >= target``, to within ``tol``,
-    assuming attainment falls with speed; ``lo`` if even ``lo`` misses, ``hi`` if ``hi``
-    meets. Deterministic: the midpoints depend only on ``lo``, ``hi`` and the answers."""
+    """Highest speed up to ``hi`` with ``attain(speed) >= target``, to within ``tol``,
+    assuming attainment falls with speed; ``hi`` if ``hi`` meets. If even ``lo`` misses,
+    the search halves ``lo`` until a speed meets (then bisects between it and its double)
+    and returns 0.0 if none does down to ``tol``: a capacity below the range is measured,
+    not reported as ``lo``. Deterministic: the midpoints depend only on ``lo``, ``hi``
+    and the answers."""
     if not 0 < lo < hi or tol <= 0:
         raise ValueError("need 0 < lo < hi and tol > 0")
     if attain(lo) < target:
-        return lo
-    if attain(hi) >= target:
+        hi = lo
+        while True:
+            lo = hi / 2
+            if lo < tol:
+                return 0.0
+            if attain(lo) >= target:
+                break
+            hi = lo
+    elif attain(hi) >= target:
         return hi
     while hi - lo > tol:
         mid = (lo + hi) / 2

@@ -37,9 +37,19 @@ def test_bisect_speed_on_a_known_step() -> None:
         return 1.0 if s <= 1.0 / 0.8125 else 0.0
 
     assert bisect_speed(attain, 0.9, 0.5, 8.0, 0.05) == 1.203125
+
+    def attain_below(s: float) -> float:
+        asked.append(s)
+        return 1.0 if s <= 0.2 else 0.0
+
     assert asked == [0.5, 8.0, 4.25, 2.375, 1.4375, 0.96875, 1.203125, 1.3203125,
                      1.26171875, 1.232421875]
-    assert bisect_speed(lambda s: 0.0, 0.9, 0.5, 8.0, 0.05) == 0.5
+    assert bisect_speed(lambda s: 0.0, 0.9, 0.5, 8.0, 0.05) == 0.0
+    # Below the range: 0.5 misses, 0.25 misses, 0.125 meets; then bisect [0.125, 0.25]:
+    # 0.1875 meets, 0.21875 misses (0.03 wide) -> 0.1875.
+    asked.clear()
+    assert bisect_speed(attain_below, 0.9, 0.5, 8.0, 0.05) == 0.1875
+    assert asked == [0.5, 0.25, 0.125, 0.1875, 0.21875]
     assert bisect_speed(lambda s: 1.0, 0.9, 0.5, 8.0, 0.05) == 8.0
     with pytest.raises(ValueError):
         bisect_speed(attain, 0.9, 2.0, 1.0, 0.05)
@@ -99,13 +109,13 @@ def test_capacity_judges_tbt_by_the_chosen_statistic_and_the_kv_overlap() -> Non
     # (1 layer): intervals 0.501 then 9 x 0.001 -> tail 0.501 (misses 100 ms), mean 0.051
     # (meets). Over 80 layers the KV lands 6.25 ms after the prefill: tail 7.25 ms, meets.
     # Colocated has no transfer: 1 ms intervals. Meeting everywhere is the ceiling 8x,
-    # meeting nowhere the floor 0.5x.
+    # meeting at no speed is 0.
     slow = PolyCostModel(kv_bytes_per_token=1, p_fixed=1.0, p_token=0.0,
                          net_bytes_per_s=1024, d_fixed=0.001)
     trace = [TraceRequest(timestamp_ms=0, input_length=512, output_length=11, hash_ids=(0,)),
              TraceRequest(timestamp_ms=20_000, input_length=512, output_length=11,
                           hash_ids=(1,))]
-    want = {("tail-mean", 1): 0.5, ("mean", 1): 8.0, ("tail-mean", 80): 8.0, ("mean", 80): 8.0}
+    want = {("tail-mean", 1): 0.0, ("mean", 1): 8.0, ("tail-mean", 80): 8.0, ("mean", 80): 8.0}
     for (stat, layers), disagg in want.items():
         got = measure_capacity(trace, slow, CapacitySettings(
             instances=2, tbt_slos_s=(0.1,), kv_capacity_tokens=10**6, cache_blocks=16,
