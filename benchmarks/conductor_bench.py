@@ -16,10 +16,14 @@
   replay speed 1.5-3 x five splits x prefill MFU 0.5 / 0.3.
 * ``capacity``: effective request capacity at TTFT 30 s and TBT 100/200/300 ms of
   the disaggregated cache-aware cluster vs the colocated baseline at equal
-  instance count. Capacity = the highest replay speed at which at least
-  ``--attainment`` (0.9) of the requests meet both SLOs, found by bisection
-  (attainment falls with speed), reported in requests/s (speed x the trace's
-  mean arrival rate).
+  instance count (``conductor.capacity``, what ``conductor capacity`` runs).
+  Capacity = the highest replay speed at which at least ``--attainment`` (0.9) of
+  the requests meet both SLOs, TBT being the tail mean (FAST'25 5.1), found by
+  bisection (attainment falls with speed), reported in requests/s (speed x the
+  trace's mean arrival rate).
+* ``capacity-sweep`` (not in the default set): ``capacity`` again under the mean
+  TBT and/or without the layer-wise KV overlap, and at prefill MFU 0.3 / 0.7: which
+  assumption moves the gains.
 
 Every run is deterministic (simulated clock); the figures depend only on the
 code, the trace and the parameters printed with them. Writes
@@ -32,13 +36,14 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conductor.colocated import ColocatedEngine, max_token_gaps, simulate_colocated
-from conductor.costs import CostModel, PolyCostModel, a800_kv_capacity_tokens
-from conductor.metrics import summarize
+from conductor.capacity import CapacitySettings, base_rate, measure_capacity, threshold_key
+from conductor.colocated import simulate_colocated
+from conductor.costs import LLAMA2_70B_LAYERS, CostModel, PolyCostModel, a800_kv_capacity_tokens
+from conductor.metrics import MEAN, TAIL_MEAN, TBT_DEFINITIONS, summarize
 from conductor.policies import POLICIES
 from conductor.scheduler import Conductor
 from conductor.sim import (
@@ -215,76 +220,72 @@ def bench_rejection_sweep(trace: Sequence[TraceRequest], *, splits: Sequence[tup
     return out
 
 
-def _bisect(attain: Callable[[float], float], target: float, lo: float, hi: float,
-            tol: float) -> float:
-    """Highest speed in [lo, hi] with attainment >= target, assuming it falls with speed;
-    ``lo`` if even ``lo`` misses."""
-    if attain(lo) < target:
-        return lo
-    if attain(hi) >= target:
-        return hi
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if attain(mid) >= target:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def bench_capacity(trace: Sequence[TraceRequest], *, instances: int, attainment: float,
-                   chunk_tokens: int, tol: float, colocated_cache_blocks: int
-                   ) -> dict[str, Any]:
-    cost = PolyCostModel.a800_llama2_70b()
+                   chunk_tokens: int, tol: float, colocated_cache_blocks: int,
+                   tbt_statistic: str = TAIL_MEAN, kv_stream_layers: int = LLAMA2_70B_LAYERS,
+                   prefill_mfu: float = 0.5, splits: Sequence[int] | None = None,
+                   diagnostic: bool = True) -> dict[str, Any]:
+    """``conductor.capacity.measure_capacity`` (what ``conductor capacity`` runs), printed
+    as a table; ``contract`` holds the ``conductor capacity --json`` object."""
+    cost = PolyCostModel.a800_llama2_70b(prefill_mfu=prefill_mfu)
     kv = a800_kv_capacity_tokens()
-    rate = len(trace) / (trace[-1].timestamp_ms / 1000.0)
-    systems: dict[str, Callable[[float], SimResult]] = {
-        f"colocated {instances}": lambda s: simulate_colocated(
-            requests_from_trace(trace, speed=s), instances=instances, cost=cost,
-            cache_blocks=colocated_cache_blocks, kv_capacity_tokens=kv),
-        f"colocated {instances}, chunked {chunk_tokens}": lambda s: simulate_colocated(
-            requests_from_trace(trace, speed=s), instances=instances, cost=cost,
-            cache_blocks=colocated_cache_blocks, kv_capacity_tokens=kv,
-            chunk_tokens=chunk_tokens),
-    }
-    for p in range(instances // 2, instances, max(1, instances // 8)):
-        systems[f"disaggregated {p}P+{instances - p}D"] = (
-            lambda s, p=p: simulate(requests_from_trace(trace, speed=s), cost=cost,
-                                    spec=ClusterSpec(prefill=p, decode=instances - p)))
-    out: dict[str, Any] = {"base_rps": rate, "attainment": attainment, "systems": {}}
+    settings = CapacitySettings(instances=instances, tbt_slos_s=TBT_SLOS, attainment=attainment,
+                                tol=tol, chunk_tokens=chunk_tokens,
+                                colocated_cache_blocks=colocated_cache_blocks,
+                                kv_capacity_tokens=kv, kv_stream_layers=kv_stream_layers,
+                                tbt_statistic=tbt_statistic,
+                                splits=tuple(splits) if splits is not None else None)
+    rate = base_rate(trace)
     print(f"\n## capacity: {instances} instances, capacity = max speed with >= "
-          f"{attainment:.0%} of requests meeting TTFT 30 s and the TBT SLO "
-          f"(1x = {rate:.2f} req/s)\n")
+          f"{attainment:.0%} of requests meeting TTFT 30 s and the TBT SLO (1x = {rate:.2f} "
+          f"req/s); TBT = {TBT_DEFINITIONS[tbt_statistic]}; KV streamed in "
+          f"{kv_stream_layers} layers; prefill MFU {prefill_mfu:g}\n")
     print("| system | TBT 100 ms | TBT 200 ms | TBT 300 ms |")
-    print("|---|---:|---:|---:|")
-    for name, run in systems.items():
-        cache: dict[float, SimResult] = {}
+    print("|---|---:|---:|---:|", flush=True)
 
-        def get(speed: float, run: Callable[[float], SimResult] = run,
-                cache: dict[float, SimResult] = cache) -> SimResult:
-            if speed not in cache:
-                cache[speed] = run(speed)
-            return cache[speed]
+    def row(name: str, speeds: dict[str, float]) -> None:
+        print(f"| {name} | " + " | ".join(
+            f"{speeds[threshold_key(t)]:.2f}x = {speeds[threshold_key(t)] * rate:.2f} req/s"
+            for t in TBT_SLOS) + " |", flush=True)
 
-        caps = {}
-        for tbt in TBT_SLOS:
-            slo = Slo(ttft_s=30.0, tbt_s=tbt)
-            caps[tbt] = _bisect(lambda s, slo=slo: summarize(get(s).records, slo)[
-                "slo_attainment"], attainment, 0.5, 8.0, tol)
-        out["systems"][name] = {str(t): c for t, c in caps.items()}
-        print(f"| {name} | " + " | ".join(f"{caps[t]:.2f}x = {caps[t] * rate:.2f} req/s"
-                                          for t in TBT_SLOS) + " |")
-    colo = out["systems"][f"colocated {instances}"]
-    best = {str(t): max(v[str(t)] for k, v in out["systems"].items()
-                        if k.startswith("disaggregated")) for t in TBT_SLOS}
-    out["gain_best_split_vs_colocated"] = {t: best[t] / colo[t] - 1 for t in best}
-    print("\nbest disaggregated split vs colocated: "
-          + ", ".join(f"TBT {float(t) * 1000:.0f} ms {g:+.0%}"
-                      for t, g in out["gain_best_split_vs_colocated"].items()))
+    result = measure_capacity(trace, cost, settings, progress=row)
+    contract = result.contract()
+    out: dict[str, Any] = {
+        "base_rps": rate, "attainment": attainment, "tbt_statistic": tbt_statistic,
+        "kv_stream_layers": kv_stream_layers, "prefill_mfu": prefill_mfu,
+        "systems": {name: {str(t): v[threshold_key(t)] for t in TBT_SLOS}
+                    for name, v in result.speeds.items()},
+        "contract": contract,
+        "gain_best_split_vs_colocated": {
+            str(t): contract["thresholds"][threshold_key(t)]["gain"] for t in TBT_SLOS},
+    }
+    print("\nbest disaggregated split vs the better colocated variant: "
+          + ", ".join(f"TBT {k} {v['best_split']} "
+                      + ("n/a" if v["gain"] is None else f"{v['gain']:+.0%}")
+                      for k, v in contract["thresholds"].items()))
     out["colocated_cache_blocks"] = colocated_cache_blocks
-    out["max_gap_attainment_1x"] = _gap_diagnostic(trace, instances=instances, cost=cost,
-                                                   kv=kv, chunk_tokens=chunk_tokens,
-                                                   cache_blocks=colocated_cache_blocks)
+    if diagnostic:
+        out["max_gap_attainment_1x"] = _gap_diagnostic(trace, instances=instances, cost=cost,
+                                                       kv=kv, chunk_tokens=chunk_tokens,
+                                                       cache_blocks=colocated_cache_blocks)
+    return out
+
+
+def bench_capacity_sweep(trace: Sequence[TraceRequest], *, instances: int, attainment: float,
+                         chunk_tokens: int, tol: float, colocated_cache_blocks: int
+                         ) -> dict[str, Any]:
+    """Which assumption moves the capacity gains, one at a time from ``capacity``'s
+    (tail mean, 80 layers, MFU 0.5): the mean TBT instead, no layer-wise KV overlap
+    (1 layer), and prefill MFU 0.3 / 0.7. (Mean TBT without overlap is the pre-issue-16
+    model, RESULTS.md's old figures.)"""
+    cells = [(MEAN, LLAMA2_70B_LAYERS, 0.5), (TAIL_MEAN, 1, 0.5),
+             (TAIL_MEAN, LLAMA2_70B_LAYERS, 0.3), (TAIL_MEAN, LLAMA2_70B_LAYERS, 0.7)]
+    out: dict[str, Any] = {}
+    for stat, layers, mfu in cells:
+        out[f"{stat}, {layers} layers, MFU {mfu:g}"] = bench_capacity(
+            trace, instances=instances, attainment=attainment, chunk_tokens=chunk_tokens,
+            tol=tol, colocated_cache_blocks=colocated_cache_blocks, tbt_statistic=stat,
+            kv_stream_layers=layers, prefill_mfu=mfu, diagnostic=False)
     return out
 
 
@@ -292,27 +293,31 @@ def _gap_diagnostic(trace: Sequence[TraceRequest], *, instances: int, cost: Poly
                     kv: int, chunk_tokens: int, cache_blocks: int
                     ) -> dict[str, dict[str, float]]:
     """At speed 1, the share of colocated requests meeting TTFT 30 s and the TBT SLO
-    under the mean-gap TBT (this simulator's) and under a per-token one (every gap)."""
+    under the mean TBT, the tail-mean TBT and every token interval (the longest one,
+    ``RequestRecord.max_tbt_s``)."""
     reqs = requests_from_trace(trace)
     out: dict[str, dict[str, float]] = {}
-    print("\ncolocated at 1x, share meeting TTFT 30 s and TBT as mean gap / as every gap:")
+    print("\ncolocated at 1x, share meeting TTFT 30 s and TBT as mean gap / tail mean / "
+          "every gap:")
     for label, chunk in (("whole prefill", None), (f"chunked {chunk_tokens}", chunk_tokens)):
-        engines: list[ColocatedEngine] = []
         run = simulate_colocated(reqs, instances=instances, cost=cost,
                                  cache_blocks=cache_blocks, kv_capacity_tokens=kv,
-                                 chunk_tokens=chunk, engines_out=engines)
-        gaps = max_token_gaps(run.records, engines)
+                                 chunk_tokens=chunk)
         n = len(run.records)
         row = {}
         for tbt in TBT_SLOS:
-            mean_ok = sum(1 for r in run.records if r.meets(Slo(ttft_s=30.0, tbt_s=tbt)))
+            slo = Slo(ttft_s=30.0, tbt_s=tbt)
+            mean_ok = sum(1 for r in run.records if r.meets(slo, MEAN))
+            tail_ok = sum(1 for r in run.records if r.meets(slo, TAIL_MEAN))
             gap_ok = sum(1 for r in run.records if r.meets(Slo(ttft_s=30.0, tbt_s=1e9))
-                         and gaps.get(r.id, 0.0) <= tbt)
+                         and (r.max_tbt_s or 0.0) <= tbt)
             row[f"mean_{tbt}"] = mean_ok / n
+            row[f"tail_{tbt}"] = tail_ok / n
             row[f"gap_{tbt}"] = gap_ok / n
         out[label] = row
         print(f"  {label}: " + ", ".join(
-            f"TBT {t * 1000:.0f} ms {row[f'mean_{t}']:.3f} / {row[f'gap_{t}']:.3f}"
+            f"TBT {t * 1000:.0f} ms {row[f'mean_{t}']:.3f} / {row[f'tail_{t}']:.3f} / "
+            f"{row[f'gap_{t}']:.3f}"
             for t in TBT_SLOS))
     full = cost.decode_step_s(256, kv)
     print(f"disaggregated decode step with a full KV cache (1.47M tokens): {full * 1000:.0f} ms")
@@ -365,8 +370,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="conductor_bench", description=__doc__.split("\n")[0])
     ap.add_argument("which", nargs="*", metavar="EXPERIMENT",
-                    help="policies, rejection, rejection-sweep and/or capacity (default: "
-                    "policies, rejection, capacity)")
+                    help="policies, rejection, rejection-sweep, capacity and/or "
+                    "capacity-sweep (default: policies, rejection, capacity)")
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--instances", type=int, default=16, help="capacity: total instances (16)")
@@ -376,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--colocated-cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS,
                     help=f"capacity: prefix cache per colocated instance ({DEFAULT_CACHE_BLOCKS})")
     args = ap.parse_args(argv)
-    known = ["policies", "rejection", "rejection-sweep", "capacity"]
+    known = ["policies", "rejection", "rejection-sweep", "capacity", "capacity-sweep"]
     which = args.which or ["policies", "rejection", "capacity"]
     if unknown := [w for w in which if w not in known]:
         ap.error(f"unknown experiment {unknown[0]!r} (known: {', '.join(known)})")
@@ -402,6 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              attainment=args.attainment,
                                              chunk_tokens=args.chunk_tokens, tol=args.tol,
                                              colocated_cache_blocks=args.colocated_cache_blocks)
+    if "capacity-sweep" in which:
+        results["capacity_sweep"] = bench_capacity_sweep(
+            trace, instances=args.instances, attainment=args.attainment,
+            chunk_tokens=args.chunk_tokens, tol=args.tol,
+            colocated_cache_blocks=args.colocated_cache_blocks)
     args.out.mkdir(parents=True, exist_ok=True)
     results["args"] = {k: str(v) for k, v in vars(args).items()}
     (args.out / "conductor_bench.json").write_text(json.dumps(results, indent=2) + "\n")

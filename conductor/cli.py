@@ -12,7 +12,15 @@ Adding one is a new ``add_*`` function and a line in that list.
 effective request capacity (requests meeting both SLOs) and rejections per
 policy. With ``--json`` the last line printed is one JSON object keyed by policy
 name, each value holding at least ``avg_ttft_s``, ``p90_ttft_s``, ``p90_tbt_s``,
-``slo_attainment`` and ``rejected`` (a contract; see ``conductor.metrics``).
+``tail_tbt_s``, ``slo_attainment`` and ``rejected`` (a contract; see
+``conductor.metrics``). The TBT SLO is checked on each request's tail-mean TBT (the
+mean of its longest 10% token intervals, FAST'25 section 5.1) unless
+``--tbt-statistic mean``.
+
+``conductor capacity`` output: a table of each system's capacity, then with
+``--json`` one JSON object as the last line, ``{"tbt_definition": ..., "thresholds":
+{"100ms": {"colocated_req_s", "colocated_chunked_req_s", "disaggregated_req_s",
+"best_split", "gain"}, ...}}`` (a contract; see ``conductor.capacity``).
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from conductor.costs import PolyCostModel, a800_kv_capacity_tokens
-from conductor.metrics import summarize
+from conductor.costs import LLAMA2_70B_LAYERS, PolyCostModel, a800_kv_capacity_tokens
+from conductor.metrics import TAIL_MEAN, TBT_DEFINITIONS, TBT_STATISTICS, summarize
 from conductor.policies import POLICIES
 from conductor.rejection import REJECTION_MODES
 from conductor.sim import DEFAULT_CACHE_BLOCKS, ClusterSpec, requests_from_trace, simulate
@@ -78,24 +86,15 @@ def _positive_float(text: str) -> float:
     return v
 
 
-# ---- simulate -------------------------------------------------------------------------------
+_TBT_HELP = ("which per-request TBT the TBT SLO is checked on: tail-mean = the mean of the "
+             "longest max(1, ceil(n/10)) of its n token intervals (FAST'25 5.1); mean = "
+             "(last token - first token) / (output - 1) (default tail-mean)")
+_LAYERS_HELP = (f"layers the prompt's KV streams to decode in during prefill "
+                f"({LLAMA2_70B_LAYERS}, LLaMA2-70B's; 1 = transfer after prefill)")
 
-def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = sub.add_parser("simulate", help="replay a trace through a simulated cluster",
-                       description="Replay a Mooncake trace through a simulated disaggregated "
-                       "cluster driven by the Conductor (LLaMA2-70B on 8 x A800 per instance).")
-    s.add_argument("--trace", required=True, help="Mooncake JSONL trace")
-    s.add_argument("--prefill", type=_positive_int, default=8, help="prefill instances (8)")
-    s.add_argument("--decode", type=_positive_int, default=8, help="decode instances (8)")
-    s.add_argument("--policy", choices=list(POLICIES), default="global-cache-aware",
-                   help="prefill scheduling policy (global-cache-aware)")
-    s.add_argument("--rejection", choices=list(REJECTION_MODES), default="none",
-                   help="overload rejection mode (none)")
+
+def _add_model_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ttft-slo", type=_duration, default=30.0, help="TTFT SLO (30s)")
-    s.add_argument("--tbt-slo", type=_duration, default=0.1, help="TBT SLO (100ms)")
-    s.add_argument("--speed", type=_positive_float, default=1.0,
-                   help="replay speed: arrivals at timestamp / speed (1.0)")
-    s.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
     s.add_argument("--cache-blocks", type=_positive_int, default=DEFAULT_CACHE_BLOCKS,
                    help=f"local prefix cache per prefill instance, in 512-token blocks "
                    f"({DEFAULT_CACHE_BLOCKS})")
@@ -104,6 +103,43 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    "LLaMA2-70B)")
     s.add_argument("--prefill-mfu", type=_positive_float, default=0.5,
                    help="prefill model-FLOPs utilization of the A800 cost model (0.5)")
+    s.add_argument("--kv-stream-layers", type=_positive_int, default=LLAMA2_70B_LAYERS,
+                   help=_LAYERS_HELP)
+    s.add_argument("--tbt-statistic", choices=list(TBT_STATISTICS), default=TAIL_MEAN,
+                   help=_TBT_HELP)
+
+
+def _cost(args: argparse.Namespace) -> PolyCostModel:
+    if args.prefill_mfu > 1:
+        raise CliError(f"--prefill-mfu must be <= 1, got {args.prefill_mfu:g}")
+    return PolyCostModel.a800_llama2_70b(prefill_mfu=args.prefill_mfu)
+
+
+# ---- simulate -------------------------------------------------------------------------------
+
+def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("simulate", help="replay a trace through a simulated cluster",
+                       description="Replay a Mooncake trace through a simulated disaggregated "
+                       "cluster driven by the Conductor (LLaMA2-70B on 8 x A800 per instance). "
+                       "A request meets the SLOs if TTFT <= --ttft-slo and its TBT <= "
+                       "--tbt-slo, TBT being by default its tail-mean TBT: the mean of the "
+                       "longest 10% (at least one) of its token intervals, FAST'25's "
+                       "definition (--tbt-statistic mean: its mean interval). The JSON keeps "
+                       "avg_tbt_s / p90_tbt_s (mean interval) and adds tail_tbt_s (mean over "
+                       "requests of the tail-mean TBT).")
+    s.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    s.add_argument("--prefill", type=_positive_int, default=8, help="prefill instances (8)")
+    s.add_argument("--decode", type=_positive_int, default=8, help="decode instances (8)")
+    s.add_argument("--policy", choices=list(POLICIES), default="global-cache-aware",
+                   help="prefill scheduling policy (global-cache-aware)")
+    s.add_argument("--rejection", choices=list(REJECTION_MODES), default="none",
+                   help="overload rejection mode (none)")
+    s.add_argument("--tbt-slo", type=_duration, default=0.1,
+                   help="TBT SLO (100ms), on the --tbt-statistic")
+    s.add_argument("--speed", type=_positive_float, default=1.0,
+                   help="replay speed: arrivals at timestamp / speed (1.0)")
+    s.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
+    _add_model_args(s)
     s.add_argument("--seed", type=int, default=0, help="RNG seed of the random policy (0)")
     s.add_argument("--compare", action="store_true",
                    help="run every policy; write a table, JSON and PNG under --out")
@@ -116,7 +152,8 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 _COLUMNS = [("avg_ttft_s", "TTFT avg", 1.0), ("p50_ttft_s", "p50", 1.0),
             ("p90_ttft_s", "p90", 1.0), ("p99_ttft_s", "p99", 1.0),
             ("p50_tbt_s", "TBT p50 ms", 1000.0), ("p90_tbt_s", "p90 ms", 1000.0),
-            ("p99_tbt_s", "p99 ms", 1000.0)]
+            ("p99_tbt_s", "p99 ms", 1000.0), ("tail_tbt_s", "tail TBT avg ms", 1000.0),
+            ("p90_tail_tbt_s", "p90 ms", 1000.0)]
 
 
 def _fmt(v: Any, scale: float = 1.0) -> str:
@@ -177,24 +214,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     slo = Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, cache_blocks=args.cache_blocks,
                        kv_capacity_tokens=args.kv_capacity_tokens or a800_kv_capacity_tokens())
-    if args.prefill_mfu > 1:
-        raise CliError(f"--prefill-mfu must be <= 1, got {args.prefill_mfu:g}")
-    cost = PolyCostModel.a800_llama2_70b(prefill_mfu=args.prefill_mfu)
+    cost = _cost(args)
     policies = list(POLICIES) if args.compare else [args.policy]
     results: dict[str, dict[str, Any]] = {}
     ttfts: dict[str, list[float]] = {}
     started = time.monotonic()
     for name in policies:
         run = simulate(requests, spec=spec, cost=cost, policy=name, rejection=args.rejection,
-                       slo=slo, seed=args.seed)
-        s = summarize(run.records, slo, duration_s=run.duration_s)
+                       slo=slo, seed=args.seed, kv_stream_layers=args.kv_stream_layers)
+        s = summarize(run.records, slo, duration_s=run.duration_s,
+                      tbt_statistic=args.tbt_statistic)
         s["wasted_prefill_s"] = run.wasted_prefill_s
         results[name] = s
         ttfts[name] = [r.ttft_s for r in run.records if r.served and r.ttft_s is not None]
     wall = time.monotonic() - started
     settings = (f"{len(requests)} requests of {args.trace}, speed {args.speed:g}, "
                 f"{args.prefill} prefill + {args.decode} decode, rejection {args.rejection}, "
-                f"SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1000:g} ms")
+                f"SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1000:g} ms "
+                f"({args.tbt_statistic} TBT), KV streamed in {args.kv_stream_layers} layers")
     table = format_table(results)
     print(settings)
     print(table)
@@ -210,6 +247,111 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"wrote {stem}.md, .json and .png")
     if args.json:
         print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+# ---- capacity -------------------------------------------------------------------------------
+
+def _durations(text: str) -> tuple[float, ...]:
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"need at least one duration, got {text!r}")
+    return tuple(_duration(p) for p in parts)
+
+
+def add_capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("capacity", help="effective request capacity: disaggregated vs colocated",
+                       description="Find each system's effective request capacity on a "
+                       "trace: the highest replay speed at which >= --attainment of all "
+                       "requests meet TTFT <= --ttft-slo and TBT <= each --tbt-slo (tail-mean "
+                       "TBT by default, FAST'25 5.1), in requests/s. Systems: --instances "
+                       "colocated instances (whole-prompt and chunked prefill) and the "
+                       "Conductor's disaggregated cluster at each prefill/decode split. With "
+                       "--json the last line is {\"tbt_definition\": ..., \"thresholds\": "
+                       "{\"100ms\": {\"colocated_req_s\", \"colocated_chunked_req_s\", "
+                       "\"disaggregated_req_s\", \"best_split\", \"gain\"}, ...}}; gain = "
+                       "best split over the better colocated variant, minus 1.")
+    s.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    s.add_argument("--tbt-slo", type=_durations, default=(0.1, 0.2, 0.3),
+                   help="TBT SLOs, comma-separated (100ms,200ms,300ms)")
+    s.add_argument("--instances", type=_positive_int, default=16,
+                   help="instances per system (16)")
+    s.add_argument("--splits", help="disaggregated splits, e.g. 8P+8D,12P+4D (default: every "
+                   "second split from half prefill, instances/8 apart)")
+    s.add_argument("--attainment", type=_positive_float, default=0.9,
+                   help="share of requests that must meet the SLOs (0.9)")
+    s.add_argument("--tol", type=_positive_float, default=0.05,
+                   help="bisection resolution in replay speed (0.05)")
+    s.add_argument("--chunk-tokens", type=_positive_int, default=2048,
+                   help="colocated chunked-prefill chunk (2048)")
+    s.add_argument("--colocated-cache-blocks", type=_positive_int,
+                   help="prefix cache per colocated instance (default --cache-blocks)")
+    s.add_argument("--limit", type=_positive_int, help="use only the first N requests")
+    _add_model_args(s)
+    s.add_argument("--json", action="store_true",
+                   help="print the JSON object above as the last line")
+    s.set_defaults(func=cmd_capacity)
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from conductor.capacity import (
+        COLOCATED,
+        COLOCATED_CHUNKED,
+        CapacitySettings,
+        base_rate,
+        measure_capacity,
+        parse_split,
+        threshold_key,
+    )
+
+    trace = load_trace(args.trace)
+    if args.limit is not None:
+        trace = trace[:args.limit]
+    if not trace:
+        raise CliError(f"{args.trace}: no requests")
+    splits = None
+    if args.splits is not None:
+        splits = []
+        for text in args.splits.split(","):
+            p, d = parse_split(text)
+            if p + d != args.instances:
+                raise CliError(f"split {text.strip()} is not {args.instances} instances")
+            splits.append(p)
+    if args.attainment > 1:
+        raise CliError(f"--attainment must be <= 1, got {args.attainment:g}")
+    settings = CapacitySettings(
+        instances=args.instances, tbt_slos_s=args.tbt_slo, ttft_slo_s=args.ttft_slo,
+        attainment=args.attainment, tol=args.tol, chunk_tokens=args.chunk_tokens,
+        splits=tuple(splits) if splits is not None else None, cache_blocks=args.cache_blocks,
+        colocated_cache_blocks=args.colocated_cache_blocks or args.cache_blocks,
+        kv_capacity_tokens=args.kv_capacity_tokens or a800_kv_capacity_tokens(),
+        kv_stream_layers=args.kv_stream_layers, tbt_statistic=args.tbt_statistic)
+    keys = [threshold_key(t) for t in args.tbt_slo]
+    print(f"{len(trace)} requests of {args.trace}, {args.instances} instances, capacity = max "
+          f"speed with >= {args.attainment:.0%} meeting TTFT {args.ttft_slo:g} s and TBT "
+          f"({TBT_DEFINITIONS[args.tbt_statistic]})", flush=True)
+    print("| system | " + " | ".join(f"TBT {k} (speed, req/s)" for k in keys) + " |")
+    print("|---|" + "---:|" * len(keys), flush=True)
+    started = time.monotonic()
+    rate = base_rate(trace)
+
+    def row(name: str, speeds: dict[str, float]) -> None:
+        print(f"| {name} | " + " | ".join(f"{speeds[k]:.2f}x = {speeds[k] * rate:.2f}"
+                                          for k in keys) + " |", flush=True)
+
+    result = measure_capacity(trace, _cost(args), settings, progress=row)
+    contract = result.contract()
+    print(f"1x = {result.base_rps:.3f} req/s; simulated in {time.monotonic() - started:.0f} s "
+          "wall")
+    for k, v in contract["thresholds"].items():
+        colo = max(v["colocated_req_s"], v["colocated_chunked_req_s"])
+        best = COLOCATED if v["colocated_req_s"] >= v["colocated_chunked_req_s"] else (
+            COLOCATED_CHUNKED)
+        gain = "n/a" if v["gain"] is None else f"{v['gain']:+.0%}"
+        print(f"TBT {k}: {v['best_split']} {v['disaggregated_req_s']:.2f} req/s vs {best} "
+              f"{colo:.2f} req/s: {gain}")
+    if args.json:
+        print(json.dumps(contract, separators=(",", ":")))
     return 0
 
 
@@ -309,6 +451,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     add_simulate,
+    add_capacity,
     add_serve,
 ]
 

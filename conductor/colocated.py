@@ -13,9 +13,11 @@ and one continuous batch, and runs one iteration at a time:
   ``prefill_s(chunk, prefix so far) + decode_step_s(batch, context)``.
 
 A request joins the batch when its prefill ends (its first token) and leaves
-after ``output_tokens - 1`` decode steps. KV reservations (prompt + output) are
-taken when its prefill starts; a prefill waits until its reservation fits
-(or the instance is empty).
+after ``output_tokens - 1`` decode steps; each step's end is one of its tokens (kept in
+``step_ends``), so a whole-prompt prefill between two steps is one long interval,
+which the tail-mean TBT (``conductor.metrics``) sees and the mean TBT dilutes. KV
+reservations (prompt + output) are taken when its prefill starts; a prefill waits
+until its reservation fits (or the instance is empty).
 
 Routing: the instance with the smallest estimated TTFT, i.e. queued prefill
 seconds plus this request's prefill given the instance's local prefix
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conductor.costs import CostModel, PolyCostModel
-from conductor.metrics import RequestRecord
+from conductor.metrics import RequestRecord, token_interval_stats
 from conductor.sim import SimResult
 from conductor.state import LocalPrefixCache
 from conductor.types import InstanceId, Request, RequestId
@@ -56,7 +58,7 @@ class ColocatedEngine:
 
     __slots__ = ("_heap", "_iter", "active", "cache", "chunk_tokens", "context", "cost", "id",
                  "iter_end", "iterations", "kv_capacity_tokens", "queue", "queued_s", "records",
-                 "reserved", "steps")
+                 "reserved", "step_ends", "steps")
 
     def __init__(self, iid: InstanceId, *, cost: CostModel, cache_blocks: int,
                  kv_capacity_tokens: int, chunk_tokens: int | None,
@@ -75,6 +77,8 @@ class ColocatedEngine:
         self.active: dict[RequestId, int] = {}  # rid -> prompt tokens
         self._heap: list[tuple[int, RequestId]] = []
         self.steps = 0
+        self.step_ends: list[float] = []
+        """End time of every decode step (invariant: ``len == steps``)."""
         self.context = 0
         self.reserved = 0
         self.iter_end = 0.0
@@ -105,6 +109,7 @@ class ColocatedEngine:
             job, tokens, stepped = self._iter
             if stepped:
                 self.steps += 1
+                self.step_ends.append(end)
                 self.context += len(self.active)
                 heap = self._heap
                 while heap and heap[0][0] <= self.steps:
@@ -123,6 +128,7 @@ class ColocatedEngine:
         rec.first_token_s = t
         if job.output <= 1:
             rec.finish_s = t
+            rec.tail_tbt_s = rec.max_tbt_s = 0.0
             self.reserved -= job.prompt + job.output
             return
         self.active[job.rid] = job.prompt
@@ -133,6 +139,10 @@ class ColocatedEngine:
         prompt = self.active.pop(rid)
         rec = self.records[rid]
         rec.finish_s = t
+        assert rec.first_token_s is not None
+        d = rec.output_tokens - 1
+        rec.tail_tbt_s, rec.max_tbt_s = token_interval_stats(
+            rec.first_token_s, self.step_ends[len(self.step_ends) - d:])
         self.context -= prompt + rec.output_tokens - 1
         self.reserved -= prompt + rec.output_tokens
 

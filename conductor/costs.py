@@ -201,6 +201,26 @@ class PolyCostModel:
                    d_fixed=d[0], d_seq=d[1], d_ctx=d[2])
 
 
+def streamed_kv_ready_s(prefill_s: float, transfer_s: float, layers: int) -> float:
+    """When a prompt's KV has fully reached the decode instance, counted from the start of
+    its prefill compute, if it streams layer by layer as each layer is computed (Mooncake's
+    layer-wise transfer, FAST'25 section 4).
+
+    A two-stage pipeline of ``layers`` equal layers: the prefill finishes a layer every
+    ``prefill_s / layers``, the link sends one in ``transfer_s / layers`` (the whole
+    prompt's ``transfer_s`` split evenly, its fixed latency too), in order. The last layer
+    lands at ``max(prefill_s + transfer_s / layers, prefill_s / layers + transfer_s)``:
+    one layer's transfer after the prefill when compute is the slower stage, the whole
+    transfer after the first layer otherwise. The KV of a reused prefix is treated as
+    computed with its layer (it could leave earlier): an upper bound. ``layers == 1`` is
+    no overlap: ``prefill_s + transfer_s``."""
+    if layers < 1:
+        raise ValueError("layers must be >= 1")
+    if transfer_s <= 0:
+        return prefill_s
+    return max(prefill_s + transfer_s / layers, prefill_s / layers + transfer_s)
+
+
 def a800_kv_capacity_tokens(*, gpus: int = GPUS_PER_INSTANCE, reserve_fraction: float = 0.1,
                             kv_bytes_per_token: int = LLAMA2_70B_KV_BYTES_PER_TOKEN) -> int:
     """KV tokens a decode instance of ``gpus`` A800-80GB holds next to LLaMA2-70B's weights,

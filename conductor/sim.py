@@ -8,9 +8,13 @@ Conductor is the real one, handed the simulated ``now``. The cluster model:
   queued them, each for ``transfer_s(fetched blocks) + prefill_s(new, cached)``
   with the plan the Conductor chose (the plan is binding: blocks it counted as
   cached are used even if evicted meanwhile). Its end is the first token.
-* The prompt's KV cache then moves to the decode instance
-  (``transfer_s(prompt_tokens * kv_bytes_per_token)``), where the decode-side check
-  of the rejection mode runs. An admitted request waits for KV space (FIFO; a
+* The prompt's KV cache streams to the decode instance layer by layer while the
+  prefill computes (Mooncake's layer-wise transfer), so it lands at
+  ``streamed_kv_ready_s`` after the compute starts: ``max(P + T/L, P/L + T)`` for a
+  prefill of ``P`` s, a whole-prompt transfer of
+  ``T = transfer_s(prompt_tokens * kv_bytes_per_token)`` and ``L = kv_stream_layers``
+  (80 for LLaMA2-70B; ``1`` = no overlap, the transfer after the prefill). There the
+  decode-side check of the rejection mode runs. An admitted request waits for KV space (FIFO; a
   request larger than an instance's whole capacity is admitted into an empty
   batch), joins the batch at the next step boundary and produces one token per
   step until its ``output_tokens - 1`` remaining tokens are out.
@@ -20,6 +24,9 @@ Conductor is the real one, handed the simulated ``now``. The cluster model:
   which processes every step boundary up to it: the simulation does work per
   step but keeps only per-request events in the heap.
 * Requests with at most one output token finish at their first token.
+* Every decode step's end time is kept (``DecodeEngine.step_ends``): a request's
+  decoded tokens are the last ``output_tokens - 1`` steps when it finishes, from which
+  its tail-mean and longest token interval are recorded (``conductor.metrics``).
 """
 
 from __future__ import annotations
@@ -30,8 +37,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from conductor.costs import CostModel, PolyCostModel, a800_kv_capacity_tokens
-from conductor.metrics import RequestRecord
+from conductor.costs import (
+    LLAMA2_70B_LAYERS,
+    CostModel,
+    PolyCostModel,
+    a800_kv_capacity_tokens,
+    streamed_kv_ready_s,
+)
+from conductor.metrics import RequestRecord, token_interval_stats
 from conductor.scheduler import Conductor
 from conductor.state import DecodeInstance, LocalPrefixCache, PoolIndex, PrefillInstance
 from conductor.trace import BLOCK_TOKENS, TraceRequest
@@ -77,15 +90,20 @@ class DecodeEngine:
     """Continuous batching on one decode instance; its batch lives in the shared
     ``DecodeInstance`` the Conductor reads."""
 
-    __slots__ = ("_heap", "busy", "cost", "on_finish", "state", "step_end", "waiting")
+    __slots__ = ("_heap", "busy", "cost", "on_finish", "state", "step_end", "step_ends",
+                 "waiting")
 
     def __init__(self, state: DecodeInstance, cost: CostModel,
-                 on_finish: Callable[[RequestId, float], None]) -> None:
+                 on_finish: Callable[[RequestId, float, list[float]], None]) -> None:
         self.state = state
         self.cost = cost
         self.on_finish = on_finish
+        """Called with (request, finish time, ``step_ends``) when a request's last token
+        is out; its tokens are the last ``output_tokens - 1`` entries of ``step_ends``."""
         self.busy = False
         self.step_end = 0.0
+        self.step_ends: list[float] = []
+        """End time of every step, in order (invariant: ``len == state.steps``)."""
         self.waiting: deque[tuple[RequestId, int, int, int]] = deque()
         self._heap: list[tuple[int, RequestId]] = []
 
@@ -104,11 +122,12 @@ class DecodeEngine:
         while self.busy and self.step_end <= t:
             end = self.step_end
             st.steps += 1
+            self.step_ends.append(end)
             st.context_tokens += len(st.active)
             while heap and heap[0][0] <= st.steps:
                 _, rid = heapq.heappop(heap)
                 st.finish(rid)
-                self.on_finish(rid, end)
+                self.on_finish(rid, end, self.step_ends)
             if self.waiting:
                 self._admit()
             n = len(st.active)
@@ -153,12 +172,16 @@ def build_conductor(spec: ClusterSpec, cost: CostModel, *, policy: str, rejectio
 def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
              cost: CostModel | None = None, policy: str = "global-cache-aware",
              rejection: str = "none", slo: Slo | None = None, seed: int = 0,
-             conductor: Conductor | None = None) -> SimResult:
+             conductor: Conductor | None = None,
+             kv_stream_layers: int = LLAMA2_70B_LAYERS) -> SimResult:
     """Replay ``requests`` (sorted by arrival) through a disaggregated cluster.
 
     Pass a prebuilt ``conductor`` to control its instances exactly (tests); else one
     is built from ``spec``, ``cost``, ``policy``, ``rejection`` and ``slo``.
+    ``kv_stream_layers``: layers the prompt's KV streams in during prefill (1: none).
     """
+    if kv_stream_layers < 1:
+        raise ValueError("kv_stream_layers must be >= 1")
     slo = slo if slo is not None else Slo()
     if conductor is None:
         cost = cost if cost is not None else PolyCostModel.a800_llama2_70b()
@@ -169,8 +192,13 @@ def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
     records: dict[RequestId, RequestRecord] = {}
     by_id = {r.id: r for r in requests}
 
-    def on_finish(rid: RequestId, t: float) -> None:
-        records[rid].finish_s = t
+    def on_finish(rid: RequestId, t: float, step_ends: list[float]) -> None:
+        rec = records[rid]
+        rec.finish_s = t
+        assert rec.first_token_s is not None
+        d = rec.output_tokens - 1
+        rec.tail_tbt_s, rec.max_tbt_s = token_interval_stats(rec.first_token_s,
+                                                             step_ends[len(step_ends) - d:])
         conductor.forget(rid)
 
     engines = {d.id: DecodeEngine(d, cost, on_finish) for d in conductor.decode}
@@ -180,6 +208,7 @@ def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
     seq = 0
     wasted = 0.0
     work: dict[RequestId, float] = {}
+    kv_ready: dict[RequestId, float] = {}
 
     def handle(t: float, kind: int, rid: RequestId) -> None:
         nonlocal seq, wasted
@@ -188,13 +217,15 @@ def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
         if kind == _PREFILL_DONE:
             rec.first_token_s = t
             conductor.prefill_done(rid, t)
+            ready = kv_ready.pop(rid)
             if req.output_tokens <= 1:
                 rec.finish_s = t
+                rec.tail_tbt_s = rec.max_tbt_s = 0.0
                 conductor.forget(rid)
                 return
             seq += 1
-            heapq.heappush(events, (t + cost.transfer_s(req.prompt_tokens * kv_bytes), seq,
-                                    _KV_READY, rid))
+            # Never before the first token, whatever the float rounding of the sums.
+            heapq.heappush(events, (max(ready, t), seq, _KV_READY, rid))
         else:
             engine = engines[conductor.decode_of(rid).id]
             engine.advance_to(t)
@@ -227,10 +258,13 @@ def simulate(requests: Sequence[Request], *, spec: ClusterSpec | None = None,
         plan = dec.plan
         assert plan is not None
         start = max(now, free_at[plan.instance])
-        w = (cost.transfer_s(plan.fetch_blocks * req.block_tokens * kv_bytes)
-             + cost.prefill_s(req.prompt_tokens - plan.cached_tokens, plan.cached_tokens))
+        fetch = cost.transfer_s(plan.fetch_blocks * req.block_tokens * kv_bytes)
+        compute = cost.prefill_s(req.prompt_tokens - plan.cached_tokens, plan.cached_tokens)
+        w = fetch + compute
         free_at[plan.instance] = start + w
         work[req.id] = w
+        kv_ready[req.id] = start + fetch + streamed_kv_ready_s(
+            compute, cost.transfer_s(req.prompt_tokens * kv_bytes), kv_stream_layers)
         seq += 1
         heapq.heappush(events, (start + w, seq, _PREFILL_DONE, req.id))
     while events:

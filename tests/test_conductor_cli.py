@@ -13,7 +13,8 @@ import pytest
 from conductor.cli import main, parse_duration
 
 REPO = Path(__file__).resolve().parent.parent
-CONTRACT = {"avg_ttft_s", "p90_ttft_s", "p90_tbt_s", "slo_attainment", "rejected"}
+CONTRACT = {"avg_ttft_s", "p90_ttft_s", "p90_tbt_s", "tail_tbt_s", "slo_attainment",
+            "rejected"}
 POLICY_NAMES = ["random", "load-balancing", "local-cache-aware", "global-cache-aware"]
 
 
@@ -72,6 +73,33 @@ def test_single_policy_with_rejection_and_limit(trace: Path,
     assert result["load-balancing"]["requests"] == 10
 
 
+def test_simulate_help_says_which_tbt_the_slo_uses(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # no line wrap inside the phrases below
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tail-mean TBT: the mean of the longest 10% (at least one) of its token" in text
+    assert "--tbt-statistic mean: its mean interval" in text
+
+
+def test_tbt_statistic_picks_the_slo_check(trace: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    got = {}
+    for stat in ("tail-mean", "mean"):
+        assert main(["simulate", "--trace", str(trace), "--tbt-statistic", stat,
+                     "--kv-stream-layers", "1", "--json"]) == 0
+        got[stat] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])[
+            "global-cache-aware"]
+    tail, mean = got["tail-mean"], got["mean"]
+    assert (tail["tbt_slo_statistic"], mean["tbt_slo_statistic"]) == ("tail-mean", "mean")
+    # Same run, same per-request figures; only the SLO check differs.
+    assert tail["avg_tbt_s"] == mean["avg_tbt_s"] and tail["tail_tbt_s"] == mean["tail_tbt_s"]
+    assert tail["tail_tbt_s"] > tail["avg_tbt_s"]
+    assert tail["effective_requests"] <= mean["effective_requests"]
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "conductor", *args], capture_output=True,
@@ -84,6 +112,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     ["simulate", "--trace", "x", "--tbt-slo", "soon"],
     ["simulate", "--trace", "x", "--prefill", "0"],
     ["simulate", "--trace", "x", "--speed", "-2"],
+    ["simulate", "--trace", "x", "--tbt-statistic", "median"],
+    ["simulate", "--trace", "x", "--kv-stream-layers", "0"],
+    ["capacity"],
+    ["capacity", "--trace", "x", "--tbt-slo", "100ms,soon"],
+    ["capacity", "--trace", "x", "--instances", "0"],
     ["teleport"],
 ])
 def test_bad_flags_exit_2_without_traceback(args: list[str]) -> None:

@@ -9,6 +9,7 @@ from conductor.costs import (
     CostModel,
     PolyCostModel,
     a800_kv_capacity_tokens,
+    streamed_kv_ready_s,
 )
 
 
@@ -96,3 +97,29 @@ def test_negative_coefficients_are_refused() -> None:
         PolyCostModel(kv_bytes_per_token=1, p_token=-1.0, net_bytes_per_s=1.0, d_fixed=0.0)
     with pytest.raises(ValueError):
         PolyCostModel(kv_bytes_per_token=1, p_token=1.0, net_bytes_per_s=0.0, d_fixed=0.0)
+
+
+def test_streamed_kv_overlaps_the_transfer_with_the_prefill() -> None:
+    # Compute-bound: 1 s of prefill, 0.5 s of transfer, 4 layers: the last layer is
+    # computed at 1.0 and sent in 0.125 -> 1.125 (not 1.5).
+    assert streamed_kv_ready_s(1.0, 0.5, 4) == 1.125
+    # Transfer-bound: 1 s of prefill, 2 s of transfer: the link starts after the first
+    # layer (0.25) and is busy from then on -> 2.25.
+    assert streamed_kv_ready_s(1.0, 2.0, 4) == 2.25
+    # One layer is no overlap; no bytes is no transfer; a fully cached prompt (no compute)
+    # waits for the whole transfer.
+    assert streamed_kv_ready_s(1.0, 0.5, 1) == 1.5
+    assert streamed_kv_ready_s(1.0, 0.0, 80) == 1.0
+    assert streamed_kv_ready_s(0.0, 0.5, 80) == 0.5
+    with pytest.raises(ValueError, match="layers"):
+        streamed_kv_ready_s(1.0, 0.5, 0)
+
+
+def test_streamed_kv_of_a_12k_prompt_on_the_a800_model() -> None:
+    # 12k tokens: prefill ~1.48 s, whole transfer 1 ms + 3.93 GB / 87 GB/s ~ 46 ms; over 80
+    # layers the decode gets the KV one layer's transfer (~0.6 ms) after the prefill.
+    m = PolyCostModel.a800_llama2_70b()
+    p = m.prefill_s(12_000, 0)
+    t = m.transfer_s(12_000 * m.kv_bytes_per_token)
+    assert t == pytest.approx(0.001 + 12_000 * 327_680 / 87e9)
+    assert streamed_kv_ready_s(p, t, 80) - p == pytest.approx(t / 80)

@@ -2,7 +2,8 @@
 SLO's pace (``decode_demand``) and the clairvoyant arrival check (``ClairvoyantConductor``).
 
 Cost model of the simulated cases (``COST``): prefill 1 ms per new token, KV 1 byte per
-token moved at 10,000 B/s, decode step 10 ms + 5 ms per sequence.
+token moved at 10,000 B/s after the prefill (no layer-wise overlap), decode step 10 ms +
+5 ms per sequence.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_clairvoyant_rejects_the_doomed_at_arrival_without_prefill() -> None:
     # told it is doomed, the clairvoyant Conductor rejects it before any prefill, and r0's
     # timeline is unchanged (prefill 0 -> 1.0, KV at 1.1, 100 steps of 15 ms).
     c = clairvoyant({RequestId(1)}, kv=1_500)
-    run = simulate([r(0, 1_000, 101), r(1, 300, 100)], conductor=c)
+    run = simulate([r(0, 1_000, 101), r(1, 300, 100)], conductor=c, kv_stream_layers=1)
     r0, r1 = run.records
     assert r1.rejected == "decode overloaded (clairvoyant)"
     assert not r1.rejected_late and r1.prefill is None and r1.first_token_s is None

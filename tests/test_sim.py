@@ -1,5 +1,8 @@
 """conductor.sim and conductor.colocated: hand-computed timelines on tiny traces.
 
+The disaggregated timelines are hand-computed without the layer-wise KV overlap
+(``kv_stream_layers=1``: the KV moves after the prefill); one test checks the overlap.
+
 Cost model (``COST``): prefill 1 ms per new token; KV moves at 10,000 B/s with 1 byte
 per token (a 1,000-token prompt takes 0.1 s); a decode step takes 10 ms plus 5 ms per
 sequence (15 ms alone, 20 ms for two).
@@ -13,7 +16,7 @@ import pytest
 
 from conductor.colocated import ColocatedEngine, max_token_gaps, simulate_colocated
 from conductor.costs import PolyCostModel
-from conductor.metrics import summarize
+from conductor.metrics import MEAN, summarize
 from conductor.scheduler import Conductor
 from conductor.sim import ClusterSpec, build_conductor, requests_from_trace, simulate
 from conductor.state import DecodeInstance, LocalPrefixCache, PoolIndex, PrefillInstance
@@ -46,7 +49,8 @@ def test_disaggregated_timeline_is_exact() -> None:
     #     88 tokens 1.0 -> 1.088; KV (600 B) lands at 1.148, mid-step: joins at 1.160;
     #     tokens at 1.180 and 1.200 -> TBT (1.200 - 1.088) / 2.
     c = one_by_one()
-    run = simulate([r(0, 0.0, 1_000, 11, ("k0",)), r(1, 0.2, 600, 3, ("k0",))], conductor=c)
+    run = simulate([r(0, 0.0, 1_000, 11, ("k0",)), r(1, 0.2, 600, 3, ("k0",))], conductor=c,
+                   kv_stream_layers=1)
     r0, r1 = run.records
     assert r0.first_token_s == pytest.approx(1.0, abs=EPS)
     assert r0.finish_s == pytest.approx(1.26, abs=EPS)
@@ -61,10 +65,38 @@ def test_disaggregated_timeline_is_exact() -> None:
     d = c.decode[0]
     assert (d.steps, d.context_tokens, d.reserved_tokens, d.active, d.incoming) == (
         10, 0, 0, {}, {})
-    s = summarize(run.records, Slo(ttft_s=1.0, tbt_s=0.05))
+    # Token intervals: r0 0.115 (KV transfer + first step), 0.015 x 3, 0.02 x 2, 0.015 x 4;
+    # r1 0.092 (1.088 -> 1.180), 0.02. Ten and two intervals: the tail mean is the longest.
+    assert (r0.tail_tbt_s, r0.max_tbt_s) == (pytest.approx(0.115, abs=EPS),) * 2
+    assert (r1.tail_tbt_s, r1.max_tbt_s) == (pytest.approx(0.092, abs=EPS),) * 2
+    s = summarize(run.records, Slo(ttft_s=1.0, tbt_s=0.05), tbt_statistic=MEAN)
     assert s["avg_ttft_s"] == pytest.approx(0.944, abs=EPS)
     assert s["slo_attainment"] == 0.5 and s["effective_requests"] == 1  # r1's TBT misses
+    assert s["tbt_slo_statistic"] == "mean"
+    s = summarize(run.records, Slo(ttft_s=1.0, tbt_s=0.05))  # tail mean: both miss
+    assert (s["slo_attainment"], s["tbt_slo_statistic"]) == (0.0, "tail-mean")
+    assert s["tail_tbt_s"] == pytest.approx((0.115 + 0.092) / 2, abs=EPS)
+    assert s["avg_tbt_s"] == pytest.approx((0.026 + 0.056) / 2, abs=EPS)
+    s = summarize(run.records, Slo(ttft_s=1.0, tbt_s=0.1))
+    assert s["effective_requests"] == 1  # r1 (0.092) meets 100 ms, r0 (0.115) does not
     assert s["cache_hit_ratio"] == pytest.approx(512 / 1_600)
+
+
+def test_kv_streams_during_prefill_layer_by_layer() -> None:
+    # r0 alone: prefill 0 -> 1.0, whole KV transfer 0.1 s. Streamed over 80 layers it
+    # lands at max(1.0 + 0.1/80, 1.0/80 + 0.1) = 1.00125, then 10 steps of 15 ms: the
+    # first interval is 16.25 ms (not 115 ms as without overlap), the tail TBT too.
+    run = simulate([r(0, 0.0, 1_000, 11)], conductor=one_by_one())
+    (r0,) = run.records
+    assert r0.first_token_s == pytest.approx(1.0, abs=EPS)
+    assert r0.finish_s == pytest.approx(1.00125 + 10 * 0.015, abs=EPS)
+    assert r0.tail_tbt_s == pytest.approx(0.01625, abs=EPS)
+    assert r0.max_tbt_s == pytest.approx(0.01625, abs=EPS)
+    # 4 layers: max(1.0 + 0.025, 0.25 + 0.1) = 1.025.
+    (r0,) = simulate([r(0, 0.0, 1_000, 11)], conductor=one_by_one(), kv_stream_layers=4).records
+    assert r0.max_tbt_s == pytest.approx(0.025 + 0.015, abs=EPS)
+    with pytest.raises(ValueError, match="kv_stream_layers"):
+        simulate([r(0, 0.0, 1_000, 11)], conductor=one_by_one(), kv_stream_layers=0)
 
 
 def test_one_token_outputs_finish_at_prefill() -> None:
@@ -78,7 +110,8 @@ def test_baseline_rejects_late_and_wastes_the_prefill() -> None:
     # d0 holds 1,500 tokens; r0 reserves 1,101 and decodes 1.1 -> 2.6. r1 (reserving 400)
     # prefills 1.0 -> 1.3 and lands at 1.33, while r0 is there.
     reqs = [r(0, 0.0, 1_000, 101), r(1, 0.0, 300, 100)]
-    run = simulate(reqs, conductor=one_by_one(rejection="baseline", kv=1_500))
+    run = simulate(reqs, conductor=one_by_one(rejection="baseline", kv=1_500),
+                   kv_stream_layers=1)
     assert run.records[0].served and not run.records[1].served
     assert run.records[1].rejected == "decode KV cache full" and run.records[1].rejected_late
     assert run.wasted_prefill_s == pytest.approx(0.3)
@@ -90,7 +123,8 @@ def test_predictive_rejects_the_same_request_before_its_prefill() -> None:
     # At r1's arrival the expected output is the mean so far, round(201 / 2) = 100: r0
     # is predicted in decode at 1.33 s (reserving 1,000 + 100), r1 needs 300 + 100.
     reqs = [r(0, 0.0, 1_000, 101), r(1, 0.0, 300, 100)]
-    run = simulate(reqs, conductor=one_by_one(rejection="predictive", kv=1_450))
+    run = simulate(reqs, conductor=one_by_one(rejection="predictive", kv=1_450),
+                   kv_stream_layers=1)
     assert run.records[1].rejected == "decode KV cache full"
     assert not run.records[1].rejected_late and run.wasted_prefill_s == 0.0
     assert run.records[0].finish_s == pytest.approx(2.6, abs=EPS)
@@ -99,7 +133,8 @@ def test_predictive_rejects_the_same_request_before_its_prefill() -> None:
 def test_without_rejection_a_request_waits_for_kv_space() -> None:
     # r1 lands at 1.33 but fits only once r0 leaves at 2.6; then 99 steps of 15 ms.
     reqs = [r(0, 0.0, 1_000, 101), r(1, 0.0, 300, 100)]
-    run = simulate(reqs, conductor=one_by_one(rejection="none", kv=1_500))
+    run = simulate(reqs, conductor=one_by_one(rejection="none", kv=1_500),
+                   kv_stream_layers=1)
     r1 = run.records[1]
     assert r1.finish_s == pytest.approx(2.6 + 99 * 0.015, abs=EPS)
     assert r1.tbt_s == pytest.approx((2.6 + 99 * 0.015 - 1.3) / 99, abs=EPS)
@@ -116,6 +151,11 @@ def test_colocated_whole_prefill_stalls_decoding() -> None:
     assert r0.tbt_s == pytest.approx((1.535 - 1.0) / 2, abs=EPS)
     assert r1.ttft_s == pytest.approx(1.0, abs=EPS)
     assert r1.tbt_s == pytest.approx(0.02, abs=EPS)
+    # Token intervals: r0 0.52 (r1's 0.5 s prefill stalls it, then a 20 ms step) and 0.015;
+    # two intervals, so the tail TBT is the longest; r1 has one interval of 0.02.
+    assert r0.tail_tbt_s == pytest.approx(0.52, abs=EPS)
+    assert r0.max_tbt_s == pytest.approx(0.52, abs=EPS)
+    assert r1.tail_tbt_s == pytest.approx(0.02, abs=EPS)
 
 
 def test_colocated_max_token_gap_is_the_longest_stall() -> None:
