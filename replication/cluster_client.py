@@ -136,9 +136,11 @@ class ClusterClient(SingleKeyCalls):
             membership = (EtcdMembership(etcd, tls=etcd_tls) if etcd is not None
                           else StaticMembership(list(members or ())))
         self.membership = membership
+        # A node that does not answer in node_timeout is failed over, but a transfer may
+        # stall while its master replaces a stopped replica: the caller's own timeout.
         self._peers = PeerPool(transport=transport, timeout=min(timeout or node_timeout,
                                                                    node_timeout),
-                               token=token, tls=tls)
+                               token=token, tls=tls, io_timeout=timeout)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-cluster")
         self._hot = (HotnessTracker(hot_reads_per_s=hot_reads_per_s,
                                     half_life_s=hot_half_life_s, clock=clock)

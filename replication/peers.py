@@ -59,11 +59,17 @@ class KnownMembers:
 class PeerPool:
     def __init__(self, *, transport: str = "auto", timeout: float = 10.0,
                  token: str | None = None, tls: ClientTls | None = None,
-                 members: KnownMembers | None = None) -> None:
+                 members: KnownMembers | None = None, io_timeout: float | None = -1.0
+                 ) -> None:
         """``members``: None lets ``get`` reach any address (a client's pool, which
-        carries the caller's own token); a node passes its ``KnownMembers``."""
+        carries the caller's own token); a node passes its ``KnownMembers``.
+        ``timeout``: connecting and each gRPC call; ``io_timeout``: how long a
+        transfer-channel read or write may stall (default: ``timeout``; None: no bound).
+        A writer's bound must outlast its master's, which waits up to its own peer
+        timeout to replace a stalled replica before it answers."""
         self.transport = transport
         self.timeout = timeout
+        self.io_timeout = timeout if io_timeout is not None and io_timeout < 0 else io_timeout
         self.members = members
         self._token = token
         self._tls = tls
@@ -81,7 +87,7 @@ class PeerPool:
             client = self._clients.get(addr)
             if client is None:
                 client = Client(addr, transport=self.transport, timeout=self.timeout,
-                                token=self._token, tls=self._tls, io_timeout=self.timeout)
+                                token=self._token, tls=self._tls, io_timeout=self.io_timeout)
                 self._clients[addr] = client
             return client
 

@@ -8,14 +8,22 @@ owner). The first push runs in the caller's thread, the others on ``pool``. ``ru
 answers when every group has ``write_quorum - 1`` copies or no
 candidate left, or, with ``wait_all``, only once every push it started has
 settled (the caller lends the bytes and must not reuse them before).
+
+Bounds, so that no caller can tie up the node: without ``wait_all``, ``run`` waits
+at most ``wait_s`` and returns at once when its ``Cancel`` is set (the node
+stopping); the targets not started then, and the pushes still sending, are
+reported failed with the reason. With ``wait_all`` neither applies: the bytes are
+lent, so it waits for every push, each of which ends within the peer stream's
+stall timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
@@ -32,16 +40,49 @@ class QuorumResult:
     failed: list[str] = field(default_factory=list)  # "ADDR: reason"
 
 
+class Cancel:
+    """Set once (the node stopping): every ``run`` waiting under it returns at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False  # guarded by _lock
+        self._waiting: set[threading.Condition] = set()  # guarded by _lock
+
+    @property
+    def is_set(self) -> bool:
+        with self._lock:
+            return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            waiting = list(self._waiting)
+        for cond in waiting:  # never with _lock held: a waiter holds cond, then takes _lock
+            with cond:
+                cond.notify_all()
+
+    @contextmanager
+    def watching(self, cond: threading.Condition) -> Iterator[None]:
+        with self._lock:
+            self._waiting.add(cond)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting.discard(cond)
+
+
 class _Round:
     """One group; fields guarded by the shared ``cond``."""
 
-    __slots__ = ("candidates", "cond", "failed", "push", "running", "stored_on")
+    __slots__ = ("candidates", "cond", "failed", "inflight", "push", "running", "stored_on")
 
     def __init__(self, cond: threading.Condition, candidates: list[str], push: Push) -> None:
         self.cond = cond
         self.candidates = candidates  # not yet started, in order
         self.push = push
         self.running = 0
+        self.inflight: list[str] = []  # addresses of the pushes running
         self.stored_on: list[str] = []
         self.failed: list[str] = []
 
@@ -52,8 +93,12 @@ class _Round:
 
 
 def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], *,
-        copies: int, write_quorum: int, wait_all: bool = False) -> QuorumResult:
+        copies: int, write_quorum: int, wait_all: bool = False, wait_s: float | None = None,
+        cancel: Cancel | None = None) -> QuorumResult:
     """Pushes each group to ``copies - 1`` of its candidates; see the module docstring."""
+    if wait_all and (wait_s is not None or cancel is not None):
+        raise ValueError("wait_all lends the bytes until every push settles: no wait_s or "
+                         "cancel with it")
     if not groups or copies == 1:
         return QuorumResult(copies=1)
     cond = threading.Condition()
@@ -63,16 +108,29 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
     with cond:
         for rnd in rounds:
             for _ in range(min(copies - 1, len(rnd.candidates))):
-                if first is None:  # run here, not on the pool: the caller would only wait
+                # With wait_all the caller only waits for every push: run one here, not on
+                # the pool. A bounded wait keeps every push on the pool, so it can be woken.
+                if first is None and wait_all:
                     first = (rnd, rnd.candidates.pop(0))
                     rnd.running += 1
+                    rnd.inflight.append(first[1])
                 else:
                     _start(pool, rnd)
-    if first is not None:
+    if first is not None:  # ends within the peer stream's stall timeout
         _push(pool, *first)
-    with cond:
-        while not all(r.settled(need, wait_all) for r in rounds):
-            cond.wait()
+
+    def stopped() -> bool:
+        return cancel is not None and cancel.is_set
+
+    with cond, (nullcontext() if cancel is None else cancel.watching(cond)):
+        settled = cond.wait_for(
+            lambda: stopped() or all(r.settled(need, wait_all) for r in rounds), timeout=wait_s)
+        if not settled or stopped():
+            why = "node is stopping" if stopped() else "timed out"
+            for r in rounds:
+                r.failed += [f"{a}: {why}" for a in r.candidates]
+                r.candidates.clear()
+                r.failed += [f"{a}: still sending, {why}" for a in r.inflight]
         stored = set.intersection(*(set(r.stored_on) for r in rounds))
         return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
                             stored_on=[t for t in rounds[0].stored_on if t in stored],
@@ -88,6 +146,7 @@ def _start(pool: ThreadPoolExecutor, rnd: _Round) -> None:
         rnd.failed.append(f"{addr}: node is stopping")
         return
     rnd.running += 1
+    rnd.inflight.append(addr)
 
 
 def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
@@ -101,6 +160,7 @@ def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
         error = f"internal error: {exc}"
     with rnd.cond:
         rnd.running -= 1
+        rnd.inflight.remove(addr)
         if error:
             rnd.failed.append(f"{addr}: {error}")
             if rnd.candidates:

@@ -36,7 +36,9 @@ def trio(tmp_path: Path) -> Iterator[list[NodeProcess]]:
 
 
 def _members(nodes: list[NodeProcess]) -> list[Member]:
-    return [Member(node_id=NodeId(f"n{i}"), addr=n.addr) for i, n in enumerate(nodes)]
+    # In a static cluster a node is named by its address (as `kvstore_members` names it):
+    # the nodes rank the same list when they forward a replicated put.
+    return [Member(node_id=NodeId(n.addr), addr=n.addr) for n in nodes]
 
 
 def _holders(nodes: list[NodeProcess], members: list[Member], key: bytes) -> set[str]:
@@ -83,10 +85,10 @@ def test_dead_replica_is_replaced_by_the_next_ranked_node(trio: list[NodeProcess
         c.put_batch(keys, [_value(i) for i in range(30)])
         for i, k in enumerate(keys):
             # two copies on the two live nodes, whichever were its owners
-            assert _holders(trio, members, k) == {"n0", "n1"}, i
+            assert _holders(trio, members, k) == {members[0].node_id, members[1].node_id}, i
             assert c.get(k) == _value(i)
-        dead_mastered = [k for k in keys if placement.master(k) == "n2"]
-        assert dead_mastered  # the read of these failed over from n2
+        dead_mastered = [k for k in keys if placement.master(k) == members[2].node_id]
+        assert dead_mastered  # the read of these failed over from node 2
         assert c.get_batch(dead_mastered) == [_value(keys.index(k)) for k in dead_mastered]
 
 
@@ -211,7 +213,7 @@ def test_hot_block_fans_out_spreads_reads_and_is_dropped_when_cool(
             c.get(hot)
         wait_until(lambda: hot in c.fanned_out(), timeout=10, what="fan-out done")
         assert c.fanned_out()[hot] == placement.rank(hot)[1:]
-        assert _holders(trio, members, hot) == {"n0", "n1", "n2"}
+        assert _holders(trio, members, hot) == {m.node_id for m in members}
         assert _holders(trio, members, cold) == {placement.master(cold)}
         before = _hits(trio)
         for _ in range(30):
