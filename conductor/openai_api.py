@@ -8,7 +8,8 @@ Errors follow OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "para
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,18 +76,25 @@ def _upstream_message(inst: VllmInstance, r: httpx.Response) -> str:
     return f"{inst.role} instance {inst.url} answered HTTP {r.status_code}: {msg[:500]}"
 
 
-async def post_json(inst: VllmInstance, path: str, body: dict[str, Any],
-                    timeout: httpx.Timeout) -> dict[str, Any]:
-    """One non-streamed call; an instance's own 4xx keeps its status (the client's
-    request was bad), anything else is a 502 (504 on timeout)."""
+@contextmanager
+def upstream_errors(inst: VllmInstance) -> Iterator[None]:
+    """An instance that cannot be reached or answers too late: 502, 504 on timeout."""
     try:
-        r = await inst.http.post(inst.url + path, json=body, timeout=timeout)
+        yield
     except httpx.TimeoutException as exc:
         raise UpstreamError(f"{inst.role} instance {inst.url} timed out "
                             f"({type(exc).__name__})", status=504) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(f"{inst.role} instance {inst.url} failed: "
                             f"{type(exc).__name__}: {exc}") from exc
+
+
+async def post_json(inst: VllmInstance, path: str, body: dict[str, Any],
+                    timeout: httpx.Timeout) -> dict[str, Any]:
+    """One non-streamed call; an instance's own 4xx keeps its status (the client's
+    request was bad), anything else is a 502 (504 on timeout)."""
+    with upstream_errors(inst):
+        r = await inst.http.post(inst.url + path, json=body, timeout=timeout)
     if r.status_code != 200:
         status = r.status_code if 400 <= r.status_code < 500 else 502
         raise UpstreamError(_upstream_message(inst, r), status=status)
@@ -109,14 +117,8 @@ class OpenStream:
 async def open_stream(inst: VllmInstance, path: str, body: dict[str, Any],
                       timeout: httpx.Timeout) -> OpenStream:
     req = inst.http.build_request("POST", inst.url + path, json=body, timeout=timeout)
-    try:
+    with upstream_errors(inst):
         r = await inst.http.send(req, stream=True)
-    except httpx.TimeoutException as exc:
-        raise UpstreamError(f"{inst.role} instance {inst.url} timed out "
-                            f"({type(exc).__name__})", status=504) from exc
-    except httpx.HTTPError as exc:
-        raise UpstreamError(f"{inst.role} instance {inst.url} failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
     if r.status_code != 200:
         await r.aread()
         await r.aclose()

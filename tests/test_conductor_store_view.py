@@ -70,3 +70,31 @@ def test_an_unreachable_store_is_a_miss_for_lookups_and_an_error_for_the_wait() 
         assert asyncio.run(view.prefix_len(keys)) == 0
         with pytest.raises(NotDurable, match="store unreachable"):
             asyncio.run(view.wait_durable(keys, timeout_s=1, namespace="x"))
+
+
+def test_on_a_cluster_the_wait_counts_copies_not_presence(tmp_path) -> None:
+    """``conductor serve --etcd`` waits for ``--write-quorum`` copies of every block: a
+    prefix stored once on a real etcd cluster is not durable until its copies exist."""
+    from replication.local_cluster import LocalCluster
+
+    # The nodes' repair keeps one copy: only the writers below make the second.
+    cluster = LocalCluster.up(tmp_path / "cluster", 3, node_args=[
+        "--dram-bytes", "32MiB", "--no-prefault", "--replicas", "1",
+        "--repair-interval", "600"])
+    try:
+        keys = _keys(3, 300)
+        values = [bytes([i]) * 1000 for i in range(3)]
+        with Client(etcd=cluster.etcd, replicas=1) as once, \
+                Client(etcd=cluster.etcd, replicas=2, write_quorum=2) as twice:
+            assert once.put_batch(keys, values) == [True] * 3
+            view = StoreView(twice, write_quorum=2)
+            assert asyncio.run(view.prefix_len(keys)) == 3
+            with pytest.raises(NotDurable) as e:
+                asyncio.run(view.wait_durable(keys, timeout_s=0.2, namespace="sv"))
+            assert (e.value.found, e.value.want) == (0, 3)
+            assert "0 of 3 blocks stored with 2 copies" in str(e.value)
+            twice.put_batch(keys, values)  # each master forwards to the owner that lacks it
+            assert asyncio.run(view.wait_durable(keys, timeout_s=10, namespace="sv")) >= 0
+            assert [len(h) for h in twice.holders(keys)] == [2, 2, 2]
+    finally:
+        cluster.down(timeout=10)
