@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-serving-") as tmp:
         root = Path(tmp)
         subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
-                        "from conductor.demo_vllm import write_tiny_llama; "
+                        "from conductor.vllm_procs import write_tiny_llama; "
                         "write_tiny_llama(Path(sys.argv[1]))", str(root / "model")],
                        check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True)

@@ -28,27 +28,10 @@ from conductor.vllm_procs import (
     start_node,
     start_vllm,
     wait_ready,
+    write_tiny_llama,
 )
 
 NAMESPACE = "demo-vllm"
-
-
-def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """A random Llama (head_dim 32, float32) as a local HF checkpoint, no tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=4096, torch_dtype="float32",
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def tokens(seed: int, n: int) -> list[int]:

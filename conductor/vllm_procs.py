@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_BLOCK = 32
@@ -90,15 +91,19 @@ def wait_ready(p: Proc, path: str, timeout: float) -> None:
         time.sleep(0.25)
 
 
-def kv_transfer_config(*, store: str, namespace: str, role: str) -> str:
+def kv_transfer_config(*, store: str | dict[str, Any], namespace: str, role: str) -> str:
+    """``store``: one node's HOST:PORT, or the connector's cluster keys
+    (``{"kvstore_etcd": "HOST:PORT", "replicas": 2, "write_quorum": 2}``)."""
+    where = {"kvstore_addr": store} if isinstance(store, str) else dict(store)
     return json.dumps({
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.integrations.vllm_connector",
         "kv_role": role, "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvstore_addr": store, "namespace": namespace}})
+        "kv_connector_extra_config": {**where, "namespace": namespace}})
 
 
-def start_vllm(python: str, model: Path, logdir: Path, *, name: str, store: str | None,
+def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
+               store: str | dict[str, Any] | None,
                namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
                kv_cache_bytes: int = 64 << 20, port: int | None = None) -> Proc:
     """A vLLM OpenAI server on ``model`` (no tokenizer: token-id prompts); with ``store``
@@ -146,3 +151,26 @@ def start_conductor(logdir: Path, *, name: str, args: list[str],
             raise RuntimeError(f"{name} did not start:\n{p.output()}")
         time.sleep(0.05)
     return p
+
+
+def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
+                     max_positions: int = 4096) -> Path:
+    """A random Llama (head_dim 32, float32) as a local HF checkpoint, no tokenizer.
+
+    Weights are drawn with a fixed seed and a large enough scale that greedy decoding
+    depends visibly on the KV cache (engines run it with ``skip_tokenizer_init``).
+    torch and transformers are imported here: the Conductor itself needs neither."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=max_positions,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -48,25 +48,11 @@ BLOCK = 32
 
 
 def make_tiny_llama(out: Path, *, seed: int = 0) -> Path:
-    """A random 2-layer Llama (head_dim 32, float32) saved as a local HF checkpoint.
+    """A random 2-layer Llama saved as a local HF checkpoint (``write_tiny_llama``, the
+    demo's and the benchmark's model, at 2,048 positions)."""
+    from conductor.vllm_procs import write_tiny_llama
 
-    Weights are drawn with a fixed seed and a large enough scale that greedy decoding
-    depends visibly on the KV cache; no tokenizer (engines run with
-    ``skip_tokenizer_init``)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=2048, torch_dtype="float32",
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return write_tiny_llama(out, seed=seed, layers=2, max_positions=2048)
 
 
 @pytest.fixture(scope="session")
