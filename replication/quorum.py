@@ -41,12 +41,14 @@ class QuorumResult:
 
 
 class Cancel:
-    """Set once (the node stopping): every ``run`` waiting under it returns at once."""
+    """Set once (the node stopping): every ``run`` waiting under it returns at once, and
+    its pushes that fail from then on say why (the node closes their connections next)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._set = False  # guarded by _lock
-        self._waiting: set[threading.Condition] = set()  # guarded by _lock
+        # cond -> what to do under cond when set; guarded by _lock
+        self._waiting: dict[threading.Condition, Callable[[], None]] = {}
 
     @property
     def is_set(self) -> bool:
@@ -56,26 +58,33 @@ class Cancel:
     def set(self) -> None:
         with self._lock:
             self._set = True
-            waiting = list(self._waiting)
-        for cond in waiting:  # never with _lock held: a waiter holds cond, then takes _lock
+            waiting = list(self._waiting.items())
+        for cond, on_set in waiting:  # never with _lock held: a waiter holds cond, then _lock
             with cond:
+                on_set()
                 cond.notify_all()
 
     @contextmanager
-    def watching(self, cond: threading.Condition) -> Iterator[None]:
+    def watching(self, cond: threading.Condition, on_set: Callable[[], None]
+                 ) -> Iterator[None]:
+        """Runs ``on_set`` under ``cond`` when set; the caller must not hold ``cond`` here."""
         with self._lock:
-            self._waiting.add(cond)
+            self._waiting[cond] = on_set
         try:
             yield
         finally:
             with self._lock:
-                self._waiting.discard(cond)
+                self._waiting.pop(cond, None)
+
+
+STOPPING = "node is stopping"
 
 
 class _Round:
     """One group; fields guarded by the shared ``cond``."""
 
-    __slots__ = ("candidates", "cond", "failed", "inflight", "push", "running", "stored_on")
+    __slots__ = ("candidates", "cond", "failed", "inflight", "push", "running", "stopping",
+                 "stored_on")
 
     def __init__(self, cond: threading.Condition, candidates: list[str], push: Push) -> None:
         self.cond = cond
@@ -83,6 +92,7 @@ class _Round:
         self.push = push
         self.running = 0
         self.inflight: list[str] = []  # addresses of the pushes running
+        self.stopping = False  # the node is stopping: no replacements, failures say so
         self.stored_on: list[str] = []
         self.failed: list[str] = []
 
@@ -104,37 +114,45 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
     cond = threading.Condition()
     rounds = [_Round(cond, list(cands), push) for cands, push in groups]
     need = write_quorum - 1
-    first: tuple[_Round, str] | None = None
-    with cond:
-        for rnd in rounds:
-            for _ in range(min(copies - 1, len(rnd.candidates))):
-                # With wait_all the caller only waits for every push: run one here, not on
-                # the pool. A bounded wait keeps every push on the pool, so it can be woken.
-                if first is None and wait_all:
-                    first = (rnd, rnd.candidates.pop(0))
-                    rnd.running += 1
-                    rnd.inflight.append(first[1])
-                else:
-                    _start(pool, rnd)
-    if first is not None:  # ends within the peer stream's stall timeout
-        _push(pool, *first)
+
+    def stop_all() -> None:  # under cond
+        for r in rounds:
+            r.stopping = True
 
     def stopped() -> bool:
         return cancel is not None and cancel.is_set
 
-    with cond, (nullcontext() if cancel is None else cancel.watching(cond)):
-        settled = cond.wait_for(
-            lambda: stopped() or all(r.settled(need, wait_all) for r in rounds), timeout=wait_s)
-        if not settled or stopped():
-            why = "node is stopping" if stopped() else "timed out"
-            for r in rounds:
-                r.failed += [f"{a}: {why}" for a in r.candidates]
-                r.candidates.clear()
-                r.failed += [f"{a}: still sending, {why}" for a in r.inflight]
-        stored = set.intersection(*(set(r.stored_on) for r in rounds))
-        return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
-                            stored_on=[t for t in rounds[0].stored_on if t in stored],
-                            failed=[f for r in rounds for f in r.failed])
+    first: tuple[_Round, str] | None = None
+    with nullcontext() if cancel is None else cancel.watching(cond, stop_all):
+        with cond:
+            if stopped():
+                stop_all()
+            for rnd in rounds:
+                for _ in range(min(copies - 1, len(rnd.candidates))):
+                    # With wait_all the caller only waits for every push: run one here, not
+                    # on the pool. A bounded wait keeps every push on the pool (wakeable).
+                    if first is None and wait_all:
+                        first = (rnd, rnd.candidates.pop(0))
+                        rnd.running += 1
+                        rnd.inflight.append(first[1])
+                    else:
+                        _start(pool, rnd)
+        if first is not None:  # ends within the peer stream's stall timeout
+            _push(pool, *first)
+        with cond:
+            settled = cond.wait_for(
+                lambda: stopped() or all(r.settled(need, wait_all) for r in rounds),
+                timeout=wait_s)
+            if not settled or stopped():
+                why = STOPPING if stopped() else "timed out"
+                for r in rounds:
+                    r.failed += [f"{a}: {why}" for a in r.candidates]
+                    r.candidates.clear()
+                    r.failed += [f"{a}: still sending, {why}" for a in r.inflight]
+            stored = set.intersection(*(set(r.stored_on) for r in rounds))
+            return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
+                                stored_on=[t for t in rounds[0].stored_on if t in stored],
+                                failed=[f for r in rounds for f in r.failed])
 
 
 def _start(pool: ThreadPoolExecutor, rnd: _Round) -> None:
@@ -162,8 +180,8 @@ def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
         rnd.running -= 1
         rnd.inflight.remove(addr)
         if error:
-            rnd.failed.append(f"{addr}: {error}")
-            if rnd.candidates:
+            rnd.failed.append(f"{addr}: {error}" + (f" ({STOPPING})" if rnd.stopping else ""))
+            if rnd.candidates and not rnd.stopping:
                 _start(pool, rnd)
         else:
             rnd.stored_on.append(addr)
