@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from kvstore.client import Client
 from kvstore.errors import PermissionDenied, Unavailable
@@ -59,17 +60,17 @@ class KnownMembers:
 class PeerPool:
     def __init__(self, *, transport: str = "auto", timeout: float = 10.0,
                  token: str | None = None, tls: ClientTls | None = None,
-                 members: KnownMembers | None = None, io_timeout: float | None = -1.0
-                 ) -> None:
+                 members: KnownMembers | None = None,
+                 io_timeout: float | Literal["timeout"] | None = "timeout") -> None:
         """``members``: None lets ``get`` reach any address (a client's pool, which
         carries the caller's own token); a node passes its ``KnownMembers``.
         ``timeout``: connecting and each gRPC call; ``io_timeout``: how long a
-        transfer-channel read or write may stall (default: ``timeout``; None: no bound).
+        transfer-channel read or write may stall (``"timeout"``: the same; None: no bound).
         A writer's bound must outlast its master's, which waits up to its own peer
         timeout to replace a stalled replica before it answers."""
         self.transport = transport
         self.timeout = timeout
-        self.io_timeout = timeout if io_timeout is not None and io_timeout < 0 else io_timeout
+        self.io_timeout = timeout if io_timeout == "timeout" else io_timeout
         self.members = members
         self._token = token
         self._tls = tls
