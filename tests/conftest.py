@@ -17,6 +17,21 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def write_auth_file(path: Path, tokens: dict[str, str], *, cluster: str | None = None,
+                    quotas: dict[str, str | int] | None = None) -> Path:
+    """A ``--auth-file``: one tenant per ``tokens`` entry (name -> token, with its quota if
+    ``quotas`` names it), plus a ``cluster``-role entry named "cluster" with that token."""
+    entries = []
+    for name, token in tokens.items():
+        quota = (quotas or {}).get(name)
+        entries.append(f'[[tenant]]\nname = "{name}"\ntoken = "{token}"\n'
+                       + ("" if quota is None else f'quota_bytes = "{quota}"\n'))
+    if cluster is not None:
+        entries.append(f'[[tenant]]\nname = "cluster"\nrole = "cluster"\ntoken = "{cluster}"\n')
+    path.write_text("\n".join(entries))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_node
+from conftest import start_node, write_auth_file
 
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
@@ -243,10 +243,8 @@ def test_a_tenant_put_is_forwarded_with_the_peer_token_under_its_salted_keys(
         tmp_path: Path) -> None:
     tokens = {"team-a": "token-of-team-a-0123456789abcdef",
               "cluster": "token-of-the-cluster-0123456789"}
-    auth = tmp_path / "tenants.toml"
-    auth.write_text(f'[[tenant]]\nname = "team-a"\ntoken = "{tokens["team-a"]}"\n\n'
-                    f'[[tenant]]\nname = "cluster"\nrole = "cluster"\n'
-                    f'token = "{tokens["cluster"]}"\n')
+    auth = write_auth_file(tmp_path / "tenants.toml", {"team-a": tokens["team-a"]},
+                           cluster=tokens["cluster"])
     peer = tmp_path / "peer-token"
     peer.write_text(tokens["cluster"] + "\n")
     c = LocalCluster.up(tmp_path / "cluster", 3, node_args=[

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, start_node, wait_until
+from conftest import free_port, start_node, wait_until, write_auth_file
 
 from kvstore.client import Client
 from kvstore.errors import ResourceExhausted
@@ -55,8 +55,7 @@ def _nothing_connected(s: socket.socket) -> bool:
 def test_replicate_never_contacts_an_address_outside_the_membership(
         tmp_path: Path, listener: socket.socket) -> None:
     token = "cluster-token-of-this-test-0123"
-    auth = tmp_path / "tenants.toml"
-    auth.write_text(f'[[tenant]]\nname = "cluster"\nrole = "cluster"\ntoken = "{token}"\n')
+    auth = write_auth_file(tmp_path / "tenants.toml", {}, cluster=token)
     (tmp_path / "peer-token").write_text(token)
     member = start_node(tmp_path, "--auth-file", str(auth))
     n = start_node(tmp_path, "--auth-file", str(auth), "--peer-token-file",

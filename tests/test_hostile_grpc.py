@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import REPO, NodeProcess, start_node
+from conftest import REPO, NodeProcess, start_node, write_auth_file
 
 from kvstore.client import Client
 from kvstore.errors import REPLY_BOUND, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -48,22 +48,8 @@ SMALL_VALUE = _value(b"small", 1000)
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     tmp = tmp_path_factory.mktemp("hostile-grpc")
-    auth = tmp / "tenants.toml"
-    auth.write_text(f'''
-[[tenant]]
-name = "a"
-token = "{TOKENS["a"]}"
-quota_bytes = "16MiB"
-
-[[tenant]]
-name = "b"
-token = "{TOKENS["b"]}"
-
-[[tenant]]
-name = "cluster"
-role = "cluster"
-token = "{TOKENS["cluster"]}"
-''')
+    auth = write_auth_file(tmp / "tenants.toml", {"a": TOKENS["a"], "b": TOKENS["b"]},
+                           cluster=TOKENS["cluster"], quotas={"a": "16MiB"})
     n = start_node(tmp, "--auth-file", str(auth), dram="64MiB", limit_as=LIMIT_AS)
     with Client(n.addr, transport="grpc", token=TOKENS["a"]) as a:
         assert a.put(BIG_KEY, BIG_VALUE) and a.put(SMALL_KEY, SMALL_VALUE)

@@ -8,7 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, NodeProcess, free_port, start_node, start_static_cluster
+from conftest import (
+    REPO,
+    NodeProcess,
+    free_port,
+    start_node,
+    start_static_cluster,
+    write_auth_file,
+)
 
 from kvstore.client import Client
 from kvstore.errors import PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
@@ -52,23 +59,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def auth_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    p = tmp_path_factory.mktemp("auth") / "tenants.toml"
-    p.write_text(f'''
-[[tenant]]
-name = "a"
-token = "{TOKENS["a"]}"
-quota_bytes = "{QUOTA}"
-
-[[tenant]]
-name = "b"
-token = "{TOKENS["b"]}"
-
-[[tenant]]
-name = "cluster"
-role = "cluster"
-token = "{TOKENS["cluster"]}"
-''')
-    return p
+    return write_auth_file(tmp_path_factory.mktemp("auth") / "tenants.toml",
+                           {"a": TOKENS["a"], "b": TOKENS["b"]}, cluster=TOKENS["cluster"],
+                           quotas={"a": QUOTA})
 
 
 @pytest.fixture
