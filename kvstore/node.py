@@ -206,10 +206,11 @@ class Node:
             try:
                 with self._lock:
                     if owner is not None and quota is not None and key not in self._manager:
-                        self._quotas.check(owner, quota, nbytes)
+                        self._quotas.check(owner, quota, nbytes, key=key)
                     reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
                     if reservation is not None and owner is not None:
-                        self._quotas.charge_reservation(owner, reservation, nbytes)
+                        self._quotas.charge_reservation(owner, reservation, nbytes,
+                                                        key=key)
                     # Evicted blocks leave their owner's quota; nothing else needs to hear
                     # of them, so the events cannot pile up.
                     for gone in self._manager.drain_evicted():

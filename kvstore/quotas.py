@@ -14,6 +14,11 @@ the key (``settle(stored=True)``), where it stays until the block leaves the nod
 at once (a same-key race): each carries its own charge, so whichever wins, the
 loser's bytes come back exactly. A key is charged to at most one tenant (keys are
 salted per tenant, so two tenants never share one).
+
+The quota check passes a put whose key already has an open reservation: that is a
+same-key race, at most one of the racers stores the block and the others' charges
+come back at their commit, so refusing it would turn a race into an error. Stored
+bytes never pass the quota this way; open charges may, for as long as the race lasts.
 """
 
 from __future__ import annotations
@@ -27,31 +32,46 @@ class QuotaBook:
     def __init__(self) -> None:
         self._used: dict[str, int] = {}
         self._charged: dict[BlockKey, tuple[str, int]] = {}  # stored blocks
-        self._pending: dict[int, tuple[str, int]] = {}  # id(reservation) -> charge
+        # id(reservation) -> (owner, bytes, key or None)
+        self._pending: dict[int, tuple[str, int, BlockKey | None]] = {}
+        self._racing: dict[BlockKey, int] = {}  # key -> its open reservations
 
-    def check(self, owner: str, quota: int, nbytes: int) -> None:
+    def check(self, owner: str, quota: int, nbytes: int, *, key: BlockKey | None = None
+              ) -> None:
+        if key is not None and key in self._racing:
+            return  # a same-key race: see the module docstring
         used = self._used.get(owner, 0)
         if used + nbytes > quota:
             raise ResourceExhausted(
                 f"namespace {owner!r} is over its quota on this node: {format_size(used)} used "
                 f"+ {format_size(nbytes)} > {format_size(quota)}")
 
-    def charge_reservation(self, owner: str, reservation: object, nbytes: int) -> None:
+    def charge_reservation(self, owner: str, reservation: object, nbytes: int, *,
+                           key: BlockKey | None = None) -> None:
         rid = id(reservation)
         if rid in self._pending:
             raise AssertionError("reservation charged twice")
-        self._pending[rid] = (owner, nbytes)
+        self._pending[rid] = (owner, nbytes, key)
         self._used[owner] = self._used.get(owner, 0) + nbytes
+        if key is not None:
+            self._racing[key] = self._racing.get(key, 0) + 1
 
     def settle(self, reservation: object, key: BlockKey, *, stored: bool) -> None:
         """Ends a reservation's charge: onto ``key`` if it ``stored`` the block, else gone."""
         got = self._pending.pop(id(reservation), None)
         if got is None:
             return
+        owner, nbytes, racing = got
+        if racing is not None:
+            left = self._racing[racing] - 1
+            if left:
+                self._racing[racing] = left
+            else:
+                del self._racing[racing]
         if stored and key not in self._charged:
-            self._charged[key] = got
+            self._charged[key] = (owner, nbytes)
         else:
-            self._drop(got)
+            self._drop((owner, nbytes))
 
     def release(self, key: BlockKey) -> None:
         """The stored block ``key`` left the node."""

@@ -38,6 +38,26 @@ def test_check_counts_open_reservations() -> None:
         book.check("a", 1000, 401)
 
 
+def test_a_racer_for_a_key_already_reserved_is_not_refused_and_settles_exactly() -> None:
+    """At the quota's edge a second put of a key with an open reservation is a same-key
+    race, not new bytes: it passes the check, and whichever wins, one charge stays."""
+    book = QuotaBook()
+    other, r1, r2 = object(), object(), object()  # held: the book keys them by id
+    book.charge_reservation("a", other, 600)  # another block, still open
+    book.check("a", 1000, 400, key=K)
+    book.charge_reservation("a", r1, 400, key=K)
+    with pytest.raises(ResourceExhausted, match="over its quota"):
+        book.check("a", 1000, 400, key=BlockKey(b"o" * 16))  # another key: new bytes
+    book.check("a", 1000, 400, key=K)  # the racer
+    book.charge_reservation("a", r2, 400, key=K)
+    assert book.used() == {"a": 1400}
+    book.settle(r2, K, stored=True)
+    book.settle(r1, K, stored=False)
+    assert book.used() == {"a": 1000}
+    with pytest.raises(ResourceExhausted, match="over its quota"):
+        book.check("a", 1000, 1, key=K)  # no reservation of K is open any more
+
+
 @pytest.mark.parametrize("quota", [None, 1 << 20])
 def test_concurrent_puts_of_one_key_one_stores_the_rest_get_false(quota: int | None) -> None:
     node = Node(NodeSettings(dram_bytes=8 << 20, prefault=False))
