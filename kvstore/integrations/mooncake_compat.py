@@ -49,12 +49,19 @@ over that memory, so values go from and into it without an intermediate copy. Th
 otherwise a put concatenates them (one copy) and a get reads into a staging buffer and
 scatters it (one copy).
 
-``ReplicateConfig``: ``replica_num`` sets the copies of a put on a cluster (a cluster
-client with that many replicas, sharing the membership, and a write quorum of all of them);
-without a config the ``replicas`` given to ``setup`` (default 1, Mooncake's default) apply.
-A single node keeps one copy whatever ``replica_num`` says. ``with_hard_pin`` maps to
-kvstore's ``pin`` (never evicted); ``with_soft_pin`` and the placement hints
-(``preferred_segment(s)``, ``prefer_alloc_in_same_node``) are accepted and ignored.
+``ReplicateConfig`` (0.3.13's: ``with_soft_pin`` is gone, setting it raises AttributeError
+as on the wheel): ``replica_num`` sets the copies of a put on a cluster (a cluster client
+with that many replicas, sharing the membership, and a write quorum of all of them);
+without a config the ``replicas`` given to ``setup`` (default 1) apply. A single node keeps
+one copy whatever ``replica_num`` says. ``with_hard_pin`` maps to kvstore's ``pin`` (never
+evicted). ``soft_pin_action`` / ``soft_pin_ttl_ms`` map to kvstore retention
+(``retain_s``) through ``retain_seconds`` alone. ``nof_replica_num`` / ``dfs_replica_num``
+above 0 are refused (-600: no such replica kind); placement hints and ``data_type`` are
+accepted and ignored.
+
+Ranged and session transfers: ``kvstore.integrations.mooncake_ranges``; CUDA reads:
+``mooncake_cuda``; the methods kvstore does not provide, each with its reason:
+``mooncake_unsupported`` (they raise NotImplementedError).
 """
 
 from __future__ import annotations
@@ -62,25 +69,33 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
+from kvstore.integrations.mooncake_cuda import CudaTensorReads
+from kvstore.integrations.mooncake_ranges import RangedTransfers
+from kvstore.integrations.mooncake_setup import setup_arguments
 from kvstore.integrations.mooncake_types import (
     BUFFER_OVERFLOW,
     INTERNAL_ERROR,
     INVALID_KEY,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     OK,
     RPC_FAIL,
     BufferHandle,
     ReplicateConfig,
+    SoftPinAction,
+    check_placement,
     code_of,
     mooncake_key,
     per_key_codes,
+    retain_seconds,
 )
+from kvstore.integrations.mooncake_unsupported import install
 
 __all__ = [
     "BUFFER_OVERFLOW",
@@ -88,13 +103,16 @@ __all__ = [
     "INVALID_KEY",
     "INVALID_PARAMS",
     "NO_AVAILABLE_HANDLE",
+    "OBJECT_ALREADY_EXISTS",
     "OBJECT_NOT_FOUND",
     "OK",
     "RPC_FAIL",
     "BufferHandle",
     "MooncakeDistributedStore",
     "ReplicateConfig",
+    "SoftPinAction",
     "mooncake_key",
+    "retain_seconds",
 ]
 
 log = logging.getLogger(__name__)
@@ -112,7 +130,7 @@ class _Region:
         self.end = ptr + size
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(RangedTransfers, CudaTensorReads):
     """Mooncake Store's client class, served by kvstore. Thread-safe.
 
     ``client=``: an already-built ``kvstore.Client`` (single node or cluster) to use instead
@@ -129,22 +147,41 @@ class MooncakeDistributedStore:
         self._hostname = ""
         self._cluster_opts: dict[str, Any] | None = None  # set when setup built a cluster
         self._derived: dict[int, Any] = {}  # replica_num -> cluster client sharing membership
+        self._put_sessions: dict[bytes, Any] = {}  # kvstore key -> open put session
+        self._get_sessions: dict[bytes, bytes] = {}  # kvstore key -> value read at start
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def setup(self, local_hostname: str, metadata_server: str,
+    def setup(self, local_hostname: str | Mapping[str, Any], metadata_server: str = "",
               global_segment_size: int = _DEFAULT_SEGMENT,
               local_buffer_size: int = _DEFAULT_SEGMENT, protocol: str = "tcp",
-              rdma_devices: str = "", master_server_addr: str = "", engine: Any = None, *,
+              rdma_devices: str = "", master_server_addr: str = "", engine: Any = None,
+              enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+              tenant_id: str = "default", enable_client_http_server: bool = False,
+              client_http_port: int = 9300, *,
               master_server_address: str | None = None, replicas: int = 1,
               write_quorum: int | None = None, transport: str = "auto",
               token: str | None = None, timeout: float | None = 30.0) -> int:
         """Connects to kvstore (see the module docstring for the address mapping): 0, or a
         negative code (``RPC_FAIL`` when nothing answers, ``INVALID_PARAMS`` for a bad
-        address). The keyword-only arguments are kvstore's own."""
+        address or config). ``setup(config_dict)`` is Mooncake 0.3.13's one-dict form
+        (``kvstore.integrations.mooncake_setup``). The keyword-only arguments are kvstore's
+        own; the SSD-offload, tenant and client-HTTP arguments are accepted and ignored."""
+        if isinstance(local_hostname, Mapping):
+            try:
+                return self.setup(**setup_arguments(local_hostname))
+            except InvalidArgument as exc:
+                log.error("%s", exc)
+                return INVALID_PARAMS
+        if not isinstance(local_hostname, str):
+            raise TypeError("setup() takes a local hostname and addresses, or one dict")
         self._hostname = local_hostname
         if self._injected:
             return OK
+        if enable_ssd_offload or enable_client_http_server or tenant_id != "default":
+            log.warning("setup: enable_ssd_offload, tenant_id and enable_client_http_server "
+                        "are ignored (a kvstore node owns its SSD tier; tenants come from "
+                        "token=; metrics are on the node)")
         if master_server_address is not None:
             master_server_addr = master_server_address
         if protocol not in ("tcp", ""):
@@ -209,6 +246,17 @@ class MooncakeDistributedStore:
         """The ``local_hostname`` given to ``setup``."""
         return self._hostname
 
+    def health_check(self) -> int:
+        """Mooncake's codes: 0 healthy, 1 not set up (or closed), 2 kvstore unreachable."""
+        client = self._client
+        if client is None:
+            return 1
+        try:
+            client.exists([mooncake_key("kvstore-mooncake-setup-probe")])
+        except KVStoreError:
+            return 2
+        return 0
+
     # ---- registered memory --------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
@@ -255,14 +303,21 @@ class MooncakeDistributedStore:
     def _reader(self) -> Any:
         return self._client
 
-    def _writer(self, config: ReplicateConfig | None) -> tuple[Any, bool]:
+    def _writer(self, config: ReplicateConfig | None) -> tuple[Any, dict[str, Any]]:
+        """The client a put with ``config`` goes to and its keyword arguments (``pin``, and
+        ``retain_s`` only when the config asks for retention). InvalidArgument: a config
+        kvstore cannot honour (see ``retain_seconds`` and ``check_placement``)."""
         client = self._client
-        pin = bool(config is not None and getattr(config, "with_hard_pin", False))
+        check_placement(config)
+        opts: dict[str, Any] = {"pin": bool(config is not None and config.with_hard_pin)}
+        retain = retain_seconds(config)
+        if retain is not None:
+            opts["retain_s"] = retain
         if client is None or config is None or self._cluster_opts is None:
-            return client, pin
+            return client, opts
         n = int(getattr(config, "replica_num", 1) or 1)
         if n == getattr(client, "replicas", n):
-            return client, pin
+            return client, opts
         with self._lock:
             derived = self._derived.get(n)
             if derived is None and self._client is not None:
@@ -271,12 +326,16 @@ class MooncakeDistributedStore:
                 derived = ClusterClient(membership=client.membership, replicas=n,
                                         **self._cluster_opts)
                 self._derived[n] = derived
-        return derived, pin
+        return derived, opts
 
     def _put(self, keys: Sequence[str | bytes], values: Sequence[object | None],
              config: ReplicateConfig | None) -> list[int]:
         """Puts ``values[i]`` (None: a bad buffer) under ``keys[i]``; a code per key."""
-        client, pin = self._writer(config)
+        try:
+            client, opts = self._writer(config)
+        except InvalidArgument as exc:
+            log.error("put: %s", exc)
+            return [INVALID_PARAMS] * len(keys)
         if client is None:
             return [INVALID_PARAMS] * len(keys)
         codes = [OK] * len(keys)
@@ -290,7 +349,7 @@ class MooncakeDistributedStore:
             hks.append(mooncake_key(k))
 
         def put(sel: list[int]) -> None:
-            client.put_batch([hks[j] for j in sel], [values[idx[j]] for j in sel], pin=pin)
+            client.put_batch([hks[j] for j in sel], [values[idx[j]] for j in sel], **opts)
             with self._lock:
                 for j in sel:
                     self._written[hks[j]] = keys[idx[j]]
@@ -540,3 +599,5 @@ class MooncakeDistributedStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+install(MooncakeDistributedStore)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from enum import IntEnum
 
 import xxhash
 
@@ -26,6 +27,7 @@ NO_AVAILABLE_HANDLE = -200  # no space: kvstore ResourceExhausted
 INVALID_KEY = -400
 INVALID_PARAMS = -600  # bad arguments, unregistered or too-small buffer: InvalidArgument
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705  # a put session for a key already stored
 RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Unavailable
 BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
 
@@ -78,21 +80,104 @@ def code_of(exc: BaseException) -> int:
     return INTERNAL_ERROR
 
 
+class SoftPinAction(IntEnum):
+    """Mooncake 0.3.13's soft-pin transition of a put (``ReplicateConfig.soft_pin_action``)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ObjectDataType(IntEnum):
+    """Mooncake's ``ReplicateConfig.data_type`` tags; kvstore accepts and ignores them."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+# Mooncake master's defaults (mooncake-store/include/types.h): an ENABLE without a TTL
+# gets 30 minutes; a TTL above 24 hours is refused.
+DEFAULT_SOFT_PIN_TTL_MS = 30 * 60 * 1000
+MAX_SOFT_PIN_TTL_MS = 24 * 60 * 60 * 1000
+
+
 class ReplicateConfig:
-    """Mooncake's ``ReplicateConfig``: the attributes engines set; see the module docstring
-    for which of them kvstore honours."""
+    """Mooncake 0.3.13's ``ReplicateConfig``. Slotted like the pybind11 class, so an
+    attribute 0.3.13 dropped (``with_soft_pin``) raises AttributeError as it does there.
+    See the module docstring of ``mooncake_compat`` for what kvstore honours."""
+
+    __slots__ = ("data_type", "dfs_replica_num", "group_ids", "nof_replica_num",
+                 "prefer_alloc_in_same_node", "preferred_nof_segments", "preferred_segment",
+                 "preferred_segments", "replica_num", "soft_pin_action", "soft_pin_ttl_ms",
+                 "with_hard_pin")
 
     def __init__(self) -> None:
         self.replica_num = 1
-        self.with_soft_pin = False
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: int | None = None
         self.with_hard_pin = False
         self.preferred_segment = ""
         self.preferred_segments: list[str] = []
+        self.preferred_nof_segments: list[str] = []
         self.prefer_alloc_in_same_node = False
+        self.data_type = ObjectDataType.UNKNOWN
+        self.group_ids: list[str] | None = None
 
     def __repr__(self) -> str:
+        ttl = "default" if self.soft_pin_ttl_ms is None else self.soft_pin_ttl_ms
         return (f"ReplicateConfig(replica_num={self.replica_num}, "
-                f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self.with_hard_pin})")
+                f"dfs_replica_num={self.dfs_replica_num}, "
+                f"soft_pin_action={SoftPinAction(self.soft_pin_action).name}, "
+                f"soft_pin_ttl_ms={ttl}, with_hard_pin={self.with_hard_pin})")
+
+
+def retain_seconds(config: ReplicateConfig | None) -> float | None:
+    """kvstore's ``retain_s`` for a put with ``config``: the one place Mooncake's soft pin
+    becomes kvstore retention. None: no retention.
+
+    As Mooncake's master (``ResolveSoftPinRequest``): ``ENABLE`` retains for
+    ``soft_pin_ttl_ms`` (None: the 30-minute default; 0: ordinary cache, None here);
+    ``PRESERVE`` (the default) and ``DISABLE`` ask for none and refuse a TTL; a TTL above
+    24 hours, a negative one, or an unknown action is InvalidArgument.
+    """
+    if config is None:
+        return None
+    action, ttl = config.soft_pin_action, config.soft_pin_ttl_ms
+    if action in (SoftPinAction.PRESERVE, SoftPinAction.DISABLE):
+        if ttl is not None:
+            raise InvalidArgument(f"soft_pin_ttl_ms={ttl} needs soft_pin_action=ENABLE, "
+                                  f"not {SoftPinAction(action).name}")
+        return None
+    if action != SoftPinAction.ENABLE:
+        raise InvalidArgument(f"soft_pin_action must be a SoftPinAction, got {action!r}")
+    ms = DEFAULT_SOFT_PIN_TTL_MS if ttl is None else ttl
+    if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0 or ms > MAX_SOFT_PIN_TTL_MS:
+        raise InvalidArgument(f"soft_pin_ttl_ms must be an integer from 0 to "
+                              f"{MAX_SOFT_PIN_TTL_MS} (24 h), got {ms!r}")
+    return ms / 1000 if ms else None
+
+
+def check_placement(config: ReplicateConfig | None) -> None:
+    """InvalidArgument for the replica kinds kvstore has no tier for: an NVMe-oF SSD pool
+    (``nof_replica_num``) or a shared filesystem (``dfs_replica_num``). A node's SSD tier
+    is its own spill space, not a replica kind the writer picks."""
+    if config is None:
+        return
+    for name in ("nof_replica_num", "dfs_replica_num"):
+        n = getattr(config, name)
+        if n:
+            raise InvalidArgument(f"{name}={n}: kvstore has no such replica kind "
+                                  f"(nodes own their tiers); use 0")
 
 
 class BufferHandle(bytearray):

@@ -1,0 +1,95 @@
+"""Mooncake 0.3.13's ``get_tensor_into_cuda`` / ``batch_get_tensor_into_cuda`` on kvstore,
+as a mixin of ``MooncakeDistributedStore``.
+
+Without CUDA (``torch.cuda.is_available()`` False, or no torch) every key answers
+``INVALID_PARAMS`` (-600) and the reason is logged at ERROR: the return code is the one the
+0.3.13 wheel gives when it cannot do a CUDA read (its non-dummy client), so callers that
+check codes keep working, and the log says why.
+
+With CUDA: each value is read through the host path kvstore already has (the node's DRAM
+region, page-locked with ``cudaHostRegister`` when a GPU is present, then the transfer
+channel or shared memory) into a page-locked staging tensor of the destination's size,
+and copied to the device tensor with one host-to-device copy per key; the call returns
+after the copies finish. The value is the tensor's raw bytes (written with ``put_from`` /
+``batch_put_from`` of its ``data_ptr()``, or ``put`` of its bytes); Mooncake's
+``put_tensor`` header format is not implemented (see the README table). The destination
+must be a contiguous CUDA tensor at least as large as the value. This path could not be
+run on the machine these modules were written on (no GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.mooncake_types import (
+    INVALID_PARAMS,
+    OBJECT_NOT_FOUND,
+    code_of,
+    mooncake_key,
+)
+
+log = logging.getLogger(__name__)
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why a CUDA read cannot run here, or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+class CudaTensorReads:
+    """The two CUDA read methods; the store class provides ``_reader``."""
+
+    def _reader(self) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def get_tensor_into_cuda(self, key: str | bytes, tensor: Any) -> int:
+        """Reads ``key``'s value into CUDA ``tensor``: bytes read, or a negative code."""
+        return self.batch_get_tensor_into_cuda([key], [tensor])[0]
+
+    def batch_get_tensor_into_cuda(self, keys: Sequence[str | bytes],
+                                   tensors_list: Sequence[Any]) -> list[int]:
+        """Per key: bytes read into its CUDA tensor, or a negative code (-600 without
+        CUDA, a non-CUDA or non-contiguous tensor, or a value larger than it; -704 miss)."""
+        codes = [INVALID_PARAMS] * len(keys)
+        client = self._reader()
+        if client is None or len(keys) != len(tensors_list):
+            log.error("batch_get_tensor_into_cuda: store not set up, or %d keys for %d "
+                      "tensors", len(keys), len(tensors_list))
+            return codes
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            log.error("batch_get_tensor_into_cuda is not available here: %s", reason)
+            return codes
+        import torch
+
+        idx = [i for i, (k, t) in enumerate(zip(keys, tensors_list, strict=True))
+               if isinstance(k, (str, bytes)) and isinstance(t, torch.Tensor) and t.is_cuda
+               and t.is_contiguous()]
+        staging = [torch.empty(tensors_list[i].numel() * tensors_list[i].element_size(),
+                               dtype=torch.uint8, pin_memory=True) for i in idx]
+        got: list[int | None] = []
+        try:
+            got = client.get_batch_into([mooncake_key(keys[i]) for i in idx],
+                                        [s.numpy() for s in staging])
+        except KVStoreError as exc:
+            for i in idx:
+                codes[i] = code_of(exc)
+            return codes
+        for i, host, n in zip(idx, staging, got, strict=True):
+            if n is None:
+                codes[i] = OBJECT_NOT_FOUND
+                continue
+            dst = tensors_list[i].view(-1).view(torch.uint8)[:n]
+            dst.copy_(host[:n], non_blocking=True)
+            codes[i] = n
+        torch.cuda.synchronize()
+        return codes
