@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache
+.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint bench proto docs clean test-vllm test-sglang test-lmcache test-mooncake
 
 $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py
 	bash scripts/install-system-deps.sh
@@ -56,7 +56,7 @@ clean:
 # scripts/setup-vllm-env.sh (~1.5-2 min, ~3.6 GB; seconds when cached). KVSTORE_VLLM_TESTS=1
 # turns a missing vLLM into an error instead of an uncollected test.
 # The engine stage of CI: each engine's tests in its own cached environment.
-test-engines: test-vllm test-sglang test-lmcache
+test-engines: test-vllm test-sglang test-lmcache test-mooncake
 
 test-vllm:
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
@@ -85,3 +85,15 @@ test-lmcache:
 	  echo "test-lmcache: $$LMCACHE_PY" && \
 	  env -u KVSTORE_VLLM_TESTS KVSTORE_LMCACHE_TESTS=1 "$$LMCACHE_PY" -m pytest -q \
 	    -p no:cacheprovider tests/engines/test_lmcache_*.py
+
+# kvstore's Mooncake class side by side with Mooncake Store's real 0.3.13 wheel
+# (tests/engines/test_mooncake_*.py): the same scenario against the wheel's own
+# mooncake_master (TCP, 127.0.0.1) and against a real kvstore node. Their own environment,
+# built once into a cache outside the tree by scripts/setup-mooncake-env.sh (~20 s, ~460 MB;
+# seconds when cached). KVSTORE_MOONCAKE_TESTS=1 turns a missing wheel into an error
+# instead of an uncollected test; KVSTORE_VLLM_TESTS is dropped (vLLM is not installed there).
+test-mooncake:
+	@MOONCAKE_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-mooncake-env.sh)/bin/python" && \
+	  echo "test-mooncake: $$MOONCAKE_PY" && \
+	  env -u KVSTORE_VLLM_TESTS KVSTORE_MOONCAKE_TESTS=1 MC_TCP_BIND_ADDRESS=127.0.0.1 \
+	    "$$MOONCAKE_PY" -m pytest -q -p no:cacheprovider tests/engines/test_mooncake_*.py

@@ -1,0 +1,156 @@
+"""kvstore's Mooncake class against Mooncake Store's real 0.3.13 wheel, side by side.
+
+Runs in the Mooncake environment (``make test-mooncake``; ``scripts/setup-mooncake-env.sh``
+installs ``mooncake-transfer-engine-non-cuda==0.3.13.post1``). Where the wheel is not
+installed this module collects no test; with ``KVSTORE_MOONCAKE_TESTS=1`` (set by ``make
+test-mooncake``) a missing wheel fails the run.
+
+The same scenario (``tests/mooncake_scenario.py``) runs against the wheel's
+``MooncakeDistributedStore``, set up over TCP against its own ``mooncake_master`` (the binary
+inside the package, with its HTTP metadata server; 127.0.0.1 only:
+``MC_TCP_BIND_ADDRESS=127.0.0.1``), and against kvstore's class on a real kvstore node; both
+must give the recorded results, step by step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import main_conftest  # the engines conftest put this folder on sys.path
+import mooncake_scenario as scenario
+import pytest
+
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+REQUIRED = os.environ.get("KVSTORE_MOONCAKE_TESTS") == "1"
+
+if REQUIRED and not HAVE_MOONCAKE:
+    raise ImportError(
+        f"KVSTORE_MOONCAKE_TESTS=1 but Mooncake is not importable from {sys.executable}: "
+        "build its environment with scripts/setup-mooncake-env.sh (make test-mooncake does)")
+
+free_port = main_conftest.main.free_port
+wait_until = main_conftest.main.wait_until
+start_node = main_conftest.main.start_node
+
+
+def _retention_in_client() -> bool:
+    import inspect
+
+    from kvstore.client import Client
+
+    return "retain_s" in inspect.signature(Client.put_batch).parameters
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real mooncake_master on 127.0.0.1 with its HTTP metadata server; the setup dict."""
+    import urllib.request
+
+    import mooncake
+
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # else it advertises a LAN address
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    log = tmp_path_factory.mktemp("mooncake-master") / "master.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(binary), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={http}", f"--metrics_port={metrics}"],
+            stdout=out, stderr=subprocess.STDOUT)
+
+    def up() -> bool:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/metadata?key=probe", timeout=1)
+        except urllib.error.HTTPError:
+            return True  # 404: the metadata server answers
+        except OSError:
+            return False
+        return True
+
+    try:
+        wait_until(up, timeout=30, what="mooncake_master's metadata server")
+        yield {"local_hostname": "127.0.0.1",
+               "metadata_server": f"http://127.0.0.1:{http}/metadata",
+               "global_segment_size": "64MB", "local_buffer_size": "32MB",
+               "protocol": "tcp", "master_server_addr": f"127.0.0.1:{rpc}"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def node_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    node = start_node(tmp_path_factory.mktemp("mooncake-kvstore"))
+    try:
+        yield {"local_hostname": "127.0.0.1", "metadata_server": "http://127.0.0.1:1/metadata",
+               "global_segment_size": "64MB", "local_buffer_size": "32MB",
+               "protocol": "tcp", "master_server_addr": node.addr}
+    finally:
+        node.stop()
+
+
+def _wheel() -> tuple[type, type, object]:
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+
+    return MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+
+
+def _kvstore() -> tuple[type, type, object]:
+    from kvstore.integrations.mooncake_compat import (
+        MooncakeDistributedStore,
+        ReplicateConfig,
+        SoftPinAction,
+    )
+
+    return MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+
+
+def _expected(steps: tuple[str, ...] | None, got: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in scenario.EXPECTED.items()
+            if k in got and (steps is None or k in steps)}
+
+
+class TestSideBySide:
+    __test__ = HAVE_MOONCAKE  # no test at all where the wheel is not installed
+
+    def test_wheel_ranged_and_sessions(self, master: dict[str, str]) -> None:
+        store_cls, _, _ = _wheel()
+        got: dict[str, object] = {}
+        s = scenario.open_store(store_cls, master, got)
+        scenario.ranged_steps(s, "wheel-ranged/", got)
+        assert got == _expected(None, got)
+        assert len(got) == 34
+
+    def test_kvstore_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
+        store_cls, _, _ = _kvstore()
+        got: dict[str, object] = {}
+        s = scenario.open_store(store_cls, node_setup, got)
+        scenario.ranged_steps(s, "kvstore-ranged/", got)
+        assert got == _expected(None, got)
+        assert len(got) == 34
+
+    def test_wheel_soft_pin(self, master: dict[str, str]) -> None:
+        store_cls, config_cls, soft_pin = _wheel()
+        got: dict[str, object] = {}
+        s = scenario.open_store(store_cls, master, got)
+        scenario.soft_pin_steps(s, config_cls, soft_pin, "wheel-pin/", got)
+        s.close()
+        assert got == _expected(None, got)
+        assert len(got) == 9
+
+    @pytest.mark.skipif(not _retention_in_client(),
+                        reason="needs retention (issue 17 part 3)")
+    def test_kvstore_soft_pin(self, node_setup: dict[str, str]) -> None:
+        store_cls, config_cls, soft_pin = _kvstore()
+        got: dict[str, object] = {}
+        s = scenario.open_store(store_cls, node_setup, got)
+        scenario.soft_pin_steps(s, config_cls, soft_pin, "kvstore-pin/", got)
+        s.close()
+        assert got == _expected(None, got)
+        assert len(got) == 9

@@ -1,0 +1,150 @@
+"""One Mooncake 0.3.13 scenario, run unchanged against the real wheel's
+``mooncake.store.MooncakeDistributedStore`` (tests/engines/test_mooncake_wheel.py) and
+against kvstore's class (there and in tests/test_mooncake_compat.py): the calls and the
+results both must give. Only the store class, ``ReplicateConfig`` / ``SoftPinAction`` and
+the setup dict differ between the two runs. Steps: ``open_store``, then
+``soft_pin_steps`` and ``ranged_steps`` (which closes the store).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+# What the 0.3.13.post1 wheel answers to each step (checked against a real
+# mooncake_master in tests/engines/test_mooncake_wheel.py); kvstore must answer the same.
+EXPECTED: dict[str, Any] = {
+    "setup_bad_size": -600,
+    "setup_missing_hostname": -600,
+    "setup": 0,
+    "with_soft_pin": "AttributeError",
+    "ttl_without_enable": -600,
+    "ttl_enable": 0,
+    "ttl_enable_default": 0,
+    "ttl_too_long": -600,
+    "ttl_disable": 0,
+    "register": 0,
+    "puts": [0, 0],
+    "ranges": [[[4, 3], [5], [-704]]],
+    "ranges_bytes": [b"\x01\x02\x03\x04", b"\x1e\x1f\x20", b"\xfd\xfc\xfb\xfa\xf9"],
+    "ranges_src_overflow": [[[-600]]],
+    "ranges_dst_overflow": [[[-600]]],
+    "ranges_fragment_shape": [[[-600, -600]]],
+    "ranges_top_shape": [[[-600]], [[-600]]],
+    "ranges_unregistered": [[[-600]]],
+    "put_start": [0, 0, -705],
+    "put_start_again": [-600],
+    "put_ranges": [300, 200],
+    "visible_before_end": [0, 0],
+    "put_range_overflow": [-600],
+    "put_range_no_session": [-600],
+    "put_end": [0],
+    "put_revoke": [0],
+    "put_end_after_revoke": [-600],
+    "put_revoke_unknown": [-600],
+    "put_end_unknown": [-600],
+    "session_value_ok": True,
+    "visible_after_end": [1, 0],
+    "get_start": [0, -704],
+    "get_ranges": [30],
+    "get_ranges_bytes_ok": True,
+    "get_range_overflow": [-600],
+    "get_range_no_session": [-600],
+    "get_end": 0,
+    "get_end_unknown": 0,
+    "get_range_after_end": [-600],
+    "close": 0,
+}
+
+
+def open_store(store_cls: type, setup: dict[str, str], got: dict[str, Any]) -> Any:
+    """A ``store_cls()`` after the setup steps (two refused dicts, then ``setup``)."""
+    s = store_cls()
+    got["setup_bad_size"] = s.setup({**setup, "global_segment_size": "4XB"})
+    got["setup_missing_hostname"] = s.setup({k: v for k, v in setup.items()
+                                             if k != "local_hostname"})
+    got["setup"] = s.setup(setup)
+    return s
+
+
+SOFT_PIN_STEPS = ("with_soft_pin", "ttl_without_enable", "ttl_enable", "ttl_enable_default",
+                  "ttl_too_long", "ttl_disable")
+
+
+def soft_pin_steps(s: Any, config_cls: type, soft_pin: Any, k: str,
+                   got: dict[str, Any]) -> None:
+    """0.3.13's ReplicateConfig soft-pin fields, as puts (keys under ``k``)."""
+    c = config_cls()
+    try:
+        c.with_soft_pin = True
+        got["with_soft_pin"] = "accepted"
+    except AttributeError:
+        got["with_soft_pin"] = "AttributeError"
+    c.soft_pin_ttl_ms = 1000
+    got["ttl_without_enable"] = s.put(k + "a", b"x" * 100, c)
+    c.soft_pin_action = soft_pin.ENABLE
+    got["ttl_enable"] = s.put(k + "a", b"x" * 100, c)
+    c.soft_pin_ttl_ms = None
+    got["ttl_enable_default"] = s.put(k + "a2", b"x" * 100, c)
+    c.soft_pin_ttl_ms = 25 * 3600 * 1000
+    got["ttl_too_long"] = s.put(k + "b", b"x" * 100, c)
+    d = config_cls()
+    d.soft_pin_action = soft_pin.DISABLE
+    got["ttl_disable"] = s.put(k + "c", b"x" * 100, d)
+
+
+def ranged_steps(s: Any, k: str, got: dict[str, Any]) -> None:
+    """get_into_ranges, put sessions and get sessions (keys under ``k``)."""
+    buf = (ctypes.c_ubyte * 4096)()
+    bp = ctypes.addressof(buf)
+    got["register"] = s.register_buffer(bp, 4096)
+    data = bytes(range(256)) * 4
+    k1, k2, missing = k + "k1", k + "k2", k + "missing"
+    got["puts"] = [s.put(k1, data), s.put(k2, data[::-1])]
+    got["ranges"] = s.get_into_ranges([bp], [[k1, k2, missing]], [[[0, 16], [100], [200]]],
+                                      [[[1, 30], [2], [0]]], [[[4, 3], [5], [4]]])
+    got["ranges_bytes"] = [bytes(buf[0:4]), bytes(buf[16:19]), bytes(buf[100:105])]
+    got["ranges_src_overflow"] = s.get_into_ranges([bp], [[k1]], [[[0]]], [[[1020]]], [[[10]]])
+    got["ranges_dst_overflow"] = s.get_into_ranges([bp], [[k1]], [[[4090]]], [[[0]]], [[[10]]])
+    got["ranges_fragment_shape"] = s.get_into_ranges([bp], [[k1]], [[[0, 1]]], [[[0]]],
+                                                     [[[10]]])
+    got["ranges_top_shape"] = s.get_into_ranges([bp, bp], [[k1]], [[[0]]], [[[0]]], [[[10]]])
+    other = (ctypes.c_ubyte * 64)()
+    got["ranges_unregistered"] = s.get_into_ranges([ctypes.addressof(other)], [[k1]], [[[0]]],
+                                                   [[[0]]], [[[10]]])
+    # put session: reserve, write layer by layer, publish one and drop the other
+    s1, s2 = k + "s1", k + "s2"
+    got["put_start"] = s.batch_put_session_start([s1, s2, k1], [300, 200, 1024])
+    got["put_start_again"] = s.batch_put_session_start([s1], [300])
+    for i in range(300):
+        buf[i] = i % 251
+    got["put_ranges"] = s.batch_put_from_multi_buffer_ranges(
+        [s1, s2], [[bp, bp + 100], [bp]], [[100, 200], [200]], [[0, 100], [0]])
+    got["visible_before_end"] = s.batch_is_exist([s1, s2])
+    got["put_range_overflow"] = s.batch_put_from_multi_buffer_ranges([s1], [[bp]], [[10]],
+                                                                     [[295]])
+    got["put_range_no_session"] = s.batch_put_from_multi_buffer_ranges([k + "zz"], [[bp]],
+                                                                       [[10]], [[0]])
+    got["put_end"] = s.batch_put_session_end([s1])
+    got["put_revoke"] = s.batch_put_session_revoke([s2])
+    got["put_end_after_revoke"] = s.batch_put_session_end([s2])
+    got["put_revoke_unknown"] = s.batch_put_session_revoke([k + "nope"])
+    got["put_end_unknown"] = s.batch_put_session_end([k + "nope"])
+    got["session_value_ok"] = s.get(s1) == bytes(i % 251 for i in range(300))
+    got["visible_after_end"] = s.batch_is_exist([s1, s2])
+    # get session: resolve once, read ranges layer by layer, end
+    got["get_start"] = s.batch_get_session_start([s1, missing])
+    got["get_ranges"] = s.batch_get_into_multi_buffer_ranges(
+        [s1], [[bp + 1000, bp + 2000]], [[10, 20]], [[0, 50]])
+    got["get_ranges_bytes_ok"] = (bytes(buf[1000:1010]) == bytes(range(10))
+                                  and bytes(buf[2000:2020]) == bytes(range(50, 70)))
+    got["get_range_overflow"] = s.batch_get_into_multi_buffer_ranges([s1], [[bp]], [[10]],
+                                                                     [[295]])
+    got["get_range_no_session"] = s.batch_get_into_multi_buffer_ranges([k2], [[bp]], [[10]],
+                                                                       [[0]])
+    got["get_end"] = s.batch_get_session_end([s1])
+    got["get_end_unknown"] = s.batch_get_session_end([k + "nope"])
+    got["get_range_after_end"] = s.batch_get_into_multi_buffer_ranges([s1], [[bp]], [[10]],
+                                                                      [[0]])
+    got["close"] = s.close()
+    del buf, other  # alive until the store is closed
