@@ -1,6 +1,6 @@
 """One Mooncake 0.3.13 scenario, run unchanged against the real wheel's
 ``mooncake.store.MooncakeDistributedStore`` (tests/engines/test_mooncake_wheel.py) and
-against kvstore's class (there and in tests/test_mooncake_compat.py): the calls and the
+against kvstore's class (there and in tests/test_mooncake_ranges.py): the calls and the
 results both must give. Only the store class, ``ReplicateConfig`` / ``SoftPinAction`` and
 the setup dict differ between the two runs. Steps: ``open_store``, then
 ``soft_pin_steps`` and ``ranged_steps`` (which closes the store).
@@ -10,6 +10,40 @@ from __future__ import annotations
 
 import ctypes
 from typing import Any
+
+# Every public method of the 0.3.13.post1 wheel's MooncakeDistributedStore (dir() of the
+# class; tests/engines/test_mooncake_wheel.py checks the list against the wheel itself).
+WHEEL_METHODS = (
+    "_get_pyclient_capsule", "alloc_from_mem_pool", "allocate_and_mount_segment",
+    "batch_get_buffer", "batch_get_into", "batch_get_into_multi_buffer_ranges",
+    "batch_get_into_multi_buffers", "batch_get_replica_desc", "batch_get_session_end",
+    "batch_get_session_start", "batch_get_tensor", "batch_get_tensor_into",
+    "batch_get_tensor_into_cuda", "batch_get_tensor_with_parallelism",
+    "batch_get_tensor_with_parallelism_into", "batch_get_tensor_with_tp",
+    "batch_get_tensor_with_tp_into", "batch_is_exist", "batch_pub_tensor",
+    "batch_pub_tensor_with_tp", "batch_put_from", "batch_put_from_multi_buffer_ranges",
+    "batch_put_from_multi_buffers", "batch_put_session_end", "batch_put_session_revoke",
+    "batch_put_session_start", "batch_put_tensor", "batch_put_tensor_from",
+    "batch_put_tensor_with_parallelism", "batch_put_tensor_with_parallelism_from",
+    "batch_put_tensor_with_tp", "batch_put_tensor_with_tp_from", "batch_remove",
+    "batch_replica_clear", "batch_upsert_from", "batch_upsert_pub_tensor",
+    "batch_upsert_tensor", "batch_upsert_tensor_from", "batch_upsert_tensor_with_parallelism",
+    "batch_upsert_tensor_with_parallelism_from", "close", "create_copy_task",
+    "create_move_task", "get", "get_batch", "get_buffer", "get_hostname", "get_into",
+    "get_into_ranges", "get_offload_rpc_read_count", "get_replica_desc", "get_size",
+    "get_tensor", "get_tensor_into", "get_tensor_into_cuda", "get_tensor_with_parallelism",
+    "get_tensor_with_parallelism_into", "get_tensor_with_tp", "get_tensor_with_tp_into",
+    "health_check", "init_all", "is_exist", "load_tensor_from_safetensor", "mount_segment",
+    "pub_tensor", "pub_tensor_with_tp", "put", "put_batch", "put_from",
+    "put_from_with_metadata", "put_parts", "put_tensor", "put_tensor_from",
+    "put_tensor_with_parallelism", "put_tensor_with_parallelism_from", "put_tensor_with_tp",
+    "put_tensor_with_tp_from", "query_task", "register_buffer", "remove", "remove_all",
+    "remove_by_regex", "save_tensor_to_safetensor", "setup", "setup_dummy",
+    "unmount_and_free_segment", "unmount_local_disk_segment", "unmount_segment",
+    "unregister_buffer", "upsert", "upsert_batch", "upsert_from", "upsert_parts",
+    "upsert_pub_tensor", "upsert_tensor", "upsert_tensor_from",
+    "upsert_tensor_with_parallelism", "upsert_tensor_with_parallelism_from",
+)
 
 # What the 0.3.13.post1 wheel answers to each step (checked against a real
 # mooncake_master in tests/engines/test_mooncake_wheel.py); kvstore must answer the same.

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import mooncake_scenario
 import numpy as np
 import pytest
 import torch
@@ -371,3 +372,69 @@ def test_etcd_cluster_from_the_metadata_server(etcd: EtcdServer, tmp_path: Path)
         s.close()
         for n in nodes:
             n.stop()
+
+
+# ---- the whole 0.3.13 surface -----------------------------------------------------------------
+
+def test_every_0_3_13_method_exists_or_refuses_with_its_reason() -> None:
+    from kvstore.integrations.mooncake_unsupported import UNSUPPORTED
+
+    WHEEL_METHODS = mooncake_scenario.WHEEL_METHODS
+
+    assert len(WHEEL_METHODS) == 98
+    missing = [n for n in WHEEL_METHODS
+               if not callable(getattr(MooncakeDistributedStore, n, None))]
+    assert missing == []
+    assert set(UNSUPPORTED) <= set(WHEEL_METHODS)
+    s = MooncakeDistributedStore()
+    for name, reason in UNSUPPORTED.items():
+        with pytest.raises(NotImplementedError) as info:
+            getattr(s, name)("k", 1, 2)
+        assert str(info.value) == (f"MooncakeDistributedStore.{name} is not supported by "
+                                   f"kvstore: {reason}")
+    assert len(UNSUPPORTED) == 63  # so 35 methods work
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_reads_without_cuda_fail_clearly(store: MooncakeDistributedStore,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    assert store.put("cuda/k", b"x" * 16) == OK
+    t = torch.zeros(4, dtype=torch.float32)
+    with caplog.at_level(logging.ERROR):
+        assert store.get_tensor_into_cuda("cuda/k", t) == INVALID_PARAMS
+        assert store.batch_get_tensor_into_cuda(["cuda/k", "x"], [t, t]) == [INVALID_PARAMS] * 2
+    assert ("batch_get_tensor_into_cuda is not available here: no CUDA device "
+            "(torch.cuda.is_available() is False)") in caplog.text
+    assert torch.count_nonzero(t) == 0
+
+
+def _client_has_retention() -> bool:
+    import inspect
+
+    return "retain_s" in inspect.signature(Client.put_batch).parameters
+
+
+@pytest.mark.skipif(not _client_has_retention(), reason="needs retention (issue 17 part 3)")
+def test_soft_pin_enable_retains_through_eviction(tmp_path: Path) -> None:
+    """ENABLE with a TTL becomes kvstore retention: filling an 8 MiB node twice over evicts
+    the ordinary and the DISABLE'd object and keeps the soft-pinned one."""
+    from kvstore.integrations.mooncake_compat import SoftPinAction
+
+    node = start_node(tmp_path, dram="8MiB")
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("h", "", 0, 0, "tcp", "", node.addr) == OK
+        keep = ReplicateConfig()
+        keep.soft_pin_action, keep.soft_pin_ttl_ms = SoftPinAction.ENABLE, 600_000
+        off = ReplicateConfig()
+        off.soft_pin_action = SoftPinAction.DISABLE
+        assert s.put("ret/keep", b"k" * 1000, keep) == OK
+        assert s.put("ret/plain", b"p" * 1000) == OK
+        assert s.put("ret/off", b"o" * 1000, off) == OK
+        filler = b"f" * (1 << 20)
+        assert s.put_batch([f"ret/fill{i}" for i in range(16)], [filler] * 16) == OK
+        assert s.batch_is_exist(["ret/keep", "ret/plain", "ret/off"]) == [1, 0, 0]
+        assert s.get("ret/keep") == b"k" * 1000
+    finally:
+        s.close()
+        node.stop()

@@ -119,6 +119,14 @@ def _expected(steps: tuple[str, ...] | None, got: dict[str, object]) -> dict[str
 class TestSideBySide:
     __test__ = HAVE_MOONCAKE  # no test at all where the wheel is not installed
 
+    def test_every_wheel_method_is_on_kvstores_class(self) -> None:
+        wheel_cls, _, _ = _wheel()
+        ours, _, _ = _kvstore()
+        public = sorted(n for n in dir(wheel_cls)
+                        if not n.startswith("__") and n != "_pybind11_conduit_v1_")
+        assert tuple(public) == scenario.WHEEL_METHODS
+        assert [n for n in public if not callable(getattr(ours, n, None))] == []
+
     def test_wheel_ranged_and_sessions(self, master: dict[str, str]) -> None:
         store_cls, _, _ = _wheel()
         got: dict[str, object] = {}
