@@ -1,9 +1,9 @@
-"""Mooncake Store's Python API on top of kvstore.
+"""Mooncake Store 0.3.13's Python API on top of kvstore.
 
 ``MooncakeDistributedStore`` here has the constructor, method names, argument order and
-return conventions of ``mooncake.store.MooncakeDistributedStore`` (the pybind11 class in
-Mooncake's ``mooncake-integration/store/store_py.cpp``) for the methods serving engines call,
-so code written for Mooncake Store runs on kvstore by changing one import::
+return conventions of 0.3.13's ``mooncake.store.MooncakeDistributedStore`` (the pybind11
+class in Mooncake's ``store_py.cpp``): every method of it either works or raises
+NotImplementedError with its reason, so code written for it runs by changing one import::
 
     from kvstore.integrations.mooncake_compat import MooncakeDistributedStore, ReplicateConfig
 
@@ -34,20 +34,15 @@ no metadata server):
 * ``master_server_addr`` empty: ``metadata_server`` ``"etcd://HOST:PORT"`` names the
   cluster's etcd; any other ``metadata_server`` (``http://...``, ``P2PHANDSHAKE``) is ignored.
 
-``protocol`` ``"tcp"`` uses kvstore's transport ``auto`` (shared memory when the node is on
-this host, else its TCP channel); ``"rdma"`` or any other protocol falls back to the same,
-with a warning (kvstore has no RDMA transport), and ``rdma_devices`` is ignored.
-``global_segment_size`` and ``local_buffer_size`` are ignored: a kvstore client contributes
-no memory to the pool (nodes own their tiers), and reads land straight in caller memory.
+``protocol`` ``"tcp"`` uses kvstore's transport ``auto`` (shared memory with a node on this
+host, else TCP); any other protocol does the same with a warning. ``rdma_devices`` and the
+segment sizes are ignored: a kvstore client lends no memory (nodes own their tiers).
 
-Registered memory: ``register_buffer(ptr, size)`` records a raw address range (engines pass
-``tensor.data_ptr()`` or ``array.ctypes.data``); the ``*_from`` / ``*_into`` calls check that
-every ``(ptr, size)`` lies inside one registered range (else ``INVALID_PARAMS``, -600, for
-that key, before any memory is touched) and hand kvstore a memoryview
-over that memory, so values go from and into it without an intermediate copy. The
-``*_multi_buffers`` variants are zero-copy when a key's buffers are adjacent in memory;
-otherwise a put concatenates them (one copy) and a get reads into a staging buffer and
-scatters it (one copy).
+Registered memory: ``register_buffer(ptr, size)`` records a raw address range; the
+``*_from`` / ``*_into`` calls check that every ``(ptr, size)`` lies inside one (else -600 for
+that key, before any memory is touched) and hand kvstore a memoryview over it: no
+intermediate copy. ``*_multi_buffers`` are zero-copy when a key's buffers are adjacent;
+otherwise a put joins them and a get stages and scatters (one copy each).
 
 ``ReplicateConfig`` (0.3.13's: ``with_soft_pin`` is gone, setting it raises AttributeError
 as on the wheel): ``replica_num`` sets the copies of a put on a cluster (a cluster client
