@@ -170,6 +170,24 @@ def test_hard_pin_from_the_session_config(store: MooncakeDistributedStore) -> No
     assert store.remove("pin/a") == OK
 
 
+def test_close_drops_open_sessions(single_addr: str, buf: tuple[ctypes.Array, int]) -> None:
+    s = MooncakeDistributedStore()
+    assert s.setup(_setup_dict(single_addr)) == OK
+    assert s.put("closing/g", b"g") == OK
+    assert s.batch_put_session_start(["closing/p"], [10]) == [OK]
+    assert s.batch_get_session_start(["closing/g"]) == [OK]
+    assert s.close() == OK
+    assert s.setup(_setup_dict(single_addr)) == OK
+    _, ptr = buf
+    assert s.register_buffer(ptr, 16) == OK
+    assert s.batch_put_session_end(["closing/p"]) == [INVALID_PARAMS]
+    assert s.batch_get_into_multi_buffer_ranges(["closing/g"], [[ptr]], [[1]], [[0]]) == [
+        INVALID_PARAMS]
+    assert s.batch_is_exist(["closing/p"]) == [0]
+    assert s.remove("closing/g") == OK
+    s.close()
+
+
 def test_get_session_is_a_snapshot(store: MooncakeDistributedStore,
                                    buf: tuple[ctypes.Array, int]) -> None:
     """Ranges come from the copy read at start: a removal after start does not reach them."""

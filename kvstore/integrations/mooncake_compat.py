@@ -54,9 +54,8 @@ evicted). ``soft_pin_action`` / ``soft_pin_ttl_ms`` map to kvstore retention
 above 0 are refused (-600: no such replica kind); placement hints and ``data_type`` are
 accepted and ignored.
 
-Ranged and session transfers: ``kvstore.integrations.mooncake_ranges``; CUDA reads:
-``mooncake_cuda``; the methods kvstore does not provide, each with its reason:
-``mooncake_unsupported`` (they raise NotImplementedError).
+Ranged and session transfers: ``mooncake_ranges``; CUDA reads: ``mooncake_cuda``; the
+methods kvstore does not provide, with their reasons: ``mooncake_unsupported``.
 """
 
 from __future__ import annotations
@@ -225,10 +224,13 @@ class MooncakeDistributedStore(RangedTransfers, CudaTensorReads):
         return OK
 
     def close(self) -> int:
-        """Closes the connection(s): 0. Registered buffers and the written-key set are kept."""
+        """Closes the connection(s) and drops open sessions: 0. Registered buffers and the
+        written-key set are kept."""
         with self._lock:
             clients = [*self._derived.values(), self._client]
             self._derived.clear()
+            self._put_sessions.clear()  # open sessions stored nothing; they are dropped
+            self._get_sessions.clear()
             self._client = None
             self._cluster_opts = None
             self._injected = False

@@ -55,14 +55,17 @@ Key = str | bytes
 
 class _PutSession:
     """One open put session: the object's bytes being assembled, and the put's config. The
-    lock is held while ranges are copied in, so ``end`` waits for writes in flight."""
+    lock is held while ranges are copied in, so ``end`` / ``revoke`` wait for writes in
+    flight; they seal the session under it, so a writer that found the session just
+    before it was ended writes nothing and answers -600 (never a count for lost bytes)."""
 
-    __slots__ = ("config", "data", "lock")
+    __slots__ = ("config", "data", "lock", "sealed")
 
     def __init__(self, size: int, config: ReplicateConfig | None) -> None:
         self.data = bytearray(size)
         self.config = config
         self.lock = threading.Lock()
+        self.sealed = False
 
 
 def _ranges_ok(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int],
@@ -223,15 +226,23 @@ class RangedTransfers:
             if any(v is None for v in views):
                 continue
             with session.lock:
+                if session.sealed:
+                    continue
                 for view, off in zip(views, offs, strict=True):
                     session.data[off : off + len(view)] = view  # type: ignore[arg-type]
             codes[i] = sum(sizes)
         return codes
 
     def _pop_put_sessions(self, keys: Sequence[Key]) -> list[_PutSession | None]:
+        """Removes and seals the keys' sessions (waiting for ranged writes in flight)."""
         with self._lock:
-            return [self._put_sessions.pop(mooncake_key(k), None)
-                    if isinstance(k, (str, bytes)) else None for k in keys]
+            sessions = [self._put_sessions.pop(mooncake_key(k), None)
+                        if isinstance(k, (str, bytes)) else None for k in keys]
+        for s in sessions:
+            if s is not None:
+                with s.lock:
+                    s.sealed = True
+        return sessions
 
     def batch_put_session_end(self, keys: Sequence[Key]) -> list[int]:
         """Publishes each session's object (one kvstore put per config): per key 0, -600
@@ -245,12 +256,8 @@ class RangedTransfers:
             if s is not None:
                 groups.setdefault(id(s.config), []).append(i)
         for positions in groups.values():
-            values: list[object | None] = []
-            for i in positions:
-                s = sessions[i]
-                assert s is not None
-                with s.lock:  # waits for ranged writes still copying
-                    values.append(memoryview(s.data))
+            values: list[object | None] = [memoryview(sessions[i].data)  # type: ignore[union-attr]
+                                           for i in positions]  # sealed: no writer left
             config = sessions[positions[0]].config  # type: ignore[union-attr]
             got = self._put([keys[i] for i in positions], values, config)
             for i, code in zip(positions, got, strict=True):
