@@ -57,6 +57,9 @@ EXPECTED: dict[str, Any] = {
     "ttl_enable_default": 0,
     "ttl_too_long": -600,
     "ttl_disable": 0,
+    "dfs_replica": -1601,
+    "nof_replica": -600,
+    "health": 0,
     "register": 0,
     "puts": [0, 0],
     "ranges": [[[4, 3], [5], [-704]]],
@@ -68,6 +71,10 @@ EXPECTED: dict[str, Any] = {
     "ranges_unregistered": [[[-600]]],
     "put_start": [0, 0, -705],
     "put_start_again": [-600],
+    "put_start_twice_in_one_call": [0, -705],
+    "put_start_length_mismatch": [-600, -600],
+    "put_start_zero_size": [-600],
+    "put_start_bad_config": [-600],
     "put_ranges": [300, 200],
     "visible_before_end": [0, 0],
     "put_range_overflow": [-600],
@@ -88,6 +95,7 @@ EXPECTED: dict[str, Any] = {
     "get_end_unknown": 0,
     "get_range_after_end": [-600],
     "close": 0,
+    "health_closed": 1,
 }
 
 
@@ -101,8 +109,6 @@ def open_store(store_cls: type, setup: dict[str, str], got: dict[str, Any]) -> A
     return s
 
 
-SOFT_PIN_STEPS = ("with_soft_pin", "ttl_without_enable", "ttl_enable", "ttl_enable_default",
-                  "ttl_too_long", "ttl_disable")
 
 
 def soft_pin_steps(s: Any, config_cls: type, soft_pin: Any, k: str,
@@ -127,8 +133,14 @@ def soft_pin_steps(s: Any, config_cls: type, soft_pin: Any, k: str,
     got["ttl_disable"] = s.put(k + "c", b"x" * 100, d)
 
 
-def ranged_steps(s: Any, k: str, got: dict[str, Any]) -> None:
-    """get_into_ranges, put sessions and get sessions (keys under ``k``)."""
+def ranged_steps(s: Any, config_cls: type, k: str, got: dict[str, Any]) -> None:
+    """Replica kinds, get_into_ranges, put sessions and get sessions (keys under ``k``)."""
+    dfs = config_cls()
+    dfs.dfs_replica_num = 1
+    got["dfs_replica"] = s.put(k + "dfs", b"x" * 10, dfs)
+    nof = config_cls()
+    nof.nof_replica_num = 1
+    got["nof_replica"] = s.put(k + "nof", b"x" * 10, nof)
     buf = (ctypes.c_ubyte * 4096)()
     bp = ctypes.addressof(buf)
     got["register"] = s.register_buffer(bp, 4096)
@@ -150,6 +162,12 @@ def ranged_steps(s: Any, k: str, got: dict[str, Any]) -> None:
     s1, s2 = k + "s1", k + "s2"
     got["put_start"] = s.batch_put_session_start([s1, s2, k1], [300, 200, 1024])
     got["put_start_again"] = s.batch_put_session_start([s1], [300])
+    got["put_start_twice_in_one_call"] = s.batch_put_session_start([k + "q", k + "q"], [10, 10])
+    got["put_start_length_mismatch"] = s.batch_put_session_start([k + "q2", k + "q3"], [10])
+    got["put_start_zero_size"] = s.batch_put_session_start([k + "z"], [0])
+    bad = config_cls()
+    bad.soft_pin_ttl_ms = 5
+    got["put_start_bad_config"] = s.batch_put_session_start([k + "y"], [10], bad)
     for i in range(300):
         buf[i] = i % 251
     got["put_ranges"] = s.batch_put_from_multi_buffer_ranges(
@@ -180,5 +198,7 @@ def ranged_steps(s: Any, k: str, got: dict[str, Any]) -> None:
     got["get_end_unknown"] = s.batch_get_session_end([k + "nope"])
     got["get_range_after_end"] = s.batch_get_into_multi_buffer_ranges([s1], [[bp]], [[10]],
                                                                       [[0]])
+    got["health"] = s.health_check()
     got["close"] = s.close()
+    got["health_closed"] = s.health_check()
     del buf, other  # alive until the store is closed

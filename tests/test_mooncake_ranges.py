@@ -13,6 +13,7 @@ from conftest import start_node, start_static_cluster
 
 from kvstore import Client
 from kvstore.integrations.mooncake_compat import (
+    DFS_SERVICE_UNAVAILABLE,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
@@ -53,9 +54,9 @@ def test_the_wheel_scenario(where: str, request: pytest.FixtureRequest) -> None:
               else ",".join(request.getfixturevalue("cluster_addrs")))
     got: dict[str, object] = {}
     s = scenario.open_store(MooncakeDistributedStore, _setup_dict(target), got)
-    scenario.ranged_steps(s, f"scenario-{where}/", got)
+    scenario.ranged_steps(s, ReplicateConfig, f"scenario-{where}/", got)
     assert got == {k: scenario.EXPECTED[k] for k in got}
-    assert len(got) == 34
+    assert len(got) == 42
 
 
 @pytest.fixture
@@ -148,9 +149,10 @@ def test_sessions_refuse_configs_kvstore_cannot_honour(store: MooncakeDistribute
     nof.nof_replica_num = 1
     ttl = ReplicateConfig()
     ttl.soft_pin_ttl_ms = 5  # a TTL without ENABLE
-    for config in (dfs, nof, ttl):
+    for config, code in ((dfs, DFS_SERVICE_UNAVAILABLE), (nof, INVALID_PARAMS),
+                         (ttl, INVALID_PARAMS)):
         assert store.batch_put_session_start(["cfg/a", "cfg/b"], [10, 10], config) == [
-            INVALID_PARAMS, INVALID_PARAMS]
+            code, code]
     assert store.batch_put_session_revoke(["cfg/a"]) == [INVALID_PARAMS]  # none was opened
     assert store.batch_put_session_start(["cfg/a"], [0]) == [INVALID_PARAMS]
     assert store.batch_put_session_start(["cfg/a", "cfg/b"], [10]) == [INVALID_PARAMS] * 2

@@ -51,8 +51,7 @@ without a config the ``replicas`` given to ``setup`` (default 1) apply. A single
 one copy whatever ``replica_num`` says. ``with_hard_pin`` maps to kvstore's ``pin`` (never
 evicted). ``soft_pin_action`` / ``soft_pin_ttl_ms`` map to kvstore retention
 (``retain_s``) through ``retain_seconds`` alone. ``nof_replica_num`` / ``dfs_replica_num``
-above 0 are refused (-600: no such replica kind); placement hints and ``data_type`` are
-accepted and ignored.
+above 0 are refused (-600 / -1601: no such replica kind); placement hints are ignored.
 
 Ranged and session transfers: ``mooncake_ranges``; CUDA reads: ``mooncake_cuda``; the
 methods kvstore does not provide, with their reasons: ``mooncake_unsupported``.
@@ -72,6 +71,7 @@ from kvstore.integrations.mooncake_ranges import RangedTransfers
 from kvstore.integrations.mooncake_setup import setup_arguments
 from kvstore.integrations.mooncake_types import (
     BUFFER_OVERFLOW,
+    DFS_SERVICE_UNAVAILABLE,
     INTERNAL_ERROR,
     INVALID_KEY,
     INVALID_PARAMS,
@@ -93,6 +93,7 @@ from kvstore.integrations.mooncake_unsupported import install
 
 __all__ = [
     "BUFFER_OVERFLOW",
+    "DFS_SERVICE_UNAVAILABLE",
     "INTERNAL_ERROR",
     "INVALID_KEY",
     "INVALID_PARAMS",
@@ -332,7 +333,7 @@ class MooncakeDistributedStore(RangedTransfers, CudaTensorReads):
             client, opts = self._writer(config)
         except InvalidArgument as exc:
             log.error("put: %s", exc)
-            return [INVALID_PARAMS] * len(keys)
+            return [code_of(exc)] * len(keys)
         if client is None:
             return [INVALID_PARAMS] * len(keys)
         codes = [OK] * len(keys)
@@ -587,8 +588,6 @@ class MooncakeDistributedStore(RangedTransfers, CudaTensorReads):
         """kvstore extension: the Mooncake keys ``remove_all`` would remove."""
         with self._lock:
             return list(self._written.values())
-
-    # ---- helpers for callers porting code -----------------------------------------------
 
     def __enter__(self) -> MooncakeDistributedStore:
         return self

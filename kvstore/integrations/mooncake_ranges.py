@@ -169,7 +169,8 @@ class RangedTransfers:
     def batch_put_session_start(self, keys: Sequence[Key], sizes: Sequence[int],
                                 config: ReplicateConfig | None = None) -> list[int]:
         """Reserves each object (its full size) for ranged writes: per key 0, -705 if the
-        key is stored already, or -600 (a session already open, a bad size or config)."""
+        key is stored already (or named earlier in this call), or -600 (a session already
+        open, a bad size or config; -1601 for a DFS replica)."""
         client = self._reader()
         if client is None:
             log.error("batch_put_session_start: the store is not set up")
@@ -180,7 +181,7 @@ class RangedTransfers:
             self._writer(config)  # refuses a config kvstore cannot honour, before reserving
         except InvalidArgument as exc:
             log.error("batch_put_session_start: %s", exc)
-            return [INVALID_PARAMS] * len(keys)
+            return [code_of(exc)] * len(keys)
         codes = [INVALID_PARAMS] * len(keys)
         valid = [i for i, (k, s) in enumerate(zip(keys, sizes, strict=True))
                  if isinstance(k, (str, bytes)) and isinstance(s, int) and s > 0]
@@ -191,14 +192,18 @@ class RangedTransfers:
             for i in valid:
                 codes[i] = code_of(exc)
             return codes
+        opened: set[bytes] = set()
         with self._lock:
             for i, hk, there in zip(valid, hks, stored, strict=True):
-                if hk in self._put_sessions:
+                if hk in opened:  # twice in one call: the first reserved it (as the wheel)
+                    codes[i] = OBJECT_ALREADY_EXISTS
+                elif hk in self._put_sessions:
                     log.error("batch_put_session_start: a put session is open for %r", keys[i])
                 elif there:
                     codes[i] = OBJECT_ALREADY_EXISTS
                 else:
                     self._put_sessions[hk] = _PutSession(sizes[i], config)
+                    opened.add(hk)
                     codes[i] = OK
         return codes
 

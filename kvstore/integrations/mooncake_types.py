@@ -29,6 +29,7 @@ INVALID_PARAMS = -600  # bad arguments, unregistered or too-small buffer: Invali
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705  # a put session for a key already stored
 RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Unavailable
+DFS_SERVICE_UNAVAILABLE = -1601  # a DFS replica asked for: kvstore has none (as a wheel without)
 BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
 
 KEY_DOMAIN = b"kvstore-mooncake-v1\x00"
@@ -69,8 +70,14 @@ def per_key_codes(n: int, call: Callable[[list[int]], None],
         run(list(range(n)))
 
 
+class NoDfsReplica(InvalidArgument):
+    """``dfs_replica_num`` above 0: kvstore has no shared-filesystem replica kind."""
+
+
 def code_of(exc: BaseException) -> int:
     """The Mooncake ErrorCode for a kvstore error."""
+    if isinstance(exc, NoDfsReplica):
+        return DFS_SERVICE_UNAVAILABLE
     if isinstance(exc, InvalidArgument):
         return INVALID_PARAMS
     if isinstance(exc, ResourceExhausted):
@@ -168,16 +175,18 @@ def retain_seconds(config: ReplicateConfig | None) -> float | None:
 
 
 def check_placement(config: ReplicateConfig | None) -> None:
-    """InvalidArgument for the replica kinds kvstore has no tier for: an NVMe-oF SSD pool
-    (``nof_replica_num``) or a shared filesystem (``dfs_replica_num``). A node's SSD tier
-    is its own spill space, not a replica kind the writer picks."""
+    """Refuses the replica kinds kvstore has no tier for, with the 0.3.13 wheel's codes when
+    its master has neither: an NVMe-oF SSD pool (``nof_replica_num``: InvalidArgument, -600)
+    or a shared filesystem (``dfs_replica_num``: NoDfsReplica, -1601). A node's SSD tier is
+    its own spill space, not a replica kind the writer picks."""
     if config is None:
         return
-    for name in ("nof_replica_num", "dfs_replica_num"):
-        n = getattr(config, name)
-        if n:
-            raise InvalidArgument(f"{name}={n}: kvstore has no such replica kind "
-                                  f"(nodes own their tiers); use 0")
+    if config.nof_replica_num:
+        raise InvalidArgument(f"nof_replica_num={config.nof_replica_num}: kvstore has no such "
+                              f"replica kind (nodes own their tiers); use 0")
+    if config.dfs_replica_num:
+        raise NoDfsReplica(f"dfs_replica_num={config.dfs_replica_num}: kvstore has no such "
+                           f"replica kind (nodes own their tiers); use 0")
 
 
 class BufferHandle(bytearray):

@@ -128,20 +128,20 @@ class TestSideBySide:
         assert [n for n in public if not callable(getattr(ours, n, None))] == []
 
     def test_wheel_ranged_and_sessions(self, master: dict[str, str]) -> None:
-        store_cls, _, _ = _wheel()
+        store_cls, config_cls, _ = _wheel()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, master, got)
-        scenario.ranged_steps(s, "wheel-ranged/", got)
+        scenario.ranged_steps(s, config_cls, "wheel-ranged/", got)
         assert got == _expected(None, got)
-        assert len(got) == 34
+        assert len(got) == 42
 
     def test_kvstore_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
-        store_cls, _, _ = _kvstore()
+        store_cls, config_cls, _ = _kvstore()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, node_setup, got)
-        scenario.ranged_steps(s, "kvstore-ranged/", got)
+        scenario.ranged_steps(s, config_cls, "kvstore-ranged/", got)
         assert got == _expected(None, got)
-        assert len(got) == 34
+        assert len(got) == 42
 
     def test_wheel_soft_pin(self, master: dict[str, str]) -> None:
         store_cls, config_cls, soft_pin = _wheel()
