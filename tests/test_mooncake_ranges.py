@@ -54,9 +54,10 @@ def test_the_wheel_scenario(where: str, request: pytest.FixtureRequest) -> None:
               else ",".join(request.getfixturevalue("cluster_addrs")))
     got: dict[str, object] = {}
     s = scenario.open_store(MooncakeDistributedStore, _setup_dict(target), got)
+    scenario.basic_steps(s, f"scenario-{where}-basic/", got)
     scenario.ranged_steps(s, ReplicateConfig, f"scenario-{where}/", got)
-    assert got == {k: scenario.EXPECTED[k] for k in got}
-    assert len(got) == 42
+    assert got == scenario.expected(got, kvstore=True)
+    assert len(got) == 71
 
 
 @pytest.fixture

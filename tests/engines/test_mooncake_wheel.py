@@ -111,11 +111,6 @@ def _kvstore() -> tuple[type, type, object]:
     return MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 
-def _expected(steps: tuple[str, ...] | None, got: dict[str, object]) -> dict[str, object]:
-    return {k: v for k, v in scenario.EXPECTED.items()
-            if k in got and (steps is None or k in steps)}
-
-
 class TestSideBySide:
     __test__ = HAVE_MOONCAKE  # no test at all where the wheel is not installed
 
@@ -127,21 +122,23 @@ class TestSideBySide:
         assert tuple(public) == scenario.WHEEL_METHODS
         assert [n for n in public if not callable(getattr(ours, n, None))] == []
 
-    def test_wheel_ranged_and_sessions(self, master: dict[str, str]) -> None:
+    def test_wheel_basic_ranged_and_sessions(self, master: dict[str, str]) -> None:
         store_cls, config_cls, _ = _wheel()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, master, got)
+        scenario.basic_steps(s, "wheel-basic/", got)
         scenario.ranged_steps(s, config_cls, "wheel-ranged/", got)
-        assert got == _expected(None, got)
-        assert len(got) == 42
+        assert got == scenario.expected(got, kvstore=False)
+        assert len(got) == 71
 
-    def test_kvstore_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
+    def test_kvstore_basic_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
         store_cls, config_cls, _ = _kvstore()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, node_setup, got)
+        scenario.basic_steps(s, "kvstore-basic/", got)
         scenario.ranged_steps(s, config_cls, "kvstore-ranged/", got)
-        assert got == _expected(None, got)
-        assert len(got) == 42
+        assert got == scenario.expected(got, kvstore=True)
+        assert len(got) == 71
 
     def test_wheel_soft_pin(self, master: dict[str, str]) -> None:
         store_cls, config_cls, soft_pin = _wheel()
@@ -149,7 +146,7 @@ class TestSideBySide:
         s = scenario.open_store(store_cls, master, got)
         scenario.soft_pin_steps(s, config_cls, soft_pin, "wheel-pin/", got)
         s.close()
-        assert got == _expected(None, got)
+        assert got == scenario.expected(got, kvstore=False)
         assert len(got) == 9
 
     @pytest.mark.skipif(not _retention_in_client(),
@@ -160,5 +157,5 @@ class TestSideBySide:
         s = scenario.open_store(store_cls, node_setup, got)
         scenario.soft_pin_steps(s, config_cls, soft_pin, "kvstore-pin/", got)
         s.close()
-        assert got == _expected(None, got)
+        assert got == scenario.expected(got, kvstore=True)
         assert len(got) == 9
