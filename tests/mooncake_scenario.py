@@ -106,6 +106,10 @@ EXPECTED: dict[str, Any] = {
     "b_get_into_bytes": b"\t\x08\x07\x06", "b_get_into_small": -600, "b_get_into_missing": -704,
     "b_batch_get_into": [2, -704, 3], "b_multi_put": [0], "b_multi_get": [-800],
     "b_multi_bytes": b"\x00\x00\x00\x00", "b_unregister": [0, -600], "b_remove_missing": -704,
+    "u_upsert": 0, "u_get": b"HELLO!", "u_upsert_new": 0, "u_upsert_empty": -600,
+    "u_get_after_empty": b"HELLO!", "u_upsert_batch": 0, "u_get_batch": [b"1", b"22"],
+    "u_upsert_parts": 0, "u_upsert_from": 0, "u_batch_upsert_from": [0, 0],
+    "u_values": [b"xyz", b"\x08\x07", b"\t", b"\t\x08\x07"],
 }
 
 # Where kvstore answers otherwise on purpose (README, "What differs from Mooncake"):
@@ -195,6 +199,17 @@ def basic_steps(s: Any, k: str, got: dict[str, Any]) -> None:
     got["b_multi_get"] = s.batch_get_into_multi_buffers([k + "m"], [[bp + 40, bp + 60]],
                                                         [[3, 3]])
     got["b_multi_bytes"] = bytes(buf[40:43]) + bytes(buf[60:61])
+    got["u_upsert"] = s.upsert(a, b"HELLO!")
+    got["u_get"] = s.get(a)
+    got["u_upsert_new"] = s.upsert(k + "un", b"n")
+    got["u_upsert_empty"] = s.upsert(a, b"")
+    got["u_get_after_empty"] = s.get(a)
+    got["u_upsert_batch"] = s.upsert_batch([a, b], [b"1", b"22"])
+    got["u_get_batch"] = s.get_batch([a, b])
+    got["u_upsert_parts"] = s.upsert_parts(b, b"x", b"yz")
+    got["u_upsert_from"] = s.upsert_from(k + "pf", bp + 1, 2)
+    got["u_batch_upsert_from"] = s.batch_upsert_from([k + "pf1", k + "new"], [bp, bp], [1, 3])
+    got["u_values"] = s.get_batch([b, k + "pf", k + "pf1", k + "new"])
     got["b_unregister"] = [s.unregister_buffer(bp), s.unregister_buffer(bp)]
     got["b_remove_missing"] = s.remove(missing)
     del buf

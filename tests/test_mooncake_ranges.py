@@ -57,7 +57,7 @@ def test_the_wheel_scenario(where: str, request: pytest.FixtureRequest) -> None:
     scenario.basic_steps(s, f"scenario-{where}-basic/", got)
     scenario.ranged_steps(s, ReplicateConfig, f"scenario-{where}/", got)
     assert got == scenario.expected(got, kvstore=True)
-    assert len(got) == 71
+    assert len(got) == 82
 
 
 @pytest.fixture

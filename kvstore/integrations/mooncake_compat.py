@@ -53,8 +53,8 @@ evicted). ``soft_pin_action`` / ``soft_pin_ttl_ms`` map to kvstore retention
 (``retain_s``) through ``retain_seconds`` alone. ``nof_replica_num`` / ``dfs_replica_num``
 above 0 are refused (-600 / -1601: no such replica kind); placement hints are ignored.
 
-Ranged and session transfers: ``mooncake_ranges``; CUDA reads: ``mooncake_cuda``; the
-methods kvstore does not provide, with their reasons: ``mooncake_unsupported``.
+Sessions and ranges: ``mooncake_ranges``; upserts: ``mooncake_upsert``; CUDA reads:
+``mooncake_cuda``; methods kvstore lacks, with reasons: ``mooncake_unsupported``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ from kvstore.integrations.mooncake_types import (
     retain_seconds,
 )
 from kvstore.integrations.mooncake_unsupported import install
+from kvstore.integrations.mooncake_upsert import Upserts
 
 __all__ = [
     "BUFFER_OVERFLOW",
@@ -125,7 +126,7 @@ class _Region:
         self.end = ptr + size
 
 
-class MooncakeDistributedStore(RangedTransfers, CudaTensorReads):
+class MooncakeDistributedStore(RangedTransfers, Upserts, CudaTensorReads):
     """Mooncake Store's client class, served by kvstore. Thread-safe.
 
     ``client=``: an already-built ``kvstore.Client`` (single node or cluster) to use instead

@@ -49,12 +49,6 @@ UNSUPPORTED: dict[str, str] = {
     "put_from_with_metadata": ("kvstore values have no separate metadata part; put the "
                                "metadata and data as one value with put_parts or "
                                "batch_put_from_multi_buffers"),
-    "upsert": ("kvstore blocks are write-once (content-addressed puts; a second put of a "
-               "key keeps the first value); remove the key, then put"),
-    "upsert_batch": "as upsert",
-    "upsert_from": "as upsert",
-    "batch_upsert_from": "as upsert",
-    "upsert_parts": "as upsert",
     "remove_by_regex": ("kvstore stores hashes of Mooncake keys and cannot list or match "
                         "them; remove keys by name (batch_remove), or remove_all for the "
                         "keys this instance wrote"),

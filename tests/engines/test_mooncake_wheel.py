@@ -129,7 +129,7 @@ class TestSideBySide:
         scenario.basic_steps(s, "wheel-basic/", got)
         scenario.ranged_steps(s, config_cls, "wheel-ranged/", got)
         assert got == scenario.expected(got, kvstore=False)
-        assert len(got) == 71
+        assert len(got) == 82
 
     def test_kvstore_basic_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
         store_cls, config_cls, _ = _kvstore()
@@ -138,7 +138,7 @@ class TestSideBySide:
         scenario.basic_steps(s, "kvstore-basic/", got)
         scenario.ranged_steps(s, config_cls, "kvstore-ranged/", got)
         assert got == scenario.expected(got, kvstore=True)
-        assert len(got) == 71
+        assert len(got) == 82
 
     def test_wheel_soft_pin(self, master: dict[str, str]) -> None:
         store_cls, config_cls, soft_pin = _wheel()
