@@ -5,6 +5,7 @@ a 3-node cluster, then kvstore's own edges (space at ``end``, configs, registere
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator
 
 import mooncake_scenario as scenario
@@ -237,3 +238,33 @@ def test_cluster_session_put_keeps_replicas(cluster_addrs: list[str]) -> None:
         assert s.remove_all() == 2
     finally:
         s.close()
+
+
+def test_concurrent_layers_into_one_session(store: MooncakeDistributedStore,
+                                            buf: tuple[ctypes.Array, int]) -> None:
+    """Eight threads write their own layer of the same two objects at once (released
+    together by a barrier); end publishes every byte."""
+    b, ptr = buf
+    layers, width = 8, 4096
+    for i in range(layers * width):
+        b[i] = (i // width * 31 + i) % 256
+    keys = ["conc/a", "conc/b"]
+    assert store.batch_put_session_start(keys, [layers * width] * 2) == [OK, OK]
+    barrier = threading.Barrier(layers)
+    results: list[list[int]] = [[] for _ in range(layers)]
+
+    def write(layer: int) -> None:
+        barrier.wait()
+        src = ptr + layer * width
+        results[layer] = store.batch_put_from_multi_buffer_ranges(
+            keys, [[src], [src]], [[width], [width]], [[layer * width], [layer * width]])
+
+    threads = [threading.Thread(target=write, args=(lay,)) for lay in range(layers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[width, width]] * layers
+    assert store.batch_put_session_end(keys) == [OK, OK]
+    want = bytes(b[0 : layers * width])
+    assert store.get_batch(keys) == [want, want]
