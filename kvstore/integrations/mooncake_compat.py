@@ -81,6 +81,7 @@ from kvstore.integrations.mooncake_types import (
     OK,
     RPC_FAIL,
     BufferHandle,
+    ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
     check_placement,
@@ -93,22 +94,10 @@ from kvstore.integrations.mooncake_unsupported import install
 from kvstore.integrations.mooncake_upsert import Upserts
 
 __all__ = [
-    "BUFFER_OVERFLOW",
-    "DFS_SERVICE_UNAVAILABLE",
-    "INTERNAL_ERROR",
-    "INVALID_KEY",
-    "INVALID_PARAMS",
-    "NO_AVAILABLE_HANDLE",
-    "OBJECT_ALREADY_EXISTS",
-    "OBJECT_NOT_FOUND",
-    "OK",
-    "RPC_FAIL",
-    "BufferHandle",
-    "MooncakeDistributedStore",
-    "ReplicateConfig",
-    "SoftPinAction",
-    "mooncake_key",
-    "retain_seconds",
+    "BUFFER_OVERFLOW", "DFS_SERVICE_UNAVAILABLE", "INTERNAL_ERROR", "INVALID_KEY",
+    "INVALID_PARAMS", "NO_AVAILABLE_HANDLE", "OBJECT_ALREADY_EXISTS", "OBJECT_NOT_FOUND", "OK",
+    "RPC_FAIL", "BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig",
+    "SoftPinAction", "mooncake_key", "retain_seconds",
 ]
 
 log = logging.getLogger(__name__)

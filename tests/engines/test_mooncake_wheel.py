@@ -122,6 +122,21 @@ class TestSideBySide:
         assert tuple(public) == scenario.WHEEL_METHODS
         assert [n for n in public if not callable(getattr(ours, n, None))] == []
 
+    def test_enums_and_config_defaults_are_the_wheels(self) -> None:
+        import mooncake.store as wheel
+
+        from kvstore.integrations import mooncake_compat as ours
+
+        for name in ("SoftPinAction", "ObjectDataType"):
+            theirs = {k: int(v) for k, v in getattr(wheel, name).__members__.items()}
+            assert {k: int(v) for k, v in getattr(ours, name).__members__.items()} == theirs
+        w, k = wheel.ReplicateConfig(), ours.ReplicateConfig()
+        fields = sorted(a for a in dir(w) if not a.startswith("_"))
+        assert fields == sorted(k.__slots__)
+        assert {f: getattr(k, f) for f in fields} == {
+            f: (int(v) if f in ("soft_pin_action", "data_type") else v)
+            for f, v in ((f, getattr(w, f)) for f in fields)}
+
     def test_wheel_basic_ranged_and_sessions(self, master: dict[str, str]) -> None:
         store_cls, config_cls, _ = _wheel()
         got: dict[str, object] = {}
