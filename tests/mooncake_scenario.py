@@ -110,6 +110,24 @@ EXPECTED: dict[str, Any] = {
     "u_get_after_empty": b"HELLO!", "u_upsert_batch": 0, "u_get_batch": [b"1", b"22"],
     "u_upsert_parts": 0, "u_upsert_from": 0, "u_batch_upsert_from": [0, 0],
     "u_values": [b"xyz", b"\x08\x07", b"\t", b"\t\x08\x07"],
+    # tensor_steps (the same bytes: the stored object's SHA-256 is the wheel's)
+    "t_put": 0,
+    "t_raw_sha256": "342f06b39df0eb82c0f52797eb254f8fa8e64502a4d3ea0f972452ca0e2ba91d",
+    "t_raw_len": 352,
+    "t_get": ("torch.float32", (3, 4), [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0],
+                                        [8.0, 9.0, 10.0, 11.0]]),
+    "t_get_missing": None,
+    "t_get_not_a_tensor": (0, None),
+    "t_batch_put": [0, 0, 0],
+    "t_batch_get": [("torch.bfloat16", (1, 2), [[1.5, -2.0]]), None,
+                    ("torch.bool", (3,), [1.0, 0.0, 1.0]), ("torch.int64", (1,), [7.0])],
+    "t_noncontiguous": (0, ("torch.float32", (4, 3), [[0.0, 4.0, 8.0], [1.0, 5.0, 9.0],
+                                                     [2.0, 6.0, 10.0], [3.0, 7.0, 11.0]])),
+    "t_register": 0,
+    "t_get_into": (("torch.float32", (3, 4), [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0],
+                                             [8.0, 9.0, 10.0, 11.0]]), 304),
+    "t_batch_get_into": [("torch.bfloat16", (1, 2), [[1.5, -2.0]]), None],
+    "t_unregister": 0,
 }
 
 # Where kvstore answers otherwise on purpose (README, "What differs from Mooncake"):
@@ -212,6 +230,42 @@ def basic_steps(s: Any, k: str, got: dict[str, Any]) -> None:
     got["u_values"] = s.get_batch([b, k + "pf", k + "pf1", k + "new"])
     got["b_unregister"] = [s.unregister_buffer(bp), s.unregister_buffer(bp)]
     got["b_remove_missing"] = s.remove(missing)
+    del buf
+
+
+def tensor_steps(s: Any, k: str, got: dict[str, Any]) -> None:
+    """Whole CPU tensors in Mooncake's object format (keys under ``k``); needs torch."""
+    import hashlib
+
+    import torch
+
+    def seen(t: Any) -> Any:
+        return None if t is None else (str(t.dtype), tuple(t.shape), t.float().tolist())
+
+    f32 = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    got["t_put"] = s.put_tensor(k + "f32", f32)
+    got["t_raw_sha256"] = hashlib.sha256(s.get(k + "f32")).hexdigest()
+    got["t_raw_len"] = len(s.get(k + "f32"))
+    got["t_get"] = seen(s.get_tensor(k + "f32"))
+    got["t_get_missing"] = s.get_tensor(k + "missing")
+    got["t_get_not_a_tensor"] = (s.put(k + "plain", b"x" * 400), s.get_tensor(k + "plain"))
+    bf = torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16)
+    flags = torch.tensor([True, False, True])
+    scalar = torch.tensor(7, dtype=torch.int64)
+    got["t_batch_put"] = s.batch_put_tensor([k + "bf", k + "flags", k + "scalar"],
+                                            [bf, flags, scalar])
+    got["t_batch_get"] = [seen(t) for t in s.batch_get_tensor(
+        [k + "bf", k + "missing", k + "flags", k + "scalar"])]
+    got["t_noncontiguous"] = (s.put_tensor(k + "nc", f32.t()), seen(s.get_tensor(k + "nc")))
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    bp = buf.data_ptr()
+    got["t_register"] = s.register_buffer(bp, 4096)
+    t = s.get_tensor_into(k + "f32", bp, 4096)
+    got["t_get_into"] = (seen(t), None if t is None else t.data_ptr() - bp)
+    many = s.batch_get_tensor_into([k + "bf", k + "missing"], [bp + 1024, bp + 2048],
+                                   [1024, 1024])
+    got["t_batch_get_into"] = [seen(x) for x in many]
+    got["t_unregister"] = s.unregister_buffer(bp)
     del buf
 
 

@@ -56,9 +56,10 @@ def test_the_wheel_scenario(where: str, request: pytest.FixtureRequest) -> None:
     got: dict[str, object] = {}
     s = scenario.open_store(MooncakeDistributedStore, _setup_dict(target), got)
     scenario.basic_steps(s, f"scenario-{where}-basic/", got)
+    scenario.tensor_steps(s, f"scenario-{where}-tensor/", got)
     scenario.ranged_steps(s, ReplicateConfig, f"scenario-{where}/", got)
     assert got == scenario.expected(got, kvstore=True)
-    assert len(got) == 82
+    assert len(got) == 95
 
 
 @pytest.fixture

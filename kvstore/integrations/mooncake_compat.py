@@ -53,8 +53,8 @@ evicted). ``soft_pin_action`` / ``soft_pin_ttl_ms`` map to kvstore retention
 (``retain_s``) through ``retain_seconds`` alone. ``nof_replica_num`` / ``dfs_replica_num``
 above 0 are refused (-600 / -1601: no such replica kind); placement hints are ignored.
 
-Sessions and ranges: ``mooncake_ranges``; upserts: ``mooncake_upsert``; CUDA reads:
-``mooncake_cuda``; methods kvstore lacks, with reasons: ``mooncake_unsupported``.
+Sessions and ranges: ``mooncake_ranges``; upserts: ``mooncake_upsert``; tensors:
+``mooncake_tensors`` and ``mooncake_cuda``; the rest, refused: ``mooncake_unsupported``.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.integrations.mooncake_cuda import CudaTensorReads
 from kvstore.integrations.mooncake_ranges import RangedTransfers
 from kvstore.integrations.mooncake_setup import setup_arguments
+from kvstore.integrations.mooncake_tensors import TensorObjects
 from kvstore.integrations.mooncake_types import (
     BUFFER_OVERFLOW,
     DFS_SERVICE_UNAVAILABLE,
@@ -115,7 +116,7 @@ class _Region:
         self.end = ptr + size
 
 
-class MooncakeDistributedStore(RangedTransfers, Upserts, CudaTensorReads):
+class MooncakeDistributedStore(RangedTransfers, Upserts, TensorObjects, CudaTensorReads):
     """Mooncake Store's client class, served by kvstore. Thread-safe.
 
     ``client=``: an already-built ``kvstore.Client`` (single node or cluster) to use instead

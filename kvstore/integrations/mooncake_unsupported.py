@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-_TENSOR = ("Mooncake's tensor object format (a serialized dtype/shape header before the "
-           "payload, tensor-/expert-parallel sharding) is not implemented; store a "
-           "tensor's bytes with put_from/batch_put_from and read them with "
-           "get_into/batch_get_into or get_tensor_into_cuda")
+_TENSOR = ("only whole CPU tensors are provided (put_tensor, get_tensor, get_tensor_into "
+           "and their batch forms); the sharded (tp/parallelism), pub, upsert, from-buffer "
+           "and safetensors variants are not")
 _SEGMENT = ("a kvstore client lends no memory or disk to the pool: nodes own their tiers "
             "(kvstore serve --dram-bytes/--ssd-path)")
 _REPLICAS = ("replica placement, copies and moves are the cluster's (rendezvous placement, "
@@ -19,8 +18,7 @@ _REPLICAS = ("replica placement, copies and moves are the cluster's (rendezvous 
 
 UNSUPPORTED: dict[str, str] = {
     **{name: _TENSOR for name in (
-        "get_tensor", "batch_get_tensor", "put_tensor", "batch_put_tensor",
-        "get_tensor_into", "batch_get_tensor_into", "put_tensor_from",
+        "put_tensor_from",
         "batch_put_tensor_from", "pub_tensor", "batch_pub_tensor", "upsert_tensor",
         "batch_upsert_tensor", "upsert_tensor_from", "batch_upsert_tensor_from",
         "upsert_pub_tensor", "batch_upsert_pub_tensor", "get_tensor_with_tp",

@@ -137,23 +137,25 @@ class TestSideBySide:
             f: (int(v) if f in ("soft_pin_action", "data_type") else v)
             for f, v in ((f, getattr(w, f)) for f in fields)}
 
-    def test_wheel_basic_ranged_and_sessions(self, master: dict[str, str]) -> None:
+    def test_wheel_whole_scenario(self, master: dict[str, str]) -> None:
         store_cls, config_cls, _ = _wheel()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, master, got)
         scenario.basic_steps(s, "wheel-basic/", got)
+        scenario.tensor_steps(s, "wheel-tensor/", got)
         scenario.ranged_steps(s, config_cls, "wheel-ranged/", got)
         assert got == scenario.expected(got, kvstore=False)
-        assert len(got) == 82
+        assert len(got) == 95
 
-    def test_kvstore_basic_ranged_and_sessions(self, node_setup: dict[str, str]) -> None:
+    def test_kvstore_whole_scenario(self, node_setup: dict[str, str]) -> None:
         store_cls, config_cls, _ = _kvstore()
         got: dict[str, object] = {}
         s = scenario.open_store(store_cls, node_setup, got)
         scenario.basic_steps(s, "kvstore-basic/", got)
+        scenario.tensor_steps(s, "kvstore-tensor/", got)
         scenario.ranged_steps(s, config_cls, "kvstore-ranged/", got)
         assert got == scenario.expected(got, kvstore=True)
-        assert len(got) == 82
+        assert len(got) == 95
 
     def test_wheel_soft_pin(self, master: dict[str, str]) -> None:
         store_cls, config_cls, soft_pin = _wheel()
