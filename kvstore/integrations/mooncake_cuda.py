@@ -8,13 +8,12 @@ check codes keep working, and the log says why.
 
 With CUDA: each value is read through the host path kvstore already has (the node's DRAM
 region, page-locked with ``cudaHostRegister`` when a GPU is present, then the transfer
-channel or shared memory) into a page-locked staging tensor of the destination's size,
-and copied to the device tensor with one host-to-device copy per key; the call returns
-after the copies finish. The value is the tensor's raw bytes (written with ``put_from`` /
-``batch_put_from`` of its ``data_ptr()``, or ``put`` of its bytes); Mooncake's
-``put_tensor`` header format is not implemented (see the README table). The destination
-must be a contiguous CUDA tensor at least as large as the value. This path could not be
-run on the machine these modules were written on (no GPU).
+channel or shared memory) into a page-locked staging tensor, and its payload is copied to
+the device tensor with one host-to-device copy per key; the call returns after the copies
+finish. As on the wheel, the value is a Mooncake tensor object (``put_tensor``'s format,
+``mooncake_tensors``) and the destination must match its dtype and shape (else -600); it
+must be a contiguous CUDA tensor. This path could not be run on the machine these modules
+were written on (no GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.mooncake_tensors import META_BYTES, parse_header
 from kvstore.integrations.mooncake_types import (
     INVALID_PARAMS,
     OBJECT_NOT_FOUND,
@@ -57,8 +57,9 @@ class CudaTensorReads:
 
     def batch_get_tensor_into_cuda(self, keys: Sequence[str | bytes],
                                    tensors_list: Sequence[Any]) -> list[int]:
-        """Per key: bytes read into its CUDA tensor, or a negative code (-600 without
-        CUDA, a non-CUDA or non-contiguous tensor, or a value larger than it; -704 miss)."""
+        """Per key: payload bytes read into its CUDA tensor, or a negative code (-600
+        without CUDA, for a non-CUDA or non-contiguous tensor, or a stored tensor of
+        another dtype or shape; -704 miss)."""
         codes = [INVALID_PARAMS] * len(keys)
         client = self._reader()
         if client is None or len(keys) != len(tensors_list):
@@ -74,8 +75,8 @@ class CudaTensorReads:
         idx = [i for i, (k, t) in enumerate(zip(keys, tensors_list, strict=True))
                if isinstance(k, (str, bytes)) and isinstance(t, torch.Tensor) and t.is_cuda
                and t.is_contiguous()]
-        staging = [torch.empty(tensors_list[i].numel() * tensors_list[i].element_size(),
-                               dtype=torch.uint8, pin_memory=True) for i in idx]
+        staging = [torch.empty(META_BYTES + tensors_list[i].nbytes, dtype=torch.uint8,
+                               pin_memory=True) for i in idx]
         got: list[int | None] = []
         try:
             got = client.get_batch_into([mooncake_key(keys[i]) for i in idx],
@@ -88,8 +89,16 @@ class CudaTensorReads:
             if n is None:
                 codes[i] = OBJECT_NOT_FOUND
                 continue
-            dst = tensors_list[i].view(-1).view(torch.uint8)[:n]
-            dst.copy_(host[:n], non_blocking=True)
-            codes[i] = n
+            meta = parse_header(memoryview(host.numpy())[:n])
+            dst = tensors_list[i]
+            if meta is None or meta[0] != str(dst.dtype).removeprefix("torch.") \
+                    or (meta[1] or (1,)) != tuple(dst.shape):
+                log.error("get_tensor_into_cuda: %r is not a tensor of %s %s", keys[i],
+                          dst.dtype, tuple(dst.shape))
+                continue
+            _, _, offset, nbytes = meta
+            dst.view(-1).view(torch.uint8).copy_(host[offset : offset + nbytes],
+                                                 non_blocking=True)
+            codes[i] = nbytes
         torch.cuda.synchronize()
         return codes
