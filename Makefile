@@ -89,9 +89,10 @@ test-lmcache:
 # kvstore's Mooncake class side by side with Mooncake Store's real 0.3.13 wheel
 # (tests/engines/test_mooncake_*.py): the same scenario against the wheel's own
 # mooncake_master (TCP, 127.0.0.1) and against a real kvstore node. Their own environment,
-# built once into a cache outside the tree by scripts/setup-mooncake-env.sh (~100 s, ~1.4 GB,
-# most of it CPU torch; seconds when cached). KVSTORE_MOONCAKE_TESTS=1 turns a missing wheel into an error
-# instead of an uncollected test; KVSTORE_VLLM_TESTS is dropped (vLLM is not installed there).
+# built once into a cache outside the tree by scripts/setup-mooncake-env.sh (~100 s and
+# ~1.4 GB, most of it CPU torch; seconds when cached). KVSTORE_MOONCAKE_TESTS=1 turns a
+# missing wheel into an error instead of an uncollected test; KVSTORE_VLLM_TESTS is dropped
+# (vLLM is not installed there).
 test-mooncake:
 	@MOONCAKE_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-mooncake-env.sh)/bin/python" && \
 	  echo "test-mooncake: $$MOONCAKE_PY" && \

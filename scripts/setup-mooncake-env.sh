@@ -3,9 +3,10 @@
 #
 # A virtualenv of its own, never .venv: Mooncake Store's real wheel
 # (mooncake-transfer-engine-non-cuda 0.3.13.post1, the `mooncake` extra; its Python module
-# `mooncake.store` and its `mooncake_master` binary) plus kvstore with its dev and torch extras
-# (the wheel's tensor methods take torch tensors; CPU torch, pinned), pinned by constraints.txt. The wheel's
-# binaries link libibverbs even for TCP: Debian's libibverbs1 (scripts/install-system-deps.sh).
+# `mooncake.store` and its `mooncake_master` binary) plus kvstore with its dev and torch
+# extras (the wheel's tensor methods take torch tensors: CPU torch), pinned by constraints.txt.
+# The wheel's binaries link libibverbs even for TCP: Debian's libibverbs1
+# (scripts/install-system-deps.sh).
 # It lives in a cache outside the work tree (default ~/.cache/kvstore/venv-mooncake-HASH;
 # MOONCAKE_VENV=DIR overrides), named by a hash of what decides its contents (RECIPE, the
 # constraints, pyproject's dependency lists), so every clone on the machine reuses it and a

@@ -3,7 +3,8 @@
 against kvstore's class (there and in tests/test_mooncake_ranges.py): the calls and the
 results both must give. Only the store class, ``ReplicateConfig`` / ``SoftPinAction`` and
 the setup dict differ between the two runs. Steps: ``open_store``, then
-``soft_pin_steps`` and ``ranged_steps`` (which closes the store).
+``soft_pin_steps``, ``basic_steps``, ``tensor_steps`` and ``ranged_steps`` (which closes the
+store).
 """
 
 from __future__ import annotations
