@@ -20,6 +20,9 @@ from kvstore.keys import (
     namespace_root_key,
     parse_key,
 )
+from kvstore.integrations.mooncake_types import mooncake_key
+from kvstore.security import salt_key
+from workers.kv_blocks import layer_key, tail_key
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "block_keys.json").read_text())
 
@@ -106,3 +109,37 @@ def test_parse_key_round_trip_and_errors() -> None:
         parse_key("ab" * 15)
     with pytest.raises(ValueError, match="16 bytes"):
         ensure_key(b"x" * 17)
+
+
+# ---- keys derived from other data (tenant salt, worker layer/tail, Mooncake names) ----------
+
+DERIVED = json.loads((Path(__file__).parent / "vectors" / "derived_keys.json").read_text())
+
+
+@pytest.mark.parametrize("case", DERIVED["salt_key"], ids=lambda c: c["tenant"])
+def test_salt_key_vectors(case: dict) -> None:
+    assert salt_key(case["tenant"], bytes.fromhex(case["key_hex"])).hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["layer_key"], ids=lambda c: str(c["layer"]))
+def test_layer_key_vectors(case: dict) -> None:
+    assert layer_key(bytes.fromhex(case["key_hex"]), case["layer"]).hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["tail_key"], ids=lambda c: c["request_id"])
+def test_tail_key_vectors(case: dict) -> None:
+    got = tail_key(case["namespace"], case["request_id"], case["token_ids"])
+    assert got.hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["mooncake_key"], ids=lambda c: c["key"][:20])
+def test_mooncake_key_vectors(case: dict) -> None:
+    assert mooncake_key(case["key"]).hex() == case["stored_hex"]
+    assert mooncake_key(case["key"].encode()).hex() == case["stored_hex"]
+
+
+def test_derived_keys_are_block_keys_in_their_own_domains() -> None:
+    k = bytes.fromhex(DERIVED["layer_key"][0]["key_hex"])
+    derived = {salt_key("ns", k), layer_key(k, 0), mooncake_key("ns"), tail_key("ns", "r", []),
+               namespace_root_key("ns")}
+    assert len(derived) == 5 and all(len(d) == KEY_BYTES for d in derived)
