@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -17,12 +18,13 @@ from kvstore.keys import (
     block_keys,
     encode_token_ids,
     ensure_key,
+    layer_key,
+    mooncake_key,
     namespace_root_key,
     parse_key,
+    salt_key,
+    tail_key,
 )
-from kvstore.integrations.mooncake_types import mooncake_key
-from kvstore.security import salt_key
-from workers.kv_blocks import layer_key, tail_key
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "block_keys.json").read_text())
 
@@ -136,6 +138,22 @@ def test_tail_key_vectors(case: dict) -> None:
 def test_mooncake_key_vectors(case: dict) -> None:
     assert mooncake_key(case["key"]).hex() == case["stored_hex"]
     assert mooncake_key(case["key"].encode()).hex() == case["stored_hex"]
+
+
+def test_callers_name_the_one_derivation() -> None:
+    """The modules that use a derivation hand on kvstore.keys' function, never a copy."""
+    from kvstore import security, tenancy
+    from kvstore.integrations import mooncake_compat, mooncake_types
+
+    assert security.salt_key is tenancy.salt_key is salt_key
+    assert mooncake_types.mooncake_key is mooncake_compat.mooncake_key is mooncake_key
+    assert mooncake_types.KEY_DOMAIN == b"kvstore-mooncake-v1\x00"
+    assert security.TENANT_DOMAIN == b"kvstore-tenant-v1\x00"
+
+
+def test_mooncake_key_refuses_other_types() -> None:
+    with pytest.raises(TypeError, match="a Mooncake key is a str"):
+        mooncake_key(cast(Any, 3))
 
 
 def test_derived_keys_are_block_keys_in_their_own_domains() -> None:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-import xxhash
-
 from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     ResourceExhausted,
     Unavailable,
 )
+
+# The key mapping is kvstore.keys' (with every other stored-key derivation); the Mooncake
+# module and the SGLang / LMCache adapters import it from here, as they always have.
+from kvstore.keys import MOONCAKE_DOMAIN as KEY_DOMAIN
+from kvstore.keys import mooncake_key
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h); Python sees them as ints.
 OK = 0
@@ -29,18 +32,9 @@ OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Unavailable
 BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
 
-KEY_DOMAIN = b"kvstore-mooncake-v1\x00"
-
-
-def mooncake_key(key: str | bytes) -> bytes:
-    """The 16-byte kvstore key of a Mooncake key (see the module docstring)."""
-    if isinstance(key, str):
-        raw = key.encode("utf-8")
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
-        raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
-    return xxhash.xxh3_128_digest(KEY_DOMAIN + raw)
+__all__ = ["BUFFER_OVERFLOW", "INTERNAL_ERROR", "INVALID_KEY", "INVALID_PARAMS", "KEY_DOMAIN",
+           "NO_AVAILABLE_HANDLE", "OBJECT_NOT_FOUND", "OK", "RPC_FAIL", "BufferHandle",
+           "ReplicateConfig", "code_of", "mooncake_key", "per_key_codes"]
 
 
 def per_key_codes(n: int, call: Callable[[list[int]], None],
