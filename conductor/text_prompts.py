@@ -98,7 +98,7 @@ class TextCodec:
             return str(self._template.render(messages=messages, add_generation_prompt=True,
                                              bos_token=self.bos, eos_token=self.eos))
         except Exception as exc:
-            raise TextError(f"chat template failed: {exc}") from None
+            raise TextError(f"chat template failed: {exc}") from exc  # the template's line
 
     # ---- the two routes ----------------------------------------------------------------
 
