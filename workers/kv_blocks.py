@@ -4,7 +4,8 @@ Byte layout (layout version 1)
 ------------------------------
 A prompt of ``n`` tokens has ``n_full = n // B`` full blocks (``B = block_tokens``)
 with the store's prefix-hash keys ``kvstore.block_keys(tokens, B, namespace)``.
-There is **one object per (block, layer)**, keyed::
+There is **one object per (block, layer)**, keyed (``kvstore.keys.layer_key``, where
+every stored-key derivation is specified and pinned by vectors)::
 
     layer_key(block_key, l) = xxh3_128(b"kvstore-workers-layer-v1\\x00" || block_key || u32le(l))
 
