@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.openai_api import error_body
+from conductor.sse_reply import StreamedReply
 from conductor.vllm_front import JsonReply, Reply, StreamReply, VllmFront
 
 
@@ -135,8 +136,6 @@ class TextCodec:
                 return JSONResponse(reply.body, status_code=reply.status)
             return JSONResponse(self._fill(reply.body, want_ids, chat))
         assert isinstance(reply, StreamReply)
-        from conductor.http_front import StreamedReply
-
         return StreamedReply(reply, self._stream(reply.chunks, want_ids, chat, model))
 
     def _fill(self, answer: dict[str, Any], want_ids: bool, chat: bool) -> dict[str, Any]:
