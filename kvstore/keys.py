@@ -45,7 +45,6 @@ own domain-separation string, so no derivation can name another's object
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import NewType
 
@@ -119,7 +118,7 @@ def salt_key(tenant: str, key: bytes) -> BlockKey:
 
 def layer_key(key: bytes, layer: int) -> BlockKey:
     """The key of layer ``layer`` of the block (or tail) named ``key``."""
-    return BlockKey(xxhash.xxh3_128_digest(LAYER_DOMAIN + bytes(key) + struct.pack("<I", layer)))
+    return BlockKey(xxhash.xxh3_128_digest(LAYER_DOMAIN + bytes(key) + layer.to_bytes(4, "little")))
 
 
 def tail_key(namespace: str, request_id: str, token_ids: Sequence[int]) -> BlockKey:
