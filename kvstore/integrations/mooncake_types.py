@@ -19,8 +19,8 @@ from kvstore.errors import (
 
 # The key mapping is kvstore.keys' (with every other stored-key derivation); the Mooncake
 # module and the SGLang / LMCache adapters import it from here, as they always have.
-from kvstore.keys import MOONCAKE_DOMAIN as KEY_DOMAIN
-from kvstore.keys import mooncake_key
+from kvstore.keys import MOONCAKE_DOMAIN
+from kvstore.keys import mooncake_key as mooncake_key
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h); Python sees them as ints.
 OK = 0
@@ -32,9 +32,7 @@ OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Unavailable
 BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
 
-__all__ = ["BUFFER_OVERFLOW", "INTERNAL_ERROR", "INVALID_KEY", "INVALID_PARAMS", "KEY_DOMAIN",
-           "NO_AVAILABLE_HANDLE", "OBJECT_NOT_FOUND", "OK", "RPC_FAIL", "BufferHandle",
-           "ReplicateConfig", "code_of", "mooncake_key", "per_key_codes"]
+KEY_DOMAIN = MOONCAKE_DOMAIN
 
 
 def per_key_codes(n: int, call: Callable[[list[int]], None],
