@@ -15,18 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from conductor.openai_api import error_body
-from conductor.vllm_front import JsonReply, Reply, StreamReply, VllmFront
-
-if TYPE_CHECKING:
-    from conductor.text_prompts import TextCodec
+from conductor.sse_reply import StreamedReply
+from conductor.text_prompts import TextCodec
+from conductor.vllm_front import JsonReply, Reply, VllmFront
 
 LOAD_POLL_S = 0.5
 
@@ -52,24 +49,6 @@ async def _cancel_on_disconnect(request: Request, work: Any) -> Reply | None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
-
-
-class StreamedReply(StreamingResponse):
-    """An SSE answer that always closes its ``StreamReply`` (see there), even when the
-    client left before the first chunk and the body was never iterated."""
-
-    def __init__(self, reply: StreamReply, chunks: AsyncIterator[bytes] | None = None
-                 ) -> None:
-        super().__init__(chunks if chunks is not None else reply.chunks,
-                         media_type="text/event-stream")
-        self._reply = reply
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._reply.close()
 
 
 def _respond(reply: Reply | None) -> Response:

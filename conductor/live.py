@@ -35,9 +35,8 @@ from conductor.costs import PolyCostModel
 from conductor.scheduler import Conductor
 from conductor.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.types import InstanceId, Request, RequestId, Slo
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, block_keys, layer_key
 from workers.client import WorkerClient
-from workers.kv_blocks import layer_key
 
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0  # until a worker has measured itself
 DEFAULT_DECODE_STEP_S = 0.05

@@ -147,7 +147,7 @@ class ConductorClient:
                 return body
             raise WorkerError(exc.code, body.get("error", str(exc))) from None
         except URLError as exc:
-            raise WorkerError(0, f"{self.base}: {exc.reason}") from None
+            raise WorkerError(0, f"{self.base}: {exc.reason}") from exc
 
     def health(self) -> dict[str, Any]:
         with urlopen(self.base + "/health", timeout=self.timeout) as resp:

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from conductor.types import BlockKey, InstanceId, RequestId
+from conductor.types import CacheKey, InstanceId, RequestId
 
 
 class GlobalCache(Protocol):
     """The global view of the distributed KV-cache pool."""
 
-    def prefix_len(self, keys: Sequence[BlockKey]) -> int:
+    def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         """Length of the leading run of ``keys`` held somewhere in the pool."""
         ...
 
@@ -38,9 +38,9 @@ class PoolIndex:
     __slots__ = ("count",)
 
     def __init__(self) -> None:
-        self.count: dict[BlockKey, int] = {}
+        self.count: dict[CacheKey, int] = {}
 
-    def prefix_len(self, keys: Sequence[BlockKey]) -> int:
+    def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         count = self.count
         n = 0
         for k in keys:
@@ -49,7 +49,7 @@ class PoolIndex:
             n += 1
         return n
 
-    def holds(self, key: BlockKey) -> bool:
+    def holds(self, key: CacheKey) -> bool:
         return key in self.count
 
     def __len__(self) -> int:
@@ -73,10 +73,10 @@ class LocalPrefixCache:
             raise ValueError("capacity_blocks must be >= 0")
         self.capacity_blocks = capacity_blocks
         self.pool = pool
-        self._lru: OrderedDict[BlockKey, None] = OrderedDict()
+        self._lru: OrderedDict[CacheKey, None] = OrderedDict()
         self.evictions = 0
 
-    def prefix_len(self, keys: Sequence[BlockKey]) -> int:
+    def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         lru = self._lru
         n = 0
         for k in keys:
@@ -85,7 +85,7 @@ class LocalPrefixCache:
             n += 1
         return n
 
-    def use(self, keys: Sequence[BlockKey]) -> None:
+    def use(self, keys: Sequence[CacheKey]) -> None:
         lru = self._lru
         count = self.pool.count if self.pool is not None else None
         for k in reversed(keys):
@@ -105,13 +105,13 @@ class LocalPrefixCache:
                 else:
                     del count[k]
 
-    def __contains__(self, key: BlockKey) -> bool:
+    def __contains__(self, key: CacheKey) -> bool:
         return key in self._lru
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def keys(self) -> list[BlockKey]:
+    def keys(self) -> list[CacheKey]:
         """Keys from least to most recently used."""
         return list(self._lru)
 

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.openai_api import error_body
+from conductor.sse_reply import StreamedReply
 from conductor.vllm_front import JsonReply, Reply, StreamReply, VllmFront
 
 
@@ -98,7 +99,7 @@ class TextCodec:
             return str(self._template.render(messages=messages, add_generation_prompt=True,
                                              bos_token=self.bos, eos_token=self.eos))
         except Exception as exc:
-            raise TextError(f"chat template failed: {exc}") from None
+            raise TextError(f"chat template failed: {exc}") from exc  # the template's line
 
     # ---- the two routes ----------------------------------------------------------------
 
@@ -135,8 +136,6 @@ class TextCodec:
                 return JSONResponse(reply.body, status_code=reply.status)
             return JSONResponse(self._fill(reply.body, want_ids, chat))
         assert isinstance(reply, StreamReply)
-        from conductor.http_front import StreamedReply
-
         return StreamedReply(reply, self._stream(reply.chunks, want_ids, chat, model))
 
     def _fill(self, answer: dict[str, Any], want_ids: bool, chat: bool) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 These types are shared by the simulator and the live service, so they carry no
 clock and no transport: times are seconds on whatever clock the caller injects
 (the simulator's event clock, or ``time.monotonic()`` live), and block keys are
-any hashable value (trace hash ids in the simulator, 16-byte store keys live).
+any hashable value (``CacheKey``: trace hash ids in the simulator, 16-byte store keys live).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ RequestId = NewType("RequestId", int)
 InstanceId = NewType("InstanceId", str)
 """A prefill or decode instance's name (``p0``.., ``d0``.. in the simulator)."""
 
-BlockKey: TypeAlias = Hashable
-"""A KV-cache block's key. Keys are prefix-closed: equal keys imply equal prefixes."""
+CacheKey: TypeAlias = Hashable
+"""What the Conductor calls a KV-cache block: any hashable value (a trace hash id in the
+simulator, a ``kvstore.keys.BlockKey`` live); not a store key itself, so it has its own
+name. Keys are prefix-closed: equal keys imply equal prefixes."""
 
 BLOCK_TOKENS = 512
 """Tokens per KV-cache block, as in Mooncake and its traces."""
@@ -39,7 +41,7 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
-    block_keys: tuple[BlockKey, ...]
+    block_keys: tuple[CacheKey, ...]
     block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:

@@ -15,16 +15,31 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore import wire
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.forwarding import BlockCopy, Forwarding
 from kvstore.keys import BlockKey
-from kvstore.node import PutSlot
+from kvstore.node import Node, PutSlot, ReservationSet
+from kvstore.security import Principal
 
-if TYPE_CHECKING:
-    from kvstore.channel_server import _Connection
+
+class _Connection(Protocol):
+    """What these handlers use of the channel server's connection (``kvstore.channel_server``
+    calls them with its own; typed here so that neither module imports the other)."""
+
+    node: Node
+    p: Principal
+    reader: wire.StreamReader
+    reservations: ReservationSet
+    forwarder: Forwarding | None
+
+    def refuse_oversized(self, sizes: list[int]) -> None: ...
+
+    def discard(self, nbytes: int) -> None: ...
+
+    def reply(self, count: int, meta: bytes, values: list[memoryview] | None = None) -> None: ...
 
 
 def _params(pairs: Sequence[tuple[int, int]]) -> tuple[int, int]:

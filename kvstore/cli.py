@@ -16,15 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import cli as bench_cli
+from benchmarks.cli import BENCHMARKS as BENCHMARKS
 from kvstore.errors import KVStoreError
 from kvstore.keys import parse_key
 from kvstore.sizes import format_size, parse_size
+from kvstore.stat_table import STAT_COLUMNS as STAT_COLUMNS
+from kvstore.stat_table import format_stat_table
+from replication import cluster_cli
 
 DEFAULT_ADDR = "127.0.0.1:7600"
-BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
-              "cluster": "benchmarks.cluster_bench",
-              "trace": "benchmarks.trace_replay"}
-"""``kvstore bench NAME`` runs ``main(argv)`` of these modules."""
 
 
 class CliError(Exception):
@@ -154,19 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="client certificate, for a node that requires one")
     s.add_argument("--tls-key", help="the client certificate's key")
 
-    from replication.cluster_cli import add_parser as add_cluster_parser
-
-    add_cluster_parser(sub)
+    cluster_cli.add_parser(sub)
 
     s = sub.add_parser("demo", help="store: one node caching prompt prefixes; serving: "
                        "prefill/decode workers and the Conductor on the store")
     s.add_argument("which", nargs="?", choices=["store", "serving"], default="store")
     s.add_argument("args", nargs=argparse.REMAINDER, help="options of that demo")
 
-    s = sub.add_parser("bench", help="benchmarks (not tests)")
-    s.add_argument("which", choices=sorted(BENCHMARKS),
-                   help="api: put/get vs Redis and raw TCP; tiers: each tier vs its limit")
-    s.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
+    bench_cli.add_parser(sub)
     return p
 
 
@@ -437,10 +433,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
-STAT_COLUMNS = ("capacity", "used", "blocks", "hits", "misses", "evictions", "demotions",
-                "promotions", "checksum_failures")
-
-
 def cmd_stat(args: argparse.Namespace) -> int:
     with _client(args) as c:
         stats = c.stats()
@@ -454,25 +446,6 @@ def cmd_stat(args: argparse.Namespace) -> int:
         return 0
     print(format_stat_table(stats))
     return 0
-
-
-def format_stat_table(stats: dict) -> str:
-    extra = sorted({k for t in stats["tiers"].values() for k in t}
-                   - set(STAT_COLUMNS) - {"name"})
-    cols = ["tier", *STAT_COLUMNS, *extra]
-    rows = []
-    for name, t in stats["tiers"].items():
-        row = [name]
-        for col in cols[1:]:
-            v = t.get(col)  # a tenant's view has fewer columns (kvstore.tenancy)
-            row.append("" if v is None else format_size(v) if col in ("capacity", "used")
-                       else str(v))
-        rows.append(row)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    node = ", ".join(f"{k}={v}" for k, v in sorted(stats["node"].items()))
-    return "\n".join([*lines, f"node: {node}"])
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -508,23 +481,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
-    try:
-        module = importlib.import_module(BENCHMARKS[args.which])
-    except ImportError as exc:
-        raise CliError(f"the benchmarks need the bench extra (pip install "
-                       f"'kvstore[bench]'): {exc}") from None
-    return int(module.main(args.args) or 0)
-
-
-def cmd_cluster(args: argparse.Namespace) -> int:
-    from replication.cluster_cli import run
-
-    return run(args)
-
-
 def cmd_drain(args: argparse.Namespace) -> int:
     from kvstore.proto import kvstore_pb2 as pb
 
@@ -554,12 +510,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS = {
     "demo": cmd_demo,
     "drain": cmd_drain,
-    "cluster": cmd_cluster,
+    "cluster": cluster_cli.run,
     "serve": cmd_serve,
     "put": cmd_put,
     "get": cmd_get,
     "rm": cmd_rm,
     "stat": cmd_stat,
-    "bench": cmd_bench,
+    "bench": bench_cli.run,
     "health": cmd_health,
 }

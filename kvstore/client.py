@@ -155,10 +155,11 @@ class Client(SingleKeyCalls):
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
+            # The cause stays chained: its gRPC debug string tells a log reader what failed.
             raise error_for_code(code, f"{self.addr}: {details}{_request_id_note(exc)}"
-                                 ) from None
+                                 ) from exc
         except OSError as exc:
-            raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from None
+            raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from exc
 
     def _grpc(self, method: str, request: Any) -> Any:
         with self._errors():
@@ -222,7 +223,7 @@ class Client(SingleKeyCalls):
                 conn.close()
                 self._invalidate()  # the node may have restarted: negotiate afresh
                 if attempt == 2:
-                    raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from None
+                    raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from exc
                 continue
             except BaseException:
                 conn.close()  # the stream's state is unknown

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 
-from kvstore.cli import format_stat_table
 from kvstore.client import Client
 from kvstore.keys import BlockKey, block_keys
+from kvstore.stat_table import format_stat_table
 
 NAMESPACE = "demo-llama/bf16/tp0"
 BLOCK_TOKENS = 256

@@ -22,6 +22,25 @@ Specification (version 1). Any client, in any language, reproduces these bytes.
 Because each key covers its whole prefix, two sequences that share their first
 ``n`` full blocks share their first ``n`` keys, and a key never names two
 different contents: a block's bytes are immutable once stored.
+
+Derived keys (version 1). Every other stored key is derived here too, each with its
+own domain-separation string, so no derivation can name another's object
+(``tests/vectors/derived_keys.json`` pins their bytes)::
+
+    salt_key(tenant, key)   = xxh3_128(b"kvstore-tenant-v1\\x00" || utf8(tenant) || b"\\x00" || key)
+    layer_key(key, l)       = xxh3_128(b"kvstore-workers-layer-v1\\x00" || key || u32le(l))
+    tail_key(ns, rid, toks) = xxh3_128(b"kvstore-workers-tail-v1\\x00" || utf8(ns) || b"\\x00"
+                                       || utf8(rid) || b"\\x00" || u32le(t_0) || ... )
+    mooncake_key(k)         = xxh3_128(b"kvstore-mooncake-v1\\x00" || utf8(k))
+
+* ``salt_key``: a tenant's key as the node stores it (``kvstore.tenancy``): two tenants
+  naming the same key name two different blocks.
+* ``layer_key``: one layer of a block (or of a tail) in the workers' layout
+  (``workers.kv_blocks``); the Conductor prefix-matches last layers with it.
+* ``tail_key``: a prompt's request-scoped partial last block; it covers the whole prompt,
+  so a request id reused for another prompt never reads a stale tail.
+* ``mooncake_key``: the 16-byte key of a Mooncake (and SGLang / LMCache) string key
+  (``bytes`` are hashed as they are).
 """
 
 from __future__ import annotations
@@ -37,6 +56,10 @@ BlockKey = NewType("BlockKey", bytes)
 
 KEY_BYTES = 16
 _ROOT_DOMAIN = b"kvstore-prefix-v1\x00"
+TENANT_DOMAIN = b"kvstore-tenant-v1\x00"
+LAYER_DOMAIN = b"kvstore-workers-layer-v1\x00"
+TAIL_DOMAIN = b"kvstore-workers-tail-v1\x00"
+MOONCAKE_DOMAIN = b"kvstore-mooncake-v1\x00"
 _U32_MAX = 0xFFFFFFFF
 
 
@@ -86,6 +109,35 @@ def block_keys(
         parent = chained_block_key(parent, encoded[start : start + stride], extra)
         keys.append(BlockKey(parent))
     return keys
+
+
+def salt_key(tenant: str, key: bytes) -> BlockKey:
+    """The stored key of ``key`` in ``tenant``'s namespace (see the module spec)."""
+    return BlockKey(xxhash.xxh3_128(TENANT_DOMAIN + tenant.encode() + b"\x00" + key).digest())
+
+
+def layer_key(key: bytes, layer: int) -> BlockKey:
+    """The key of layer ``layer`` of the block (or tail) named ``key``."""
+    return BlockKey(xxhash.xxh3_128_digest(LAYER_DOMAIN + bytes(key) + layer.to_bytes(4, "little")))
+
+
+def tail_key(namespace: str, request_id: str, token_ids: Sequence[int]) -> BlockKey:
+    """The request-scoped name of a prompt's partial last block. It covers the whole
+    prompt, so a request id reused for another prompt never reads a stale tail."""
+    return BlockKey(xxhash.xxh3_128_digest(
+        TAIL_DOMAIN + namespace.encode() + b"\x00" + request_id.encode() + b"\x00"
+        + encode_token_ids(list(token_ids))))
+
+
+def mooncake_key(key: str | bytes) -> BlockKey:
+    """The 16-byte kvstore key of a Mooncake key (see the module spec)."""
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
+    return BlockKey(xxhash.xxh3_128_digest(MOONCAKE_DOMAIN + raw))
 
 
 def parse_key(text: str) -> BlockKey:

@@ -228,7 +228,7 @@ class Node:
                         and not self._mover.wait_for_moves(timeout=5.0)):
                     break  # nothing could move and nothing was moving: truly full
             except (BlockTooLarge, OutOfSpace) as exc:
-                raise ResourceExhausted(str(exc)) from None
+                raise ResourceExhausted(str(exc)) from exc
         raise ResourceExhausted("no room: every block that could move is pinned, being read "
                                 "or already moving")
 

@@ -15,7 +15,8 @@ Each token belongs to one entry::
     role = "cluster"         # nodes and operators: raw keys, no quota
     token = "..."
 
-**Namespaces.** A tenant's keys are salted on the node, never by the client::
+**Namespaces.** A tenant's keys are salted on the node, never by the client
+(``kvstore.keys.salt_key``, where every stored-key derivation is written out)::
 
     stored_key = xxh3_128(b"kvstore-tenant-v1\\x00" || utf8(name) || b"\\x00" || key)
 

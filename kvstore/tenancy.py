@@ -6,7 +6,7 @@ Both the gRPC servicer (``kvstore.server``) and the transfer channel
 never decide themselves:
 
 * **Key salting and quotas**: ``Principal.key``/``keys``/``parent`` salt a
-  tenant's keys (``salt_key``); ``Principal.owner``/``quota`` are what a put is
+  tenant's keys (``kvstore.keys.salt_key``); ``Principal.owner``/``quota`` are what a put is
   counted and limited under (``kvstore.quotas``). Transports pass every key they
   are given through them.
 * **Shared memory**: ``Principal.may_map_region``: the whole region, so only an
@@ -28,21 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import xxhash
-
 from kvstore.errors import REPLY_BOUND, PermissionDenied, ResourceExhausted
-from kvstore.keys import BlockKey
+
+# The salting formula is kvstore.keys' (with every other stored-key derivation); its
+# names stay importable from here and from kvstore.security.
+from kvstore.keys import TENANT_DOMAIN as TENANT_DOMAIN
+from kvstore.keys import BlockKey, salt_key
 from kvstore.sizes import format_size
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-TENANT_DOMAIN = b"kvstore-tenant-v1\x00"
-
-
-def salt_key(tenant: str, key: bytes) -> BlockKey:
-    """The stored key of ``key`` in ``tenant``'s namespace (the formula is in the
-    ``kvstore.security`` docstring, for other languages)."""
-    return BlockKey(xxhash.xxh3_128(TENANT_DOMAIN + tenant.encode() + b"\x00" + key).digest())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

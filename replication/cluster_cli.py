@@ -1,6 +1,6 @@
 """``kvstore cluster up | down | status``: a local cluster's lifecycle and a live view.
 
-The argument parser lives in ``kvstore/cli.py``; these functions run the commands.
+``add_parser`` and ``run`` register the command into the ``kvstore`` CLI (``kvstore/cli.py``).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ import grpc
 from aetcd import rpc
 
 from kvstore.security import ClientTls
-from replication.membership import (
+from replication.membership_base import (
     DEFAULT_PREFIX,
     Callback,
     MembershipError,

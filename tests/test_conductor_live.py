@@ -111,3 +111,12 @@ def test_serving_demo_runs_end_to_end() -> None:
     cached = [int(line.split()[-7]) for line in out.stdout.splitlines()
               if line.strip().startswith(("2 ", "5 ")) and "doc A" in line]
     assert cached and all(c > 0 for c in cached[: len(cached) // 2])  # doc A reused
+
+
+def test_the_conductor_imports_no_torch() -> None:
+    """The Conductor names last layers with kvstore.keys.layer_key: it runs without torch."""
+    code = ("import sys, conductor.live, conductor.cli, conductor.service;"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('workers.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.strip()
+    assert out == "['workers.client']"

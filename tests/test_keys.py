@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore import keys
 from kvstore.keys import (
     KEY_BYTES,
     block_keys,
@@ -106,3 +108,55 @@ def test_parse_key_round_trip_and_errors() -> None:
         parse_key("ab" * 15)
     with pytest.raises(ValueError, match="16 bytes"):
         ensure_key(b"x" * 17)
+
+
+# ---- keys derived from other data (tenant salt, worker layer/tail, Mooncake names) ----------
+
+DERIVED = json.loads((Path(__file__).parent / "vectors" / "derived_keys.json").read_text())
+
+
+@pytest.mark.parametrize("case", DERIVED["salt_key"], ids=lambda c: c["tenant"])
+def test_salt_key_vectors(case: dict) -> None:
+    got = keys.salt_key(case["tenant"], bytes.fromhex(case["key_hex"]))
+    assert got.hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["layer_key"], ids=lambda c: str(c["layer"]))
+def test_layer_key_vectors(case: dict) -> None:
+    got = keys.layer_key(bytes.fromhex(case["key_hex"]), case["layer"])
+    assert got.hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["tail_key"], ids=lambda c: c["request_id"])
+def test_tail_key_vectors(case: dict) -> None:
+    got = keys.tail_key(case["namespace"], case["request_id"], case["token_ids"])
+    assert got.hex() == case["stored_hex"]
+
+
+@pytest.mark.parametrize("case", DERIVED["mooncake_key"], ids=lambda c: c["key"][:20])
+def test_mooncake_key_vectors(case: dict) -> None:
+    assert keys.mooncake_key(case["key"]).hex() == case["stored_hex"]
+    assert keys.mooncake_key(case["key"].encode()).hex() == case["stored_hex"]
+
+
+def test_callers_name_the_one_derivation() -> None:
+    """The modules that use a derivation hand on kvstore.keys' function, never a copy."""
+    from kvstore import security, tenancy
+    from kvstore.integrations import mooncake_compat, mooncake_types
+
+    assert security.salt_key is tenancy.salt_key is keys.salt_key
+    assert mooncake_types.mooncake_key is mooncake_compat.mooncake_key is keys.mooncake_key
+    assert mooncake_types.KEY_DOMAIN == b"kvstore-mooncake-v1\x00"
+    assert security.TENANT_DOMAIN == b"kvstore-tenant-v1\x00"
+
+
+def test_mooncake_key_refuses_other_types() -> None:
+    with pytest.raises(TypeError, match="a Mooncake key is a str"):
+        keys.mooncake_key(cast(Any, 3))
+
+
+def test_derived_keys_are_block_keys_in_their_own_domains() -> None:
+    k = bytes.fromhex(DERIVED["layer_key"][0]["key_hex"])
+    derived = {keys.salt_key("ns", k), keys.layer_key(k, 0), keys.mooncake_key("ns"),
+               keys.tail_key("ns", "r", []), namespace_root_key("ns")}
+    assert len(derived) == 5 and all(len(d) == KEY_BYTES for d in derived)

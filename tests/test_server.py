@@ -402,3 +402,12 @@ def test_shm_disconnect_before_commit_frees_the_reservation(node: NodeProcess) -
         assert dram(c)["blocks"] == 1
         assert c.put(k, b"now") and c.get(k) == b"now"
 
+
+
+def test_an_unreachable_node_keeps_the_transport_cause() -> None:
+    """The client's Unavailable chains the gRPC error it came from: a log shows both."""
+    with (Client(f"127.0.0.1:{free_port()}", transport="grpc", timeout=2.0) as c,
+          pytest.raises(Unavailable) as info):
+        c.exists([bytes(16)])
+    assert isinstance(info.value.__cause__, grpc.RpcError)
+    assert info.value.__cause__.code() == grpc.StatusCode.UNAVAILABLE

@@ -365,7 +365,7 @@ class SsdTier:
         job = ReadJob(self._backend, self._arenas, self.o_direct, views,
                       [loc.extent.offset for loc in locations],
                       [loc.checksum for loc in locations], self._count_failure)
-        return SsdReads(self, job, [loc.nbytes for loc in locations])
+        return SsdReads(self._count_reads, job, [loc.nbytes for loc in locations])
 
     def _read_targets(self, locations: Sequence[SsdLocation],
                       outs: Sequence[memoryview]) -> list[memoryview]:

@@ -32,4 +32,4 @@ class _SsdAllocator(ExtentAllocator):
         try:
             super().rebuild(live)
         except ValueError as exc:
-            raise SsdFormatError(f"index names an impossible extent: {exc}") from None
+            raise SsdFormatError(f"index names an impossible extent: {exc}") from exc

@@ -10,13 +10,9 @@ exception; only a wait that times out raises (:class:`TimeoutError`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from tiers.ssd_staging import ReadJob
-
-if TYPE_CHECKING:
-    from tiers.ssd import SsdTier
 
 
 class SsdReads:
@@ -27,8 +23,11 @@ class SsdReads:
     the caller's buffers.
     """
 
-    def __init__(self, tier: SsdTier, job: ReadJob, nbytes: list[int]) -> None:
-        self._tier = tier
+    def __init__(self, count_reads: Callable[[int, int], None], job: ReadJob,
+                 nbytes: list[int]) -> None:
+        """``count_reads(reads, nbytes)``: the tier's counters, told of each batch collected
+        (a callable, not the tier, so this module does not import the tier's)."""
+        self._count_reads = count_reads
         self._job = job
         self._nbytes = nbytes
         self._lock = threading.Lock()
@@ -62,7 +61,7 @@ class SsdReads:
                     return
                 ok = self._job.ok
                 self._reported += len(got)
-                self._tier._count_reads(len(got), sum(self._nbytes[i] for i in got if ok[i]))
+                self._count_reads(len(got), sum(self._nbytes[i] for i in got if ok[i]))
             for i in got:
                 yield i, ok[i]
 

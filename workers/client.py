@@ -45,7 +45,7 @@ class WorkerClient:
             resp = conn.getresponse()
             raw = resp.read()
         except OSError as exc:
-            raise WorkerError(0, f"{self.addr}{path}: {exc}") from None
+            raise WorkerError(0, f"{self.addr}{path}: {exc}") from exc
         finally:
             conn.close()
         try:

@@ -4,7 +4,8 @@ Byte layout (layout version 1)
 ------------------------------
 A prompt of ``n`` tokens has ``n_full = n // B`` full blocks (``B = block_tokens``)
 with the store's prefix-hash keys ``kvstore.block_keys(tokens, B, namespace)``.
-There is **one object per (block, layer)**, keyed::
+There is **one object per (block, layer)**, keyed (``kvstore.keys.layer_key``, where
+every stored-key derivation is specified and pinned by vectors)::
 
     layer_key(block_key, l) = xxh3_128(b"kvstore-workers-layer-v1\\x00" || block_key || u32le(l))
 
@@ -43,37 +44,22 @@ worker of that request reads it and removes it. A missing tail is recomputed.
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from kvstore import BlockKey, InvalidArgument, block_keys
-from kvstore.keys import encode_token_ids
+
+# The layer and tail derivations are kvstore.keys' (with every other stored-key derivation,
+# so the Conductor names last layers without importing torch); re-exported here.
+from kvstore.keys import layer_key, tail_key
 from workers.model import KVCache, LlamaModel
 
 LAYOUT_VERSION = 1
-_LAYER_DOMAIN = b"kvstore-workers-layer-v1\x00"
-_TAIL_DOMAIN = b"kvstore-workers-tail-v1\x00"
-
 log = logging.getLogger("workers.kv_blocks")
-
-
-def layer_key(key: bytes, layer: int) -> BlockKey:
-    """The key of layer ``layer`` of the block (or tail) named ``key``."""
-    return BlockKey(xxhash.xxh3_128_digest(_LAYER_DOMAIN + bytes(key) + struct.pack("<I", layer)))
-
-
-def tail_key(namespace: str, request_id: str, token_ids: Sequence[int]) -> BlockKey:
-    """The request-scoped name of a prompt's partial last block. It covers the whole
-    prompt, so a request id reused for another prompt never reads a stale tail."""
-    return BlockKey(xxhash.xxh3_128_digest(
-        _TAIL_DOMAIN + namespace.encode() + b"\x00" + request_id.encode() + b"\x00"
-        + encode_token_ids(list(token_ids))))
 
 
 def kv_shape(model: LlamaModel) -> dict[str, int]:

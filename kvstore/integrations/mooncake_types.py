@@ -11,14 +11,17 @@ import ctypes
 from collections.abc import Callable
 from enum import IntEnum
 
-import xxhash
-
 from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     ResourceExhausted,
     Unavailable,
 )
+
+# The key mapping is kvstore.keys' (with every other stored-key derivation); the Mooncake
+# module and the SGLang / LMCache adapters import it from here, as they always have.
+from kvstore.keys import MOONCAKE_DOMAIN
+from kvstore.keys import mooncake_key as mooncake_key
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h); Python sees them as ints.
 OK = 0
@@ -32,18 +35,7 @@ RPC_FAIL = -900  # node(s) unreachable, draining, or a write quorum not met: Una
 DFS_SERVICE_UNAVAILABLE = -1601  # a DFS replica asked for: kvstore has none (as a wheel without)
 BUFFER_OVERFLOW = INVALID_PARAMS  # kept as an alias: Mooncake reports small buffers as -600
 
-KEY_DOMAIN = b"kvstore-mooncake-v1\x00"
-
-
-def mooncake_key(key: str | bytes) -> bytes:
-    """The 16-byte kvstore key of a Mooncake key (see the module docstring)."""
-    if isinstance(key, str):
-        raw = key.encode("utf-8")
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
-        raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
-    return xxhash.xxh3_128_digest(KEY_DOMAIN + raw)
+KEY_DOMAIN = MOONCAKE_DOMAIN
 
 
 def per_key_codes(n: int, call: Callable[[list[int]], None],
