@@ -38,26 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.keys import BlockKey
-
-MAX_RETAIN_S = 7 * 24 * 3600.0
-"""Longest retention one put may ask for (a week): longer is an error, not a clamp."""
+from kvstore.retention import MAX_RETAIN_S as MAX_RETAIN_S  # re-exported
+from kvstore.retention import check_retain_s as check_retain_s
+from kvstore.retention import retain_seconds
 
 DEFAULT_MAX_RETAINED_FRACTION = 0.5
-
-
-def check_retain_s(retain_s: float | None) -> float:
-    """``retain_s`` as a float (None: 0.0, no retention); ValueError with the reason."""
-    if retain_s is None:
-        return 0.0
-    if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
-        raise ValueError(f"retain_s must be a number of seconds, got {retain_s!r}")
-    s = float(retain_s)
-    if not math.isfinite(s) or s < 0:
-        raise ValueError(f"retain_s must be finite and >= 0, got {retain_s!r}")
-    if s > MAX_RETAIN_S:
-        raise ValueError(f"retain_s {retain_s!r} is over the limit of {MAX_RETAIN_S:.0f} s "
-                         f"(7 days)")
-    return s
 
 
 def check_fraction(fraction: float) -> float:
@@ -74,6 +59,17 @@ class RetainAsk:
     seconds: float
     owner: str | None = None
     owner_cap: int | None = None
+
+
+def retain_ask(retain_s: float | None, *, owner: str | None, quota: int | None,
+               fraction: float) -> RetainAsk | None:
+    """What a put asks the tiers for (None: no retention); INVALID_ARGUMENT for a bad
+    ``retain_s``. A tenant's retained bytes are capped at ``fraction`` of its quota."""
+    seconds = retain_seconds(retain_s)
+    if not seconds:
+        return None
+    cap = None if quota is None else int(fraction * quota)
+    return RetainAsk(seconds=seconds, owner=owner, owner_cap=cap)
 
 
 @dataclass(slots=True, kw_only=True)
