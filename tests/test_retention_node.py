@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import TRANSPORTS, free_port, write_auth_file
+from conftest import TRANSPORTS, free_port, wait_until, write_auth_file
 
 from kvstore import Client, InvalidArgument, wire
 from kvstore.metrics import NodeMetrics
@@ -259,3 +259,25 @@ def test_copies_to_a_replica_carry_the_masters_retention(served: Served) -> None
         assert held[kept].until == replica.clock.now + 40
     finally:
         replica.close()
+
+
+def test_with_an_ssd_tier_a_retained_block_is_demoted_not_dropped(tmp_path: Path) -> None:
+    clock = Clock()
+    node = Node(NodeSettings(dram_bytes=8 * BLOCK, prefault=False, ssd_io="python",
+                             ssd_path=str(tmp_path / "ssd.img"), ssd_bytes=16 * BLOCK),
+                clock=clock)
+    try:
+        kept, value = key(), os.urandom(BLOCK)
+        assert node.put(kept, memoryview(value), retain_s=60)
+        for _ in range(4 * 24):  # four times the node: the SSD drops many blocks
+            assert node.put(key(), memoryview(os.urandom(BLOCK)))
+        wait_until(lambda: node.locate([kept]) == ["ssd"], what="the retained block demoted")
+        assert node.stats()["tiers"]["ssd"]["evictions"] > 0
+        assert node.get(kept) == value  # a read (and the retention restarts)
+        clock.now += 60
+        for _ in range(4 * 24):
+            assert node.put(key(), memoryview(os.urandom(BLOCK)))
+        wait_until(lambda: node.exists([kept]) == [False], what="the expired block dropped")
+        assert node.stats()["node"]["retained_blocks"] == 0
+    finally:
+        node.close()
