@@ -215,3 +215,35 @@ def test_check_retain_s_accepts() -> None:
     assert check_retain_s(0) == 0.0
     assert check_retain_s(600) == 600.0
     assert check_retain_s(MAX_RETAIN_S) == MAX_RETAIN_S
+
+
+class CountingBook(RetentionBook):
+    __slots__ = ("asked",)
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock=clock)
+        self.asked = 0
+
+    def retains(self, key: BlockKey) -> bool:
+        self.asked += 1
+        return super().retains(key)
+
+
+def test_retained_blocks_leave_the_queue_so_evictions_do_not_rescan_them() -> None:
+    clock = Clock()
+    book = CountingBook(clock)
+    tier = MetadataTier(100 * B, alignment=B)
+    m = TierManager(tier, make_policy("lru"), landing=0, retention=book,
+                    watermarks=Watermarks(high=1.0, low=1.0))
+    for i in range(50):  # the 50 least recently used blocks are retained
+        put(m, f"r{i}", retain_s=100)
+    for i in range(50):
+        put(m, f"p{i}")
+    evicted = []
+    for i in range(50):
+        evicted += put(m, f"n{i}")
+    assert evicted == [f"p{i}" for i in range(50)]
+    assert book.asked == 50 + 50  # each retained block once, then each victim once
+    clock.now += 100  # expired: back in the queue at their old LRU priority
+    assert put(m, "late") == ["r0"]
+    assert put(m, "later") == ["r1"]

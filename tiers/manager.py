@@ -389,11 +389,22 @@ class TierManager:
         return Eligibility.EVICT
 
     def _drop_eligibility(self, entry: BlockEntry) -> Eligibility:
-        """As ``_eligibility``, for a drop from the last tier: a retained block stays."""
+        """As ``_eligibility``, for a drop from the last tier: a retained block leaves the
+        queue (so rounds never rescan it) until ``_requeue_expired`` puts it back."""
         verdict = self._eligibility(entry)
         if verdict is Eligibility.EVICT and self.retention.retains(entry.key):
-            return Eligibility.DEFER
+            return Eligibility.DROP
         return verdict
+
+    def _requeue_expired(self) -> None:
+        """Blocks whose retention ended rejoin their tier's queue at their policy priority
+        (for LRU their last access), so they leave in plain policy order."""
+        blocks = self._s.blocks
+        for key in self.retention.drain_ended():
+            e = blocks.get(key)
+            if e is not None and not e.flags and not e.queue_seq and \
+                    not self._held_by_children(e):
+                self.levels[e.level].queue.push(key, e)
 
     def _evict_until(self, level: int, done: Callable[[], bool] | None, *, strict: bool,
                      protect: BlockKey | None = None, until_used: float = 0.0) -> None:
@@ -408,6 +419,7 @@ class TierManager:
         queue = lv.queue
         leaves_only = self.policy.leaves_only
         retains = self.retention.retains
+        self._requeue_expired()
         deferred: list = []
 
         def eligibility(entry: BlockEntry) -> Eligibility:
@@ -417,7 +429,9 @@ class TierManager:
                 return Eligibility.DEFER
             if flags or (leaves_only and entry.children > 0):  # pinned or moving
                 return Eligibility.DROP
-            if entry.readers or retains(entry.key):
+            if retains(entry.key):
+                return Eligibility.DROP  # back in the queue when it expires
+            if entry.readers:
                 return Eligibility.DEFER
             return Eligibility.EVICT
 
@@ -462,6 +476,7 @@ class TierManager:
         moves: list[Move] = []
         deferred: list = []
         planned = 0
+        self._requeue_expired()
         try:
             while planned < nbytes:
                 key = lv.queue.pop_victim(

@@ -83,7 +83,8 @@ class _Held:
 class RetentionBook:
     """Retained keys, their deadlines, and the bytes they hold per node and per owner."""
 
-    __slots__ = ("_bytes", "_clock", "_heap", "_owners", "denied", "held", "max_bytes")
+    __slots__ = ("_bytes", "_clock", "_ended", "_heap", "_owners", "denied", "held",
+                 "max_bytes")
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  max_bytes: int | None = None) -> None:
@@ -93,6 +94,7 @@ class RetentionBook:
         self._heap: list[tuple[float, BlockKey]] = []
         self._bytes = 0
         self._owners: dict[str, int] = {}
+        self._ended: list[BlockKey] = []  # expired since the last ``drain_ended``
         self.denied = 0
 
     def grant(self, key: BlockKey, nbytes: int, ask: RetainAsk) -> bool:
@@ -149,6 +151,16 @@ class RetentionBook:
             else:
                 del self._owners[h.owner]
 
+    def drain_ended(self) -> list[BlockKey]:
+        """Keys whose retention ended (by expiry, not ``forget``) since the last call: the
+        manager queues them for eviction again."""
+        if self._heap:
+            self.expire()
+        if not self._ended:
+            return []
+        out, self._ended = self._ended, []
+        return out
+
     def expire(self, now: float | None = None) -> int:
         """Ends every retention whose deadline passed; how many ended."""
         if now is None:
@@ -165,6 +177,7 @@ class RetentionBook:
                 continue
             del held[key]
             self._drop(h)
+            self._ended.append(key)
             n += 1
         if len(heap) > 2 * len(held) + 1024:
             self._heap = [(h.until, k) for k, h in held.items()]
