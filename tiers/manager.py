@@ -33,6 +33,8 @@ Invariants, checked by tests:
 * a block with readers is never freed nor moved: eviction defers it, ``remove``
   unlinks it but frees its space when the last lease ends;
 * pinned blocks are never evicted or demoted (only removed explicitly);
+* retained blocks (``tiers.retention``) may be demoted but are never dropped from the
+  last tier while retained;
 * for every key ``P``: ``_blocks[P].children`` (or ``_orphans[P]`` while ``P``
   is absent) equals the number of indexed blocks whose parent is ``P``; the
   prefix-aware policy evicts only blocks with no children;
@@ -197,7 +199,7 @@ class TierManager:
             if extent is None:
                 raise NeedsRoom(level, nbytes)
             return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
-                                   retain=retain)
+                               retain=retain)
         # The parent of the block being written stays: evicting it would strand its child.
         protect = parent
         if tier.used + nbytes > self.watermarks.high * capacity:
@@ -218,7 +220,7 @@ class TierManager:
             self._evict_until(level, fits, strict=True, protect=protect)
             extent = holder[0]
         return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
-                                   retain=retain)
+                           retain=retain)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         """Where the put's bytes go; valid until commit or abort."""
