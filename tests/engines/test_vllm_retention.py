@@ -184,3 +184,33 @@ def test_the_engine_saves_a_requests_blocks_with_its_retention(engine: Any,
     assert generate(engine, second, {"kvstore_retain_s": 60}) == 0
     wait_for(lambda: retained(client)[0] == 12, "the second prompt's blocks retained")
     assert retained(client) == (12, 12 * size)
+
+
+def test_the_openai_servers_kv_transfer_params_field_carries_it(
+        tiny_llama: Path, store_node: Any, client: Client,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``python -m vllm.entrypoints.openai.api_server``: a completion's request body field
+    ``kv_transfer_params`` reaches the connector."""
+    import sys
+
+    import httpx
+
+    from conductor.vllm_procs import start_vllm, wait_ready
+
+    namespace = f"{NAMESPACE}-server"
+    server = start_vllm(sys.executable, tiny_llama, tmp_path_factory.mktemp("vllm"),
+                        name="retain", store=store_node.addr, namespace=namespace,
+                        max_model_len=512)
+    try:
+        wait_ready(server, "/v1/models", 400)
+        before = retained(client)
+        toks = tokens(PROMPT_TOKENS, 21)
+        body = {"prompt": toks, "max_tokens": 4, "temperature": 0,
+                "kv_transfer_params": {"kvstore_retain_s": 120}}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        keys = [bytes(k) for k in block_keys(toks, BLOCK, namespace)]
+        wait_for(lambda: all(client.exists(keys)), "the server's blocks saved")
+        wait_for(lambda: retained(client)[0] == before[0] + 6, "the blocks retained")
+    finally:
+        assert server.stop() == 0, server.output()
