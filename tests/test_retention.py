@@ -247,3 +247,16 @@ def test_retained_blocks_leave_the_queue_so_evictions_do_not_rescan_them() -> No
     clock.now += 100  # expired: back in the queue at their old LRU priority
     assert put(m, "late") == ["r0"]
     assert put(m, "later") == ["r1"]
+
+
+def test_hard_pins_are_unchanged_by_retention() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=3)
+    r = m.reserve(k("p"), B, pin=True, retain=RetainAsk(seconds=5))
+    assert r is not None and m.commit(r)
+    put(m, "a")
+    put(m, "b")
+    clock.now += 5  # its retention ended: still pinned, never a victim
+    assert put(m, "c") == ["a"]
+    assert put(m, "d") == ["b"]
+    assert k("p") in m and m.entry(k("p")).pinned
