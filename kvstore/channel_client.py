@@ -262,9 +262,9 @@ class ChannelConnection:
         return sizes
 
     def put(self, keys: Sequence[bytes], values: Sequence[memoryview],
-            parents: Sequence[bytes | None], pin: bool) -> list[bool]:
+            parents: Sequence[bytes | None], pin: bool, retain_s: float = 0.0) -> list[bool]:
         sizes = self._sizes(values)
-        meta = wire.pack_put_items(keys, sizes, parents, pin)
+        meta = wire.pack_put_items(keys, sizes, parents, pin, retain_s)
         if self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES:
             return self._put_shm(keys, values, meta)
         _, reply = self._call(Op.PUT, len(keys), meta, values)
@@ -308,14 +308,15 @@ class ChannelConnection:
 
     def put_replicated(self, keys: Sequence[bytes], values: Sequence[memoryview],
                        parents: Sequence[bytes | None], pin: bool, copies: int,
-                       write_quorum: int) -> tuple[list[bool], int, str]:
+                       write_quorum: int, retain_s: float = 0.0
+                       ) -> tuple[list[bool], int, str]:
         """A replicated put to the keys' master (RPUT, or RESERVE + RCOMMIT over shared
         memory): (stored flags, copies holding every key, text of failed forwards)."""
         sizes = self._sizes(values)
         if not (self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES):
-            return self._rput(keys, values, sizes, parents, pin, copies, write_quorum)
+            return self._rput(keys, values, sizes, parents, pin, copies, write_quorum, retain_s)
         rids, slots = self._reserve_and_fill(
-            keys, values, wire.pack_put_items(keys, sizes, parents, pin))
+            keys, values, wire.pack_put_items(keys, sizes, parents, pin, retain_s))
         stored = [False] * len(keys)
         made, failures = 255, []
         if rids:
@@ -330,15 +331,16 @@ class ChannelConnection:
             # Already on the master; its other owners may lack them: forward from the stream.
             _, more, text = self._rput([keys[i] for i in existed], [values[i] for i in existed],
                                        [sizes[i] for i in existed],
-                                       [parents[i] for i in existed], pin, copies, write_quorum)
+                                       [parents[i] for i in existed], pin, copies, write_quorum,
+                                       retain_s)
             made = min(made, more)
             failures.append(text)
         return stored, made, "; ".join(f for f in failures if f)
 
     def _rput(self, keys: Sequence[bytes], values: Sequence[memoryview], sizes: Sequence[int],
-              parents: Sequence[bytes | None], pin: bool, copies: int, write_quorum: int
-              ) -> tuple[list[bool], int, str]:
-        meta = wire.pack_rput_items(keys, sizes, parents, pin, copies, write_quorum)
+              parents: Sequence[bytes | None], pin: bool, copies: int, write_quorum: int,
+              retain_s: float = 0.0) -> tuple[list[bool], int, str]:
+        meta = wire.pack_rput_items(keys, sizes, parents, pin, copies, write_quorum, retain_s)
         _, reply = self._call(Op.RPUT, len(keys), meta, values)
         return wire.unpack_repl_reply(reply, len(keys))
 

@@ -78,7 +78,7 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
     blocks: list[BlockCopy] = []
     failure: KVStoreError | None = None
     with contextlib.ExitStack() as stack:  # commits every slot on a clean exit, else aborts
-        for key, parent, nbytes, flags, _, _ in items:
+        for i, (key, parent, nbytes, flags, _, _) in enumerate(items):
             slots.append(None)
             if failure is not None:
                 conn.discard(nbytes)
@@ -87,9 +87,11 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
             stored_key = p.key(raw)
             par = p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None
             pin = bool(flags & wire.FLAG_PIN)
+            retain_s = wire.item_retain_s(meta, i, wire.RPUT_ITEM.size)
             try:
                 slot = stack.enter_context(node.put_slot(stored_key, nbytes, parent=par, pin=pin,
-                                                         owner=p.owner, quota=p.quota))
+                                                         owner=p.owner, quota=p.quota,
+                                                         retain_s=retain_s))
             except KVStoreError as exc:
                 failure = exc  # the writer has sent the rest: consume it to stay in frame
                 conn.discard(nbytes)
@@ -103,7 +105,7 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
                 slots[-1] = slot
             reader.read_into(value)
             blocks.append(BlockCopy(key=stored_key, place=raw, parent=par, pin=pin,
-                                    value=value))
+                                    retain_s=retain_s, value=value))
         if failure is not None:
             raise failure
         outcome = fwd.forward(blocks, copies=copies, write_quorum=quorum)
@@ -124,7 +126,8 @@ def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:
             # Shared memory carries only unsalted keys (tenants with a salt never map the
             # region), so the stored key is the key placement ranks.
             outcome = fwd.forward(
-                [BlockCopy(key=r.key, place=r.key, parent=r.parent, pin=r.pin, value=v)
+                [BlockCopy(key=r.key, place=r.key, parent=r.parent, pin=r.pin, value=v,
+                           retain_s=r.retain.seconds if r.retain is not None else 0.0)
                  for r, v in zip(reservations, views, strict=True)],
                 copies=copies, write_quorum=quorum)
         finally:

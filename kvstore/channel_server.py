@@ -208,6 +208,7 @@ class _Connection:
                     p.key(BlockKey(key)), nbytes,
                     parent=p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None,
                     pin=bool(flags & wire.FLAG_PIN), owner=p.owner, quota=p.quota,
+                    retain_s=wire.item_retain_s(meta, i, wire.PUT_ITEM.size),
                 ) as slot:
                     if slot is None:
                         self.discard(nbytes)
@@ -274,11 +275,12 @@ class _Connection:
         out = bytearray()
         made: list[int] = []
         try:
-            for key, parent, nbytes, flags in wire.PUT_ITEM.iter_unpack(meta):
+            for i, (key, parent, nbytes, flags) in enumerate(wire.PUT_ITEM.iter_unpack(meta)):
                 got = self.reservations.reserve(
                     BlockKey(key), nbytes,
                     parent=BlockKey(parent) if flags & wire.FLAG_PARENT else None,
                     pin=bool(flags & wire.FLAG_PIN),
+                    retain_s=wire.item_retain_s(meta, i, wire.PUT_ITEM.size),
                 )
                 if got is None:
                     out += wire.RESERVE_ITEM.pack(0, 0, wire.RESERVE_EXISTED)

@@ -32,6 +32,15 @@ class CliError(Exception):
     """A failure to report in one line."""
 
 
+def _retain(text: str) -> float:
+    from kvstore.retention import check_retain_s
+
+    try:
+        return check_retain_s(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("retain_s", "--retain")) from None
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -56,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SSD I/O: io_uring or a thread pool (default auto)")
     s.add_argument("--policy", choices=["lru", "lfu", "prefix"], help="eviction policy")
     s.add_argument("--high-watermark", type=float, help="evict when use passes this fraction")
+    s.add_argument("--max-retained-fraction", type=float, metavar="F",
+                   help="most of the node's capacity (and of a tenant's quota) puts with "
+                        "retain_s may hold (0..1, default 0.5)")
     s.add_argument("--low-watermark", type=float, help="evict down to this fraction")
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
                    help="do not touch the DRAM region's pages at start")
@@ -127,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="file to store ('-' for stdin)")
     s.add_argument("--parent", help="parent key in the prefix chain (hex)")
     s.add_argument("--pin", action="store_true", help="never evict this block")
+    s.add_argument("--retain", type=_retain, metavar="S",
+                   help="keep the block in the cache S seconds after its last put or read "
+                        "(0 < S <= 604800; see README Retention)")
 
     s = sub.add_parser("get", help="fetch a key's bytes")
     client_args(s)
@@ -195,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_format", "metrics_listen",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
-        "hbm_bytes",
+        "hbm_bytes", "max_retained_fraction",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
         "tls_key",
@@ -217,7 +232,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
-                             ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io))
+                             ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io,
+                             max_retained_fraction=cfg.max_retained_fraction))
     exporter = None
     try:
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
@@ -402,8 +418,9 @@ def cmd_put(args: argparse.Namespace) -> int:
         with open(args.file, "rb") as f:
             data = f.read()
     with _client(args) as c:
-        stored = c.put(key, data, parent=parent, pin=args.pin)
-    print(f"{'stored' if stored else 'exists'} {key.hex()} ({len(data)} bytes)")
+        stored = c.put(key, data, parent=parent, pin=args.pin, retain_s=args.retain)
+    kept = f", retain {args.retain:g} s" if args.retain else ""
+    print(f"{'stored' if stored else 'exists'} {key.hex()} ({len(data)} bytes{kept})")
     return 0
 
 

@@ -49,6 +49,7 @@ from kvstore.keys import BlockKey
 from kvstore.logs import REQUEST_ID_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.retention import retain_seconds
 from kvstore.security import ClientTls
 from kvstore.wire import Mode
 
@@ -62,10 +63,12 @@ class SingleKeyCalls:
     single-node ``Client`` and the ``ClusterClient`` share these."""
 
     def put(self, key: bytes, value: object, *, parent: bytes | None = None,
-            pin: bool = False) -> bool:
+            pin: bool = False, retain_s: float | None = None) -> bool:
         """Stores ``value`` under ``key``: True if stored, False if the key already existed
-        (cluster-wide: on its master)."""
-        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]  # type: ignore[attr-defined]
+        (cluster-wide: on its master). ``retain_s``: keep the block that many seconds after
+        its last put or read (README "Retention"); None asks for nothing."""
+        return self.put_batch([key], [value], parents=[parent], pin=pin,  # type: ignore[attr-defined]
+                              retain_s=retain_s)[0]
 
     def get(self, key: bytes) -> bytes | None:
         """The value of ``key``, or None on a miss."""
@@ -277,33 +280,36 @@ class Client(SingleKeyCalls):
     # ---- API -----------------------------------------------------------------------------
 
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
-                  parents: Sequence[bytes | None] | None = None, pin: bool = False
-                  ) -> list[bool]:
+                  parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                  retain_s: float | None = None) -> list[bool]:
         """Stores each value under its key; per key as ``put``."""
         ks, views, ps = check_put_batch(keys, values, parents)
+        keep = retain_seconds(retain_s)
         if self._uses_channel():
             out: list[bool] = []
             for lo in range(0, len(ks), MAX_BATCH):
                 hi = lo + MAX_BATCH
                 out += self._channel_call(lambda c, lo=lo, hi=hi: c.put(ks[lo:hi], views[lo:hi],
-                                                                        ps[lo:hi], pin))
+                                                                        ps[lo:hi], pin, keep))
             return out
         stored: list[bool] = []
         for lo, hi in _chunks([len(v) for v in views], _GRPC_BATCH_BYTES):
-            items = [pb.PutRequest(key=k, value=bytes(v), parent=p or b"", pin=pin)
+            items = [pb.PutRequest(key=k, value=bytes(v), parent=p or b"", pin=pin,
+                                   retain_s=keep)
                      for k, v, p in zip(ks[lo:hi], views[lo:hi], ps[lo:hi], strict=True)]
             stored.extend(self._grpc("BatchPut", pb.BatchPutRequest(items=items)).stored)
         return stored
 
     def put_batch_replicated(self, keys: Sequence[bytes], values: Sequence[object], *,
                              parents: Sequence[bytes | None] | None = None, pin: bool = False,
-                             copies: int, write_quorum: int
+                             copies: int, write_quorum: int, retain_s: float | None = None
                              ) -> tuple[list[bool], int, list[str]]:
         """For the cluster client: a put this node, the keys' master, forwards to
         ``copies - 1`` other owners of its own choosing before it answers (one trip from
         here). Returns (stored flags, copies holding every key, failed forwards).
         FailedPrecondition: the node is not an etcd cluster member, or no transfer channel."""
         ks, views, ps = check_put_batch(keys, values, parents)
+        keep = retain_seconds(retain_s)
         if not self._uses_channel():
             raise FailedPrecondition(f"{self.addr}: a replicated put needs the transfer channel")
         stored: list[bool] = []
@@ -312,7 +318,7 @@ class Client(SingleKeyCalls):
             hi = lo + MAX_BATCH
             flags, n, text = self._channel_call(
                 lambda c, lo=lo, hi=hi: c.put_replicated(ks[lo:hi], views[lo:hi], ps[lo:hi],
-                                                         pin, copies, write_quorum))
+                                                         pin, copies, write_quorum, keep))
             stored += flags
             made = min(made, n)
             if text:

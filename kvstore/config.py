@@ -35,6 +35,7 @@ class NodeConfig:
     ssd_path: str = ""  # "": no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"  # "auto" | "uring" | "python"
+    max_retained_fraction: float = 0.5  # of capacity (and of a tenant's quota) retain_s may hold
     # cluster (all unused when etcd is ""):
     etcd: str = ""  # HOST:PORT of etcd; "": a single node, no cluster
     node_id: str = ""  # "": "HOST:PORT" of the gRPC address
@@ -95,6 +96,9 @@ class NodeConfig:
             raise ValueError("tls_client_auth needs tls_ca (the CA client certificates chain to)")
         if self.ssd_io not in ("auto", "uring", "python"):
             raise ValueError(f"ssd_io must be auto, uring or python, got {self.ssd_io!r}")
+        if not 0.0 <= self.max_retained_fraction <= 1.0:
+            raise ValueError(f"max_retained_fraction must be in [0, 1], got "
+                             f"{self.max_retained_fraction!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.metrics_listen:

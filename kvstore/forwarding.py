@@ -28,6 +28,7 @@ class BlockCopy:
     parent: BlockKey | None
     pin: bool
     value: memoryview
+    retain_s: float = 0.0  # the retention the copy asks for (``tiers.retention``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

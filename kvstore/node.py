@@ -40,6 +40,7 @@ from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.policy import make_policy
+from tiers.retention import DEFAULT_MAX_RETAINED_FRACTION, RetentionBook, retain_ask
 
 log = logging.getLogger("kvstore.node")
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class NodeSettings:
     ssd_path: str | None = None  # None: no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"
+    max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION  # of all tiers' capacity
 
 
 class _RequestScope:
@@ -106,6 +108,8 @@ class Node:
             make_policy(settings.policy),
             watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
             durable=durable,
+            retention=RetentionBook(clock=clock, max_bytes=int(
+                settings.max_retained_fraction * sum(t.capacity for t in tiers))),
         )
         self._recover()
         self._mover: TierMover | None = None
@@ -197,17 +201,21 @@ class Node:
     # ---- puts ----------------------------------------------------------------------------
 
     def _reserve(self, key: BlockKey, nbytes: int, parent: BlockKey | None, pin: bool,
-                 owner: str | None = None, quota: int | None = None) -> Reservation | None:
+                 owner: str | None = None, quota: int | None = None,
+                 retain_s: float | None = None) -> Reservation | None:
         if nbytes <= 0:
             raise InvalidArgument("a block value must not be empty")
         if parent == key:
             raise InvalidArgument("a block cannot be its own parent")
+        retain = retain_ask(retain_s, owner=owner, quota=quota,
+                            fraction=self.settings.max_retained_fraction)
         for _ in range(_ROOM_ATTEMPTS):
             try:
                 with self._lock:
                     if owner is not None and quota is not None and key not in self._manager:
                         self._quotas.check(owner, quota, nbytes, key=key)
-                    reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin)
+                    reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin,
+                                                        retain=retain)
                     if reservation is not None and owner is not None:
                         self._quotas.charge_reservation(owner, reservation, nbytes,
                                                         key=key)
@@ -233,14 +241,14 @@ class Node:
                                 "or already moving")
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
-                pin: bool = False, owner: str | None = None, quota: int | None = None
-                ) -> Reservation | None:
+                pin: bool = False, owner: str | None = None, quota: int | None = None,
+                retain_s: float | None = None) -> Reservation | None:
         """Space for a put whose bytes arrive later (None: the key is already stored).
 
         The caller owns the reservation until it hands it to ``commit`` or ``abort``;
         transports keep them in a ``ReservationSet`` that aborts leftovers on close.
         """
-        return self._reserve(key, nbytes, parent, pin, owner, quota)
+        return self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         return self._manager.fill_view(reservation)
@@ -260,14 +268,15 @@ class Node:
 
     @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
-                 pin: bool = False, owner: str | None = None, quota: int | None = None
-                 ) -> Iterator[PutSlot | None]:
+                 pin: bool = False, owner: str | None = None, quota: int | None = None,
+                 retain_s: float | None = None) -> Iterator[PutSlot | None]:
         """Two-phase put: reserve, let the caller fill ``slot.view``, commit on a clean exit.
 
         Yields None when the key is already stored (the put is an idempotent no-op).
-        ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.quotas``).
+        ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.quotas``);
+        ``retain_s``: see ``tiers.retention``.
         """
-        reservation = self._reserve(key, nbytes, parent, pin, owner, quota)
+        reservation = self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
         if reservation is None:
             yield None
             return
@@ -282,10 +291,11 @@ class Node:
         slot.stored = self.commit(reservation)
 
     def put(self, key: BlockKey, value: memoryview, *, parent: BlockKey | None = None,
-            pin: bool = False, owner: str | None = None, quota: int | None = None) -> bool:
+            pin: bool = False, owner: str | None = None, quota: int | None = None,
+            retain_s: float | None = None) -> bool:
         """Stores ``value`` under ``key``; False if the key was already stored."""
         with self.put_slot(key, len(value), parent=parent, pin=pin, owner=owner,
-                           quota=quota) as slot:
+                           quota=quota, retain_s=retain_s) as slot:
             if slot is None:
                 return False
             slot.view[:] = value
@@ -377,9 +387,13 @@ class Node:
         """Frozen copies-to-be of the blocks (None per miss) for replication and repair,
         their bytes valid inside the scope; not counted as reads."""
         with self.reading_blocks(keys, access=False) as blocks:
+            with self._lock:  # a copy carries the retention the block has now
+                held = self._manager.retention.seconds_of
+                kept = [0.0 if b is None else held(b[0].key) for b in blocks]
             yield [None if b is None else BlockCopy(key=b[0].key, place=b[0].key,
                                                     parent=b[0].parent, pin=b[0].pinned,
-                                                    value=b[1]) for b in blocks]
+                                                    retain_s=s, value=b[1])
+                   for b, s in zip(blocks, kept, strict=True)]
 
     def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's block size (None if absent); not counted as reads."""
@@ -446,6 +460,7 @@ class Node:
             tiers = [m.level_stats(i) for i in range(len(m.levels))]
             pending = m.pending_promotions()
             quota_used = self._quotas.used()
+            retained = m.retention.stats()
         with self._admission:
             draining, in_flight = self._draining, self._in_flight
         return {
@@ -456,6 +471,7 @@ class Node:
                 "in_flight": in_flight,
                 "pending_promotions": pending,
                 **({"namespace_bytes": quota_used} if quota_used else {}),
+                **retained,
                 **self._info,
                 **{k: v for source in self._stat_sources for k, v in source().items()},
             },
@@ -540,9 +556,9 @@ class ReservationSet:
         self._pending: dict[int, tuple[Reservation, float]] = {}  # in grant order
         self._next_id = 1
 
-    def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool
-                ) -> tuple[int, Reservation] | None:
-        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin)
+    def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool,
+                retain_s: float | None = None) -> tuple[int, Reservation] | None:
+        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s)
         if reservation is None:
             return None
         rid = self._next_id

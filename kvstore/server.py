@@ -29,6 +29,7 @@ from kvstore.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-ex
 from kvstore.node import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.retention import retain_seconds
 from kvstore.security import (
     OPEN,
     Principal,
@@ -99,7 +100,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             ) -> pb.PutResponse:
         stored = self.node.put(p.key(check_key(request.key)), memoryview(request.value),
                                parent=p.parent(check_parent(request.parent)), pin=request.pin,
-                               owner=p.owner, quota=p.quota)
+                               owner=p.owner, quota=p.quota, retain_s=request.retain_s)
         return pb.PutResponse(stored=stored)
 
     @_rpc
@@ -132,8 +133,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                  p: Principal) -> pb.BatchPutResponse:
         items = [(check_key(i.key), check_parent(i.parent), i) for i in request.items]
         check_keys([k for k, _, _ in items])
+        for i in request.items:  # refuse a bad retain_s before any item is stored
+            retain_seconds(i.retain_s)
         stored = [self.node.put(p.key(k), memoryview(i.value), parent=p.parent(par), pin=i.pin,
-                                owner=p.owner, quota=p.quota) for k, par, i in items]
+                                owner=p.owner, quota=p.quota, retain_s=i.retain_s)
+                  for k, par, i in items]
         return pb.BatchPutResponse(stored=stored)
 
     @_rpc

@@ -25,4 +25,15 @@ def format_stat_table(stats: dict) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     node = ", ".join(f"{k}={v}" for k, v in sorted(stats["node"].items()))
-    return "\n".join([*lines, f"node: {node}"])
+    return "\n".join([*lines, *_retained_line(stats["node"]), f"node: {node}"])
+
+
+def _retained_line(node: dict) -> list[str]:
+    """``retained: N blocks, SIZE of CAP`` when the node reports retention."""
+    if "retained_blocks" not in node:
+        return []
+    cap = node.get("retained_cap_bytes")
+    of = f" of {format_size(int(cap))} allowed" if cap is not None else ""
+    return [f"retained: {node['retained_blocks']} blocks, "
+            f"{format_size(int(node['retained_bytes']))}{of}, "
+            f"{node.get('retention_denied', 0)} refused"]

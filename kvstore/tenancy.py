@@ -155,6 +155,9 @@ def stats_view(p: Principal, stats: dict[str, Any]) -> dict[str, Any]:
     node: dict[str, Any] = {k: v for k, v in stats["node"].items() if k in _TENANT_NODE_ITEMS}
     node["tenant"] = name
     node["namespace_bytes"] = {name: used}
+    kept = stats["node"].get("namespace_retained_bytes", {}).get(name)
+    if kept:  # its own retained bytes (``tiers.retention``), never the node's sums
+        node["namespace_retained_bytes"] = {name: kept}
     if p.tenant.quota_bytes is not None:
         node["quota_bytes"] = p.tenant.quota_bytes
     tiers = {t: {"name": s["name"], **{k: v for k, v in s.items() if k in _TENANT_TIER_COUNTERS}}

@@ -45,6 +45,11 @@ Per-op meta:
                                                 when released, 0: it had expired or was
                                                 never granted: bytes copied under it are void)
 
+Retention (``retain_s``, see ``tiers.retention``) rides in the padding of PUT_ITEM and
+RPUT_ITEM: a u32 of milliseconds at byte ``RETAIN_AT`` of the item (0: none). Writers
+before it sent zeros there, so their puts ask for no retention, and a node before it
+ignores the field; item sizes are unchanged.
+
 RPUT and RCOMMIT are the cluster's replicated puts, in one trip from the writer: the
 node (the keys' master) stores the values (RPUT: from the stream; RCOMMIT: the SHM
 reservations named) and forwards them to the other owners, which it takes from its
@@ -61,6 +66,7 @@ COMMIT of an expired reservation fails (UNAVAILABLE) and stores nothing from it.
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 import struct
@@ -80,6 +86,8 @@ RESERVE_ITEM = struct.Struct("<QQB7x")  # reservation id, region offset, state
 U64 = struct.Struct("<Q")
 RPUT_ITEM = struct.Struct("<16s16sQBBB5x")  # key, parent, nbytes, flags, copies, write quorum
 RCOMMIT_ITEM = struct.Struct("<QBB6x")  # reservation id, copies, write quorum
+RETAIN_AT = 44  # offset of the u32 retain_ms inside a PUT_ITEM or an RPUT_ITEM
+RETAIN_MS = struct.Struct("<I")
 REPL_TAIL = struct.Struct("<B")  # copies that hold every item, the master's included
 
 MISS = (1 << 64) - 1
@@ -346,25 +354,45 @@ def unpack_ids(meta: bytes, count: int) -> tuple[int, ...]:
     return struct.unpack(f"<{count}Q", meta)
 
 
+def retain_ms(retain_s: float) -> int:
+    """``retain_s`` on the wire: whole milliseconds, rounded up (any positive ask keeps
+    at least 1 ms); past the u32 range it is clamped, and the node refuses it as too long."""
+    if retain_s <= 0:
+        return 0
+    return min(math.ceil(retain_s * 1000), 0xFFFFFFFF)
+
+
+def item_retain_s(meta: bytes, index: int, item_size: int) -> float:
+    """The ``retain_s`` of item ``index`` of a PUT/RESERVE/RPUT request's meta."""
+    return RETAIN_MS.unpack_from(meta, index * item_size + RETAIN_AT)[0] / 1000.0
+
+
 def pack_put_items(
-    keys: Sequence[bytes], sizes: Sequence[int], parents: Sequence[bytes | None], pin: bool
+    keys: Sequence[bytes], sizes: Sequence[int], parents: Sequence[bytes | None], pin: bool,
+    retain_s: float = 0.0,
 ) -> bytes:
     out = bytearray()
     zero = bytes(16)
+    ms = retain_ms(retain_s)
     for key, size, parent in zip(keys, sizes, parents, strict=True):
         flags = (FLAG_PARENT if parent is not None else 0) | (FLAG_PIN if pin else 0)
         out += PUT_ITEM.pack(key, parent if parent is not None else zero, size, flags)
+        if ms:
+            RETAIN_MS.pack_into(out, len(out) - PUT_ITEM.size + RETAIN_AT, ms)
     return bytes(out)
 
 
 def pack_rput_items(keys: Sequence[bytes], sizes: Sequence[int], parents: Sequence[bytes | None],
-                    pin: bool, copies: int, write_quorum: int) -> bytes:
+                    pin: bool, copies: int, write_quorum: int, retain_s: float = 0.0) -> bytes:
     out = bytearray()
     zero = bytes(16)
+    ms = retain_ms(retain_s)
     for key, size, parent in zip(keys, sizes, parents, strict=True):
         flags = (FLAG_PARENT if parent is not None else 0) | (FLAG_PIN if pin else 0)
         out += RPUT_ITEM.pack(key, parent if parent is not None else zero, size, flags,
                               copies, write_quorum)
+        if ms:
+            RETAIN_MS.pack_into(out, len(out) - RPUT_ITEM.size + RETAIN_AT, ms)
     return bytes(out)
 
 

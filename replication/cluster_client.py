@@ -57,6 +57,7 @@ from kvstore.client import Client, SingleKeyCalls, check_put_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.retention import retain_seconds
 from kvstore.security import ClientTls
 from replication.etcd_membership import EtcdMembership
 from replication.hotness import HotnessTracker
@@ -238,9 +239,11 @@ class ClusterClient(SingleKeyCalls):
     # ---- writes --------------------------------------------------------------------------
 
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
-                  parents: Sequence[bytes | None] | None = None, pin: bool = False
-                  ) -> list[bool]:
+                  parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                  retain_s: float | None = None) -> list[bool]:
+        """``retain_s``: every copy keeps the blocks (README "Retention")."""
         ks, views, ps = check_put_batch(keys, values, parents)
+        keep = retain_seconds(retain_s)
         view = self._current()
         live = len(view.by_id)
         if self.write_quorum > live:
@@ -268,7 +271,7 @@ class ClusterClient(SingleKeyCalls):
                 try:
                     if self.replicas > 1 and master not in self._no_forward:
                         try:
-                            flags = self._put_forwarded(client, keys, vals, pars, pin)
+                            flags = self._put_forwarded(client, keys, vals, pars, pin, keep)
                         except FailedPrecondition:  # not an etcd member: the two-trip path
                             with self._lock:
                                 self._no_forward.add(master)
@@ -276,14 +279,15 @@ class ClusterClient(SingleKeyCalls):
                             for i, f in zip(idx, flags, strict=True):
                                 stored[i] = f
                             return
-                    flags = client.put_batch(keys, vals, parents=pars, pin=pin)
+                    flags = client.put_batch(keys, vals, parents=pars, pin=pin,
+                                             retain_s=keep)
                     if self.replicas > 1:
                         others = [n for n in view.by_id if n != master]
                         slot = {n: j for j, n in enumerate(others)}
                         orders = [[slot[n] for n in cands[i] if n != master and n not in down]
                                   for i in idx]
                         self._replicate(client, keys, [view.by_id[n].addr for n in others],
-                                        orders, vals, pars, pin)
+                                        orders, vals, pars, pin, keep)
                 except QuorumNotMet:
                     raise
                 except Unavailable as exc:  # the master is down (or died before replicating)
@@ -302,12 +306,13 @@ class ClusterClient(SingleKeyCalls):
         return stored
 
     def _put_forwarded(self, client: Client, keys: list[BlockKey], values: list[memoryview],
-                       parents: list[BlockKey | None], pin: bool) -> list[bool]:
+                       parents: list[BlockKey | None], pin: bool, keep: float
+                       ) -> list[bool]:
         """One trip: the master stores the blocks and forwards them to the owners it
         ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
         flags, copies, failed = client.put_batch_replicated(
             keys, values, parents=parents, pin=pin, copies=self.replicas,
-            write_quorum=self.write_quorum)
+            write_quorum=self.write_quorum, retain_s=keep)
         if copies < self.write_quorum:
             raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
                                f"({'; '.join(failed)})")
@@ -315,7 +320,7 @@ class ClusterClient(SingleKeyCalls):
 
     def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
                    orders: list[list[int]], values: list[memoryview],
-                   parents: list[BlockKey | None], pin: bool) -> None:
+                   parents: list[BlockKey | None], pin: bool, keep: float) -> None:
         """Asks the master ``client`` to copy ``keys`` to their replicas; QuorumNotMet if
         fewer than ``write_quorum`` copies exist when it answers."""
         for attempt in (1, 2):
@@ -328,7 +333,7 @@ class ClusterClient(SingleKeyCalls):
                 lost = set(reply.missing)
                 idx = [i for i, k in enumerate(keys) if k in lost]
                 client.put_batch([keys[i] for i in idx], [values[i] for i in idx],
-                                 parents=[parents[i] for i in idx], pin=pin)
+                                 parents=[parents[i] for i in idx], pin=pin, retain_s=keep)
                 continue
             if reply.missing:
                 raise QuorumNotMet(f"{len(reply.missing)} blocks were evicted on "

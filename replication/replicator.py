@@ -45,15 +45,16 @@ class ReplicateOutcome:
 
 
 def send_copies(peer: Client, blocks: Sequence[BlockCopy]) -> int:
-    """Puts ``blocks`` on ``peer``; bytes sent. Pinned and unpinned blocks go in separate
-    batches so the peer pins what the source pinned."""
+    """Puts ``blocks`` on ``peer``; bytes sent. Blocks go in batches of one pin flag and
+    one retention, so the peer pins and retains what the source did."""
     sent = 0
-    for pin in (False, True):
-        group = [b for b in blocks if b.pin == pin]
-        if group:
-            peer.put_batch([b.key for b in group], [b.value for b in group],
-                           parents=[b.parent for b in group], pin=pin)
-            sent += sum(len(b.value) for b in group)
+    groups: dict[tuple[bool, float], list[BlockCopy]] = {}
+    for b in blocks:
+        groups.setdefault((b.pin, b.retain_s), []).append(b)
+    for (pin, keep), group in sorted(groups.items()):
+        peer.put_batch([b.key for b in group], [b.value for b in group],
+                       parents=[b.parent for b in group], pin=pin, retain_s=keep or None)
+        sent += sum(len(b.value) for b in group)
     return sent
 
 

@@ -33,6 +33,8 @@ Invariants, checked by tests:
 * a block with readers is never freed nor moved: eviction defers it, ``remove``
   unlinks it but frees its space when the last lease ends;
 * pinned blocks are never evicted or demoted (only removed explicitly);
+* retained blocks (``tiers.retention``) may be demoted but are never dropped from the
+  last tier while retained;
 * for every key ``P``: ``_blocks[P].children`` (or ``_orphans[P]`` while ``P``
   is absent) equals the number of indexed blocks whose parent is ``P``; the
   prefix-aware policy evicts only blocks with no children;
@@ -63,6 +65,7 @@ from tiers.records import (
     TierCounters,
     Watermarks,
 )
+from tiers.retention import RetainAsk, RetentionBook
 
 PROMOTE_AFTER_HITS = 2
 
@@ -89,6 +92,7 @@ class TierManager:
         watermarks: Watermarks | None = None,
         landing: int | None = None,
         durable: Sequence[bool] | None = None,
+        retention: RetentionBook | None = None,
     ) -> None:
         tier_list = [tiers] if not isinstance(tiers, Sequence) else list(tiers)
         if not tier_list:
@@ -113,6 +117,8 @@ class TierManager:
             raise ValueError("the landing tier must be addressable memory")
         self.landing = landing
         self._s = _State()
+        # Retained blocks (``tiers.retention``): demotable, but never dropped while held.
+        self.retention = retention if retention is not None else RetentionBook()
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -164,7 +170,8 @@ class TierManager:
     # ---- puts ----------------------------------------------------------------------------
 
     def reserve(
-        self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None, pin: bool = False
+        self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None, pin: bool = False,
+        retain: RetainAsk | None = None,
     ) -> Reservation | None:
         """Space in the landing tier for a new block, or None if ``key`` is already stored.
 
@@ -177,6 +184,8 @@ class TierManager:
         if nbytes <= 0:
             raise ValueError(f"block size must be positive, got {nbytes}")
         if key in self._s.blocks:
+            if retain is not None:  # a put of a stored block refreshes its retention
+                self.retention.grant(key, self._s.blocks[key].nbytes, retain)
             return None
         level = self.landing
         lv = self.levels[level]
@@ -189,7 +198,8 @@ class TierManager:
             extent = tier.allocate(nbytes)
             if extent is None:
                 raise NeedsRoom(level, nbytes)
-            return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
+            return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
+                               retain=retain)
         # The parent of the block being written stays: evicting it would strand its child.
         protect = parent
         if tier.used + nbytes > self.watermarks.high * capacity:
@@ -209,7 +219,8 @@ class TierManager:
 
             self._evict_until(level, fits, strict=True, protect=protect)
             extent = holder[0]
-        return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin)
+        return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
+                           retain=retain)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         """Where the put's bytes go; valid until commit or abort."""
@@ -224,6 +235,8 @@ class TierManager:
         level = self.levels[self.landing]
         if key in blocks:
             level.tier.free(reservation.extent)
+            if reservation.retain is not None:
+                self.retention.grant(key, blocks[key].nbytes, reservation.retain)
             return False
         tick = next(self._clock)
         entry = BlockEntry(
@@ -237,6 +250,8 @@ class TierManager:
             children=s.orphans.pop(key, 0) if s.orphans else 0,
         )
         self._index(entry, tick)
+        if reservation.retain is not None:
+            self.retention.grant(key, entry.nbytes, reservation.retain)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
@@ -289,6 +304,8 @@ class TierManager:
         entry.tier_hits += 1
         tick = next(self._clock)
         entry.last_access = tick
+        if self.retention.held:
+            self.retention.touch(key)
         level = self.levels[entry.level]
         # An indexed entry is never unlinked: any flag means pinned or moving.
         if not (entry.flags or (self.policy.leaves_only and entry.children > 0)):
@@ -337,6 +354,8 @@ class TierManager:
         if s.promote:
             s.promote.pop(entry.key, None)
         entry.queue_seq = 0  # EvictionQueue.forget(entry)
+        if self.retention.held:
+            self.retention.forget(entry.key)
         if entry.children:
             s.orphans[entry.key] = s.orphans.get(entry.key, 0) + entry.children
         if entry.parent is not None:
@@ -371,6 +390,24 @@ class TierManager:
             return Eligibility.DEFER
         return Eligibility.EVICT
 
+    def _drop_eligibility(self, entry: BlockEntry) -> Eligibility:
+        """As ``_eligibility``, for a drop from the last tier: a retained block leaves the
+        queue (so rounds never rescan it) until ``_requeue_expired`` puts it back."""
+        verdict = self._eligibility(entry)
+        if verdict is Eligibility.EVICT and self.retention.retains(entry.key):
+            return Eligibility.DROP
+        return verdict
+
+    def _requeue_expired(self) -> None:
+        """Blocks whose retention ended rejoin their tier's queue at their policy priority
+        (for LRU their last access), so they leave in plain policy order."""
+        blocks = self._s.blocks
+        for key in self.retention.drain_ended():
+            e = blocks.get(key)
+            if e is not None and not e.flags and not e.queue_seq and \
+                    not self._held_by_children(e):
+                self.levels[e.level].queue.push(key, e)
+
     def _evict_until(self, level: int, done: Callable[[], bool] | None, *, strict: bool,
                      protect: BlockKey | None = None, until_used: float = 0.0) -> None:
         """Drops victims of a memory-only last tier until ``done()`` (no I/O involved).
@@ -383,6 +420,8 @@ class TierManager:
         blocks = s.blocks
         queue = lv.queue
         leaves_only = self.policy.leaves_only
+        retains = self.retention.retains
+        self._requeue_expired()
         deferred: list = []
 
         def eligibility(entry: BlockEntry) -> Eligibility:
@@ -392,6 +431,8 @@ class TierManager:
                 return Eligibility.DEFER
             if flags or (leaves_only and entry.children > 0):  # pinned or moving
                 return Eligibility.DROP
+            if retains(entry.key):
+                return Eligibility.DROP  # back in the queue when it expires
             if entry.readers:
                 return Eligibility.DEFER
             return Eligibility.EVICT
@@ -403,7 +444,8 @@ class TierManager:
                     if strict:
                         raise OutOfSpace(
                             f"{lv.tier.name} tier full: {lv.tier.used} of "
-                            f"{lv.tier.capacity} bytes are pinned, being read or being written")
+                            f"{lv.tier.capacity} bytes are pinned, retained, being read or "
+                            f"being written")
                     return
                 self._unlink(blocks[key])
                 lv.counters.evictions += 1
@@ -436,9 +478,12 @@ class TierManager:
         moves: list[Move] = []
         deferred: list = []
         planned = 0
+        self._requeue_expired()
         try:
             while planned < nbytes:
-                key = lv.queue.pop_victim(s.blocks, self._eligibility, deferred)
+                key = lv.queue.pop_victim(
+                    s.blocks, self._eligibility if dst is not None else self._drop_eligibility,
+                    deferred)
                 if key is None:
                     break
                 entry = s.blocks[key]
@@ -503,7 +548,7 @@ class TierManager:
             if m.dst is None:
                 # A drop from the last tier: unlink (space freed now or on last release).
                 if not unlinked:
-                    if e.readers == 0:
+                    if e.readers == 0 and not self.retention.retains(e.key):
                         gone = self._unlink(e)
                         if gone is not None:
                             to_delete.append(gone)

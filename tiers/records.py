@@ -13,6 +13,7 @@ from tiers.allocator import Extent
 from tiers.base import Tier
 from tiers.errors import TierError
 from tiers.policy import EvictionQueue
+from tiers.retention import RetainAsk
 
 
 class NeedsRoom(TierError):
@@ -140,6 +141,7 @@ class Reservation:
     nbytes: int
     extent: Extent
     pin: bool
+    retain: RetainAsk | None = None  # granted at commit (``tiers.retention``)
 
 
 @dataclass(slots=True, kw_only=True)

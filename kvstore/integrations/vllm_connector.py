@@ -54,6 +54,16 @@ once (``request_finished`` returns False); at most ``max_pending_saves`` batches
 flight, after which a step waits for the oldest. Store errors never fail a request: a
 failed lookup is a miss, a failed load is recomputed, a failed save is logged.
 
+*Retention.* A request asks the store to keep its blocks with
+``kv_transfer_params={"kvstore_retain_s": S}`` (the OpenAI server's ``kv_transfer_params``
+field, or ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` offline): every
+full block of the request is saved with ``retain_s=S`` (README "Retention"). Its first
+save also re-puts the blocks the store or vLLM's prefix cache already had, so the whole
+prefix is kept: the node keeps its copy, discards the bytes and only refreshes the
+retention (those bytes cross the wire once more, for retained requests only). A bad
+value (not a number, negative, over 7 days) is logged and ignored: the request runs
+without retention rather than failing.
+
 Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
 the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here).
 """
@@ -73,6 +83,7 @@ import vllm
 from kvstore import Client, block_keys
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm_blocks import BlockLayout
+from kvstore.retention import check_retain_s
 
 if not vllm.__version__.startswith("0.32."):
     raise ImportError(
@@ -100,6 +111,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvstore_connector")
 
 NAMESPACE_VERSION = "vllm-v1"
+RETAIN_PARAM = "kvstore_retain_s"
+"""The ``kv_transfer_params`` key of a request's retention in seconds."""
 
 
 # --- metadata: scheduler -> worker, once per step (pickled) ------------------------------
@@ -118,6 +131,8 @@ class SaveSpec:
     block_ids: list[int]
     parent: bytes | None
     """Key of the block before ``keys[0]`` (None if ``keys[0]`` is block 0)."""
+    retain_s: float = 0.0
+    """The request's ``kvstore_retain_s`` (0: none)."""
 
 
 @dataclass
@@ -142,6 +157,22 @@ class _ReqState:
     loading: list[int] = field(default_factory=list)
     """Destination block ids of the load in flight, in block order."""
     load_first_block: int = 0
+    retain_s: float = 0.0
+    """The request's ``kvstore_retain_s``; its first save re-puts every full block."""
+    retain_from_start: bool = False
+
+
+def request_retain_s(request: Request) -> float:
+    """``kv_transfer_params["kvstore_retain_s"]`` checked (0.0: none or refused)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    raw = params.get(RETAIN_PARAM) if isinstance(params, dict) else None
+    if raw is None:
+        return 0.0
+    try:
+        return check_retain_s(raw)
+    except ValueError as exc:
+        logger.warning("request %s: ignoring %s: %s", request.request_id, RETAIN_PARAM, exc)
+        return 0.0
 
 
 def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
@@ -257,7 +288,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request=request, extra=request_extra(request))
+            keep = request_retain_s(request)
+            st = _ReqState(request=request, extra=request_extra(request), retain_s=keep,
+                           retain_from_start=keep > 0)
             self._reqs[request.request_id] = st
         return st
 
@@ -330,15 +363,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             # Only blocks whose token ids are all known (async scheduling appends output
             # tokens a step late) and whose KV this step completes.
             full = min(done, len(st.request.all_token_ids)) // self._block_size
-            if full <= st.saved_upto:
+            # A retained request's first save starts at block 0 (see "Retention").
+            lo = 0 if st.retain_from_start else st.saved_upto
+            if full <= lo:
                 continue
             keys = self._keys_upto(st, full)
             assert self._kv_cache_manager is not None
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            lo = st.saved_upto
             meta.saves.append(SaveSpec(req_id, keys[lo:full], list(block_ids[lo:full]),
-                                       keys[lo - 1] if lo > 0 else None))
+                                       keys[lo - 1] if lo > 0 else None, st.retain_s))
             st.saved_upto = full
+            st.retain_from_start = False
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -503,30 +538,40 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.stats["layers_copied_at_step_end"] += 1
         keys = [k for s in saves for k in s.keys]
         parents: list[bytes | None] = []
+        keep: list[float] = []
         for s in saves:
             parents += [s.parent, *s.keys[:-1]]
+            keep += [s.retain_s] * len(s.keys)
         if len(set(keys)) < len(keys):  # two requests completed the same block this step
             first = {k: i for i, k in reversed(list(enumerate(keys)))}
+            longest: dict[bytes, float] = {}
+            for k, r in zip(keys, keep, strict=True):  # the longest retention asked wins
+                longest[k] = max(longest.get(k, 0.0), r)
             rows = sorted(first.values())
             keys, parents = [keys[i] for i in rows], [parents[i] for i in rows]
+            keep = [longest[k] for k in keys]
             staging = staging[torch.tensor(rows, dtype=torch.long)]
         layout.seal(staging, keys)
         while len(self._saves) >= self._max_pending_saves:
             self._saves.popleft().result()
         while self._saves and self._saves[0].done():
             self._saves.popleft()
-        self._saves.append(self._saver.submit(self._put, keys, staging, parents))
+        self._saves.append(self._saver.submit(self._put, keys, staging, parents, keep))
 
     def _put(self, keys: list[bytes], staging: torch.Tensor,
-             parents: list[bytes | None]) -> None:
-        try:
-            stored = self._save_client.put_batch(keys, [staging[i] for i in range(len(keys))],
-                                                 parents=parents)
-            self._count("saved_blocks", sum(stored))
-            self._count("saves_already_stored", len(stored) - sum(stored))
-        except Exception as exc:
-            self._count("save_errors", 1)
-            logger.warning("kvstore save of %d blocks failed: %s", len(keys), exc)
+             parents: list[bytes | None], keep: list[float]) -> None:
+        # One put_batch per retention asked (one call when no request asked for any).
+        for retain in sorted(set(keep)):
+            rows = [i for i, r in enumerate(keep) if r == retain]
+            try:
+                stored = self._save_client.put_batch(
+                    [keys[i] for i in rows], [staging[i] for i in rows],
+                    parents=[parents[i] for i in rows], retain_s=retain or None)
+                self._count("saved_blocks", sum(stored))
+                self._count("saves_already_stored", len(stored) - sum(stored))
+            except Exception as exc:
+                self._count("save_errors", 1)
+                logger.warning("kvstore save of %d blocks failed: %s", len(rows), exc)
 
     def _count(self, name: str, n: int) -> None:
         with self._stats_lock:

@@ -1,0 +1,216 @@
+"""A request's retention through ``kv_transfer_params["kvstore_retain_s"]``: vLLM's own
+Request and SchedulerOutput types on the scheduler side, then vLLM's real engine (CPU)
+saving into a real kvstore node whose stats count the retained blocks."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import Client, block_keys
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 32
+NAMESPACE = f"retention-test-{time.time_ns()}"
+PROMPT_TOKENS = 200  # 6 full blocks; with 12 output tokens still 6 (212 < 224)
+
+
+@pytest.fixture
+def client(store_node: Any) -> Iterator[Client]:
+    c = Client(store_node.addr)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class FakeManager:
+    """What the connector uses of vLLM's KVCacheManager: a request's block ids."""
+
+    block_pool = None
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+_ids = iter(range(10**9))
+
+
+def request(tokens: list[int], params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = None if params is None else {"kv_transfer_params": params}
+    return Request(f"req-{next(_ids)}", tokens, SamplingParams(max_tokens=64,
+                                                                extra_args=extra), None)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 500 + 3 for i in range(n)]
+
+
+def sched_output(new: list[tuple[Any, list[int]]], scheduled: dict[str, int]) -> Any:
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(r, (ids,)) for r, ids in new],
+        scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+def test_a_retained_requests_first_save_covers_its_whole_prefix(make_connector: Any,
+                                                                  store_node: Any,
+                                                                  client: Client) -> None:
+    sched = make_connector("SCHEDULER", store_node.addr, namespace=f"s-{time.time_ns()}")
+    sched.bind_kv_cache_manager(FakeManager())
+    toks = tokens(200, 1)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    client.put_batch(keys[:2], [b"x" * 64] * 2)  # the store already holds 2 blocks
+    kept, plain = request(toks, {"kvstore_retain_s": 600}), request(toks, None)
+    for req in (kept, plain):
+        assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+        sched._kv_cache_manager.blocks[req.request_id] = list(range(7))
+        req.num_computed_tokens = 64  # the two blocks loaded
+    meta = sched.build_connector_meta(sched_output(
+        [(kept, list(range(7))), (plain, list(range(7)))],
+        {kept.request_id: 136, plain.request_id: 136}))  # 64 loaded + 136 = 200 tokens
+    by_req = {s.req_id: s for s in meta.saves}
+    retained, ordinary = by_req[kept.request_id], by_req[plain.request_id]
+    # Retained: blocks 0..5, the two the store had included, so all six are kept.
+    assert (retained.keys, retained.block_ids, retained.parent, retained.retain_s) == (
+        keys[:6], [0, 1, 2, 3, 4, 5], None, 600.0)
+    assert (ordinary.keys, ordinary.parent, ordinary.retain_s) == (keys[2:6], keys[1], 0.0)
+
+
+@pytest.mark.parametrize("bad", [-5, "ten", float("inf"), 10**7])
+def test_a_bad_retention_is_ignored_with_a_warning(make_connector: Any, store_node: Any,
+                                                   caplog: pytest.LogCaptureFixture,
+                                                   bad: Any) -> None:
+    from kvstore.integrations.vllm_connector import request_retain_s
+
+    req = request(tokens(64, 2), {"kvstore_retain_s": bad})
+    with caplog.at_level(logging.WARNING, logger="vllm.kvstore_connector"):
+        assert request_retain_s(req) == 0.0
+    assert f"{req.request_id}: ignoring kvstore_retain_s: retain_s" in caplog.text
+    assert request_retain_s(request(tokens(64, 2), {"kvstore_retain_s": 30})) == 30.0
+    assert request_retain_s(request(tokens(64, 2), {"other": 1})) == 0.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm_connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kvstore_addr": store_node.addr, "namespace": NAMESPACE})
+    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, block_size=BLOCK,
+              max_model_len=512, dtype="float32", enforce_eager=True, seed=0,
+              disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
+              kv_transfer_config=ktc)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def external_hits(llm: Any) -> int:
+    return int(sum(m.value for m in llm.get_metrics()
+                   if m.name == "vllm:external_prefix_cache_hits"))
+
+
+def generate(llm: Any, toks: list[int], params: dict[str, Any] | None) -> int:
+    """Runs one greedy request; vLLM's external-hit count for it."""
+    from vllm import SamplingParams
+
+    before = external_hits(llm)
+    extra = None if params is None else {"kv_transfer_params": params}
+    llm.generate([{"prompt_token_ids": toks}],
+                 SamplingParams(max_tokens=12, temperature=0.0, detokenize=False,
+                                extra_args=extra), use_tqdm=False)
+    return external_hits(llm) - before
+
+
+def wait_for(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def retained(client: Client) -> tuple[int, int]:
+    node = client.stats()["node"]
+    return node["retained_blocks"], node["retained_bytes"]
+
+
+def test_the_engine_saves_a_requests_blocks_with_its_retention(engine: Any,
+                                                               client: Client) -> None:
+    first, second = tokens(PROMPT_TOKENS, 11), tokens(PROMPT_TOKENS, 12)
+    keys1 = [bytes(k) for k in block_keys(first, BLOCK, NAMESPACE)]
+    keys2 = [bytes(k) for k in block_keys(second, BLOCK, NAMESPACE)]
+    assert len(keys1) == len(keys2) == 6
+    # A plain request: stored, nothing retained.
+    assert generate(engine, first, None) == 0
+    wait_for(lambda: all(client.exists(keys1)), "the plain request's blocks saved")
+    assert retained(client) == (0, 0)
+    (size,) = {n for n in (len(client.get(k) or b"") for k in keys1)}
+    # The same prompt with retention: its prefix loads from the store, and its first save
+    # re-puts those six blocks, which refreshes them as retained.
+    assert engine.reset_prefix_cache()  # vLLM forgets its local copy
+    assert generate(engine, first, {"kvstore_retain_s": 600}) == 192
+    wait_for(lambda: retained(client)[0] == 6, "the stored prefix retained")
+    assert retained(client) == (6, 6 * size)
+    # A plain request, then the same prompt with retention from vLLM's own prefix cache
+    # (no external hit): the re-put comes from the engine's cache.
+    assert generate(engine, second, None) == 0
+    wait_for(lambda: all(client.exists(keys2)), "the second prompt's blocks saved")
+    assert retained(client) == (6, 6 * size)
+    assert generate(engine, second, {"kvstore_retain_s": 60}) == 0
+    wait_for(lambda: retained(client)[0] == 12, "the second prompt's blocks retained")
+    assert retained(client) == (12, 12 * size)
+
+
+def test_the_openai_servers_kv_transfer_params_field_carries_it(
+        tiny_llama: Path, store_node: Any, client: Client,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``python -m vllm.entrypoints.openai.api_server``: a completion's request body field
+    ``kv_transfer_params`` reaches the connector."""
+    import sys
+
+    import httpx
+
+    from conductor.vllm_procs import start_vllm, wait_ready
+
+    namespace = f"{NAMESPACE}-server"
+    server = start_vllm(sys.executable, tiny_llama, tmp_path_factory.mktemp("vllm"),
+                        name="retain", store=store_node.addr, namespace=namespace,
+                        max_model_len=512)
+    try:
+        wait_ready(server, "/v1/models", 400)
+        before = retained(client)
+        toks = tokens(PROMPT_TOKENS, 21)
+        body = {"prompt": toks, "max_tokens": 4, "temperature": 0,
+                "kv_transfer_params": {"kvstore_retain_s": 120}}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        keys = [bytes(k) for k in block_keys(toks, BLOCK, namespace)]
+        wait_for(lambda: all(client.exists(keys)), "the server's blocks saved")
+        wait_for(lambda: retained(client)[0] == before[0] + 6, "the blocks retained")
+    finally:
+        assert server.stop() == 0, server.output()
