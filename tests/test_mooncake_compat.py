@@ -408,13 +408,6 @@ def test_cuda_reads_without_cuda_fail_clearly(store: MooncakeDistributedStore,
     assert torch.count_nonzero(t) == 0
 
 
-def _client_has_retention() -> bool:
-    import inspect
-
-    return "retain_s" in inspect.signature(Client.put_batch).parameters
-
-
-@pytest.mark.skipif(not _client_has_retention(), reason="needs retention (issue 17 part 3)")
 def test_soft_pin_enable_retains_through_eviction(tmp_path: Path) -> None:
     """ENABLE with a TTL becomes kvstore retention: filling an 8 MiB node twice over evicts
     the ordinary and the DISABLE'd object and keeps the soft-pinned one."""

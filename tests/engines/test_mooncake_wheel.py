@@ -38,14 +38,6 @@ wait_until = main_conftest.main.wait_until
 start_node = main_conftest.main.start_node
 
 
-def _retention_in_client() -> bool:
-    import inspect
-
-    from kvstore.client import Client
-
-    return "retain_s" in inspect.signature(Client.put_batch).parameters
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real mooncake_master on 127.0.0.1 with its HTTP metadata server; the setup dict."""
@@ -166,8 +158,6 @@ class TestSideBySide:
         assert got == scenario.expected(got, kvstore=False)
         assert len(got) == 9
 
-    @pytest.mark.skipif(not _retention_in_client(),
-                        reason="needs retention (issue 17 part 3)")
     def test_kvstore_soft_pin(self, node_setup: dict[str, str]) -> None:
         store_cls, config_cls, soft_pin = _kvstore()
         got: dict[str, object] = {}
