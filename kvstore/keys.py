@@ -97,9 +97,16 @@ def parse_key(text: str) -> BlockKey:
     return ensure_key(raw)
 
 
-def ensure_key(raw: bytes | bytearray | memoryview) -> BlockKey:
-    """``raw`` as a BlockKey, or ValueError if it is not exactly 16 bytes."""
+def ensure_key(raw: object, what: str = "a block key",
+               error: type[ValueError] = ValueError) -> BlockKey:
+    """``raw`` as a BlockKey, or ``error`` if it is not exactly 16 bytes (bytes-like).
+
+    The one rule of what a key is: ``kvstore.checks.check_key`` applies it on every
+    transport and in the clients, with InvalidArgument as ``error``.
+    """
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise error(f"{what} must be {KEY_BYTES} bytes, got {type(raw).__name__}")
     b = bytes(raw)
     if len(b) != KEY_BYTES:
-        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(b)}")
+        raise error(f"{what} must be {KEY_BYTES} bytes, got {len(b)}")
     return BlockKey(b)
