@@ -26,7 +26,7 @@ different contents: a block's bytes are immutable once stored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NewType
 
 import numpy as np
@@ -110,3 +110,18 @@ def ensure_key(raw: object, what: str = "a block key",
     if len(b) != KEY_BYTES:
         raise error(f"{what} must be {KEY_BYTES} bytes, got {len(b)}")
     return BlockKey(b)
+
+
+def leading_run(present: Iterable[object]) -> int:
+    """How many leading items of ``present`` are true: the length of the stored prefix of
+    a key chain, given whether each key is held (a lazy iterable stops at the first miss).
+
+    Every prefix match (the node's index, the cluster, the Conductor's caches, the
+    engine adapters) counts with this, so a chain with a hole matches only up to it.
+    """
+    n = 0
+    for p in present:
+        if not p:
+            break
+        n += 1
+    return n

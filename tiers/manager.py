@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, leading_run
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
@@ -141,12 +141,7 @@ class TierManager:
 
     def prefix_length(self, keys: list[BlockKey]) -> int:
         blocks = self._s.blocks
-        n = 0
-        for k in keys:
-            if k not in blocks:
-                break
-            n += 1
-        return n
+        return leading_run(k in blocks for k in keys)
 
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self.levels[entry.level].mapped
