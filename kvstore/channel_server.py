@@ -450,15 +450,19 @@ class ChannelServer:
         with self._lock:
             principal = self._principals.get(token) if magic == wire.MAGIC else None
         if principal is None:
-            return _refuse(sock, Unauthenticated)
+            _refuse(sock, Unauthenticated)
+            return None
         try:
             mode = Mode(mode_code)
         except ValueError:
-            return _refuse(sock, InvalidArgument)
+            _refuse(sock, InvalidArgument)
+            return None
         if mode is Mode.SHM and sock.family != socket.AF_UNIX:
-            return _refuse(sock, InvalidArgument)  # shared memory only on this host
+            _refuse(sock, InvalidArgument)  # shared memory only on this host
+            return None
         if mode is Mode.SHM and not principal.may_map_region:
-            return _refuse(sock, PermissionDenied)  # the region holds other tenants' bytes
+            _refuse(sock, PermissionDenied)  # the region holds other tenants' bytes
+            return None
         reply = wire.HELLO_REPLY.pack(0, self.node.region_bytes)
         if mode is Mode.SHM:
             socket.send_fds(sock, [reply], [self.node.region_fd])

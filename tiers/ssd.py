@@ -280,7 +280,8 @@ class SsdTier:
             for mv in views:
                 # A zero-length value still takes one page so its extent is unique.
                 extents.append(self._allocator.allocate(max(len(mv), 1)))
-        placed = [i for i, e in enumerate(extents) if e is not None]
+        held = {i: e for i, e in enumerate(extents) if e is not None}  # the items that fit
+        placed = list(held)
         try:
             checksums: dict[int, int] = {}
 
@@ -289,7 +290,7 @@ class SsdTier:
                 checksums[placed[k]] = xxhash.xxh3_64_intdigest(views[placed[k]])
 
             results = self._write_views([views[i] for i in placed],
-                                        [extents[i].offset for i in placed],  # type: ignore[union-attr]
+                                        [held[i].offset for i in placed],
                                         checksum)
             for i in placed:
                 if i not in checksums:  # empty values (no I/O)
@@ -310,7 +311,7 @@ class SsdTier:
         except BaseException:
             with self._lock:
                 for i in placed:
-                    self._allocator.free(extents[i])  # type: ignore[arg-type]
+                    self._allocator.free(held[i])
             raise
         out: list[SsdLocation | None] = [None] * len(items)
         nbytes = 0
