@@ -48,6 +48,8 @@ class ChannelSession:
 
 def _as_bytes_view(value: object) -> memoryview:
     try:
+        # typeshed's memoryview takes a Buffer, which Python 3.11 cannot test for at run
+        # time (no __buffer__): any object is tried, and a non-buffer raises TypeError.
         return memoryview(value).cast("B")  # type: ignore[arg-type]
     except TypeError:
         numpy = getattr(value, "numpy", None)  # a torch CPU tensor
