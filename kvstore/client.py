@@ -24,7 +24,7 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -57,36 +57,23 @@ T = TypeVar("T")
 _GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
 
 
-class BatchCalls(Protocol):
-    """The batch calls ``SingleKeyCalls`` is built on (its classes' own)."""
-
-    def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
-                  parents: Sequence[bytes | None] | None = None, pin: bool = False
-                  ) -> list[bool]: ...
-
-    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
-
-    def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]
-                       ) -> list[int | None]: ...
-
-
 class SingleKeyCalls:
     """``put``, ``get`` and ``get_into`` of one key, as the batch calls of one item: the
     single-node ``Client`` and the ``ClusterClient`` share these."""
 
-    def put(self: BatchCalls, key: bytes, value: object, *, parent: bytes | None = None,
+    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
             pin: bool = False) -> bool:
         """Stores ``value`` under ``key``: True if stored, False if the key already existed
         (cluster-wide: on its master)."""
-        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]
+        return self.put_batch([key], [value], parents=[parent], pin=pin)[0]  # type: ignore[attr-defined]
 
-    def get(self: BatchCalls, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytes | None:
         """The value of ``key``, or None on a miss."""
-        return self.get_batch([key])[0]
+        return self.get_batch([key])[0]  # type: ignore[attr-defined]
 
-    def get_into(self: BatchCalls, key: bytes, buf: object) -> int | None:
+    def get_into(self, key: bytes, buf: object) -> int | None:
         """Writes the value of ``key`` into ``buf``; its length, or None on a miss."""
-        return self.get_batch_into([key], [buf])[0]
+        return self.get_batch_into([key], [buf])[0]  # type: ignore[attr-defined]
 
 
 class Client(SingleKeyCalls):

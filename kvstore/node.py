@@ -38,9 +38,8 @@ from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
-from tiers.mover import TierMover
+from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.policy import make_policy
-from tiers.reads import leased_block_view, leased_block_views
 
 log = logging.getLogger("kvstore.node")
 T = TypeVar("T")
