@@ -43,7 +43,7 @@ class PoolIndex:
 
     def prefix_len(self, keys: Sequence[BlockKey]) -> int:
         count = self.count
-        return leading_run(k in count for k in keys)
+        return leading_run(map(count.__contains__, keys))
 
     def holds(self, key: BlockKey) -> bool:
         return key in self.count
@@ -74,7 +74,7 @@ class LocalPrefixCache:
 
     def prefix_len(self, keys: Sequence[BlockKey]) -> int:
         lru = self._lru
-        return leading_run(k in lru for k in keys)
+        return leading_run(map(lru.__contains__, keys))
 
     def use(self, keys: Sequence[BlockKey]) -> None:
         lru = self._lru

@@ -141,7 +141,7 @@ class TierManager:
 
     def prefix_length(self, keys: list[BlockKey]) -> int:
         blocks = self._s.blocks
-        return leading_run(k in blocks for k in keys)
+        return leading_run(map(blocks.__contains__, keys))  # map: no frame per key
 
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self.levels[entry.level].mapped
