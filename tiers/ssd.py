@@ -54,11 +54,11 @@ from typing import Any
 
 import xxhash
 
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ensure_key
 from tiers.allocator import Extent
 from tiers.ssd_alloc import _SsdAllocator
 from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, address_of, byte_view, round_up
-from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex, _check_key
+from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex
 from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, _Op, open_backend, uring_available
 from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
@@ -271,9 +271,9 @@ class SsdTier:
         self._check_mutable()
         views = [byte_view(v) for _, _, v in items]
         for key, parent, _ in items:
-            _check_key(key)
+            ensure_key(key)
             if parent is not None:
-                _check_key(parent)
+                ensure_key(parent)
         extents: list[Extent | None] = []
         with self._lock:
             self._mutated = True
