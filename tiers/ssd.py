@@ -57,12 +57,12 @@ import xxhash
 from kvstore.keys import BlockKey, ensure_key
 from tiers.allocator import Extent
 from tiers.ssd_alloc import _SsdAllocator
-from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, address_of, byte_view, round_up
+from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, byte_view
 from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex
 from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, _Op, open_backend, uring_available
 from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
-from tiers.ssd_staging import ReadJob, read_views, write_views
+from tiers.ssd_staging import ReadJob, bounces, read_views, transfer_bytes, write_views
 from tiers.ssd_types import (
     ALIGNMENT,
     NotRecoveredError,
@@ -212,7 +212,7 @@ class SsdTier:
         if len(mv) > extent.length:
             raise ValueError(f"{len(mv)} bytes do not fit in {extent}")
         results = self._write_views([mv], [extent.offset])
-        self._raise_on_failure(results, [round_up(len(mv)) if self.o_direct else len(mv)])
+        self._raise_on_failure(results, [transfer_bytes(mv, self.o_direct)])
         self._sync_data()
         with self._lock:
             self._writes += 1
@@ -295,9 +295,8 @@ class SsdTier:
             for i in placed:
                 if i not in checksums:  # empty values (no I/O)
                     checksums[i] = xxhash.xxh3_64_intdigest(views[i])
-            self._raise_on_failure(
-                results, [round_up(len(views[i])) if self.o_direct else len(views[i])
-                          for i in placed])
+            self._raise_on_failure(results,
+                                   [transfer_bytes(views[i], self.o_direct) for i in placed])
             if placed:
                 self._sync_data()
                 entries = []
@@ -387,7 +386,7 @@ class SsdTier:
         or a read that did not move every byte (the batch path finishes or reports it).
         """
         n = len(view)
-        if n == 0 or (self.o_direct and (n % ALIGNMENT or address_of(view) % ALIGNMENT)):
+        if n == 0 or bounces(view, self.o_direct):
             return None
         assert self._backend is not None
         op = _Op(is_write=False, offset=loc.extent.offset, bufs=[view], nbytes=n,

@@ -62,6 +62,18 @@ def _split(mv: memoryview, direct: bool) -> tuple[int, int]:
     return 0, round_up(n)
 
 
+def transfer_bytes(mv: memoryview, direct: bool) -> int:
+    """Bytes one transfer of ``mv`` moves: its length, padded to the alignment under
+    O_DIRECT."""
+    head, slot = _split(mv, direct)
+    return head + slot
+
+
+def bounces(mv: memoryview, direct: bool) -> bool:
+    """Whether a transfer of ``mv`` goes (partly) through a bounce buffer."""
+    return _split(mv, direct)[1] > 0
+
+
 def _bounce_need(mv: memoryview, direct: bool) -> int:
     """Scratch bytes one transfer of ``mv`` takes."""
     return _split(mv, direct)[1]
