@@ -45,6 +45,7 @@ def _serve(port: int, region: int, ops: int, ready: multiprocessing.synchronize.
             pstats.Stats(prof).sort_stats("tottime").print_stats(8)
             sys.stdout.flush()
 
+    # Profiling wraps the real method in place (mypy refuses assigning to a method).
     channel_server._Connection.serve = profiled  # type: ignore[method-assign]
     node = Node(NodeSettings(dram_bytes=region))
     server = channel_server.ChannelServer(node, host="127.0.0.1", port=port, token=TOKEN,

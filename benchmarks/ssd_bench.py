@@ -74,6 +74,7 @@ from benchmarks.ssd_raw import (
     run_workers,
     uring_lib,
 )
+from kvstore.keys import BlockKey
 from tiers.ssd import ALIGNMENT, SsdLocation, SsdTier
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd_bench.json"
@@ -87,8 +88,8 @@ RANDOM_CALLERS = (("batch", 1), ("callers4x8", 4), ("node", RANDOM_QD), ("async"
 ASYNC_OUTSTANDING = 2
 
 
-def _key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
+def _key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(16, "big"))
 
 
 def _prepare(path: Path) -> None:
@@ -107,7 +108,7 @@ def _tier_sequential(tier: SsdTier, size: int, n: int, batch: int,
     for start in range(0, n, batch):
         items = [(_key(i), None, view) for i in range(start, min(n, start + batch))]
         t0 = time.perf_counter()
-        got = tier.write_blocks(items)  # type: ignore[arg-type]
+        got = tier.write_blocks(items)
         wlat.append(time.perf_counter() - t0)
         if any(loc is None for loc in got):
             raise RuntimeError("tier full during the benchmark: raise capacity")
@@ -130,7 +131,7 @@ def _tier_sequential(tier: SsdTier, size: int, n: int, batch: int,
         raise RuntimeError("tier read back different bytes")
     for v in out_views:
         v.release()
-    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
+    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])
     view.release()
     total = n * size
     return {
@@ -244,7 +245,7 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int, seed: int,
             finally:
                 os.close(fd)
     view.release()
-    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])  # type: ignore[misc]
+    tier.delete([(_key(i), loc) for i, loc in enumerate(locs)])
     raw_variants = {k: statistics.median(v) for k, v in raw_runs.items()}
     raw_best = max(raw_variants, key=raw_variants.__getitem__)
     raw_gbps = raw_variants[raw_best]

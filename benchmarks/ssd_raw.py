@@ -181,6 +181,7 @@ def raw_random_threads(path: Path, size: int, offsets: Sequence[int],
     ``qd`` in flight, one buffer each), and per-request latencies."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
+        # A read sends nothing: raw_threads types src for its writes.
         return raw_threads(fd, size, offsets, qd, write=False, src=None,  # type: ignore[arg-type]
                            dests=qd)
     finally:

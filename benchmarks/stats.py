@@ -206,7 +206,7 @@ def _finite(o: Any) -> Any:
 def _json_default(o: object) -> Any:
     # NaN is not JSON; numpy scalars are not floats: both appear in benchmark results.
     if hasattr(o, "item"):
-        return o.item()  # type: ignore[attr-defined]
+        return o.item()
     return str(o)
 
 

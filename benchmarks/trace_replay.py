@@ -82,6 +82,7 @@ from tiers.policy import POLICIES, make_policy
 try:  # shared helpers of the benchmarks, when present
     from benchmarks.stats import format_table, write_json
 except ImportError:  # pragma: no cover - fallback for a tree without benchmarks/stats.py
+    # None marks the helpers absent (mypy types the names as the functions).
     format_table = None  # type: ignore[assignment]
     write_json = None  # type: ignore[assignment]
 

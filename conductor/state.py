@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from conductor.types import CacheKey, InstanceId, RequestId
+from kvstore.keys import leading_run
 
 
 class GlobalCache(Protocol):
@@ -42,12 +43,7 @@ class PoolIndex:
 
     def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         count = self.count
-        n = 0
-        for k in keys:
-            if k not in count:
-                break
-            n += 1
-        return n
+        return leading_run(map(count.__contains__, keys))
 
     def holds(self, key: CacheKey) -> bool:
         return key in self.count
@@ -78,12 +74,7 @@ class LocalPrefixCache:
 
     def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         lru = self._lru
-        n = 0
-        for k in keys:
-            if k not in lru:
-                break
-            n += 1
-        return n
+        return leading_run(map(lru.__contains__, keys))
 
     def use(self, keys: Sequence[CacheKey]) -> None:
         lru = self._lru

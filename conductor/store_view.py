@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.keys import leading_run
+
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
 
@@ -48,12 +50,8 @@ class StoreView:
     def _durable_len(self, keys: Sequence[bytes]) -> int:
         if self.write_quorum <= 1 or not hasattr(self.store, "holders"):
             return int(self.store.prefix_match(list(keys)))
-        n = 0
-        for holders in self.store.holders(list(keys)):
-            if len(holders) < self.write_quorum:
-                break
-            n += 1
-        return n
+        quorum = self.write_quorum
+        return leading_run(len(holders) >= quorum for holders in self.store.holders(list(keys)))
 
     async def durable_len(self, keys: Sequence[bytes]) -> int:
         if not keys:

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore import wire
-from kvstore.errors import InvalidArgument, KVStoreError, error_for_code
+from kvstore.errors import InvalidArgument, error_for_code
 from kvstore.wire import HEADER, Mode, Op
-
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 SHM_PUT_MIN_BYTES = 64 << 10
 """Puts at least this large (per batch) go through reserve/commit in shared memory."""
@@ -50,6 +48,8 @@ class ChannelSession:
 
 def _as_bytes_view(value: object) -> memoryview:
     try:
+        # typeshed's memoryview takes a Buffer, which Python 3.11 cannot test for at run
+        # time (no __buffer__): any object is tried, and a non-buffer raises TypeError.
         return memoryview(value).cast("B")  # type: ignore[arg-type]
     except TypeError:
         numpy = getattr(value, "numpy", None)  # a torch CPU tensor
@@ -132,8 +132,7 @@ class ChannelConnection:
     @staticmethod
     def _check_hello(status: int) -> None:
         if status:
-            raise error_for_code(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
-                                 f"transfer channel refused (status {status})")
+            raise wire.error_of(status, f"transfer channel refused (status {status})")
 
     def close(self) -> None:
         self.sock.close()
@@ -153,8 +152,7 @@ class ChannelConnection:
         status, count, meta_len = HEADER.unpack(self._header)
         meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
         if status:
-            raise error_for_code(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
-                                 meta.decode("utf-8", "replace"))
+            raise wire.error_of(status, meta.decode("utf-8", "replace"))
         return count, meta
 
     def _call(self, op: Op, count: int, meta: bytes,
@@ -356,6 +354,3 @@ class ChannelConnection:
         _, meta = self._call(Op.REMOVE, len(keys), wire.pack_keys(keys))
         return [bool(b) for b in meta]
 
-
-def is_transport_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError | EOFError) and not isinstance(exc, KVStoreError)

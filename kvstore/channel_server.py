@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING
 
 from kvstore import channel_replicated as replicated
 from kvstore import tenancy, wire
-from kvstore.errors import InternalError, InvalidArgument, KVStoreError, ResourceExhausted
+from kvstore.errors import (
+    InternalError,
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvstore.keys import BlockKey
 from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
 from kvstore.security import Principal
@@ -176,8 +183,7 @@ class _Connection:
         wire.send_buffers(self.sock, frames)
 
     def reply_error(self, exc: KVStoreError) -> None:
-        status = exc.code.value[0]
-        self.sock.sendall(wire.error_frame(status, str(exc)))
+        self.sock.sendall(wire.error_frame(wire.status_of(exc), str(exc)))
 
     # ---- ops -----------------------------------------------------------------------------
 
@@ -432,7 +438,7 @@ class ChannelServer:
         except Exception:  # a bug must not take the node down with it
             log.exception("channel connection failed")
             with contextlib.suppress(OSError):
-                sock.sendall(wire.error_frame(InternalError.code.value[0], "internal error"))
+                sock.sendall(wire.error_frame(wire.status_of(InternalError), "internal error"))
         finally:
             with self._lock:
                 self._conns.discard(sock)
@@ -446,18 +452,18 @@ class ChannelServer:
         with self._lock:
             principal = self._principals.get(token) if magic == wire.MAGIC else None
         if principal is None:
-            sock.sendall(wire.HELLO_REPLY.pack(16, 0))  # UNAUTHENTICATED
+            _refuse(sock, Unauthenticated)
             return None
         try:
             mode = Mode(mode_code)
         except ValueError:
-            sock.sendall(wire.HELLO_REPLY.pack(3, 0))
+            _refuse(sock, InvalidArgument)
             return None
         if mode is Mode.SHM and sock.family != socket.AF_UNIX:
-            sock.sendall(wire.HELLO_REPLY.pack(3, 0))  # shared memory only on this host
+            _refuse(sock, InvalidArgument)  # shared memory only on this host
             return None
         if mode is Mode.SHM and not principal.may_map_region:
-            sock.sendall(wire.HELLO_REPLY.pack(7, 0))  # PERMISSION_DENIED: other tenants' bytes
+            _refuse(sock, PermissionDenied)  # the region holds other tenants' bytes
             return None
         reply = wire.HELLO_REPLY.pack(0, self.node.region_bytes)
         if mode is Mode.SHM:
@@ -481,3 +487,8 @@ class ChannelServer:
                 sock.shutdown(socket.SHUT_RDWR)
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _refuse(sock: socket.socket, error: type[KVStoreError]) -> None:
+    """Answers a HELLO with ``error``'s status (and no region); the caller closes."""
+    sock.sendall(wire.HELLO_REPLY.pack(wire.status_of(error), 0))

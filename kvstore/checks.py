@@ -11,17 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import BlockKey, ensure_key
 
 MAX_BATCH = 65536
 """Most keys one request may name; larger batches are split by the client."""
 
 
 def check_key(key: object, what: str = "key") -> BlockKey:
-    if not isinstance(key, bytes | bytearray | memoryview) or len(key) != KEY_BYTES:
-        n = len(key) if isinstance(key, bytes | bytearray | memoryview) else type(key).__name__
-        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {n}")
-    return BlockKey(bytes(key))
+    """``keys.ensure_key``'s rule, refused as InvalidArgument (a status on the wire)."""
+    return ensure_key(key, what, InvalidArgument)
 
 
 def check_keys(keys: Sequence[object]) -> list[BlockKey]:

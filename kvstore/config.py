@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstore.sizes import parse_size
+from kvstore.toml_files import load_toml
 from tiers.policy import POLICIES
 
 
@@ -133,14 +133,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Defaults, then the TOML file at ``path``, then ``overrides`` (None values ignored)."""
     values: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config {path} is not valid TOML: {exc}") from None
-        for key, value in raw.items():
+        for key, value in load_toml(path, "config").items():
             name = key.replace("-", "_")
             if name not in _FIELDS:
                 raise ValueError(f"unknown config key {key!r} in {path}; known: "

@@ -45,7 +45,7 @@ own domain-separation string, so no derivation can name another's object
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NewType
 
 import numpy as np
@@ -149,9 +149,31 @@ def parse_key(text: str) -> BlockKey:
     return ensure_key(raw)
 
 
-def ensure_key(raw: bytes | bytearray | memoryview) -> BlockKey:
-    """``raw`` as a BlockKey, or ValueError if it is not exactly 16 bytes."""
+def ensure_key(raw: object, what: str = "a block key",
+               error: type[ValueError] = ValueError) -> BlockKey:
+    """``raw`` as a BlockKey, or ``error`` if it is not exactly 16 bytes (bytes-like).
+
+    The one rule of what a key is: ``kvstore.checks.check_key`` applies it on every
+    transport and in the clients, with InvalidArgument as ``error``.
+    """
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise error(f"{what} must be {KEY_BYTES} bytes, got {type(raw).__name__}")
     b = bytes(raw)
     if len(b) != KEY_BYTES:
-        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(b)}")
+        raise error(f"{what} must be {KEY_BYTES} bytes, got {len(b)}")
     return BlockKey(b)
+
+
+def leading_run(present: Iterable[object]) -> int:
+    """How many leading items of ``present`` are true: the length of the stored prefix of
+    a key chain, given whether each key is held (a lazy iterable stops at the first miss).
+
+    Every prefix match (the node's index, the cluster, the Conductor's caches, the
+    engine adapters) counts with this, so a chain with a hole matches only up to it.
+    """
+    n = 0
+    for p in present:
+        if not p:
+            break
+        n += 1
+    return n

@@ -158,13 +158,19 @@ _BY_NAME = {m.name: m for m in METRICS}
 
 
 def _family(spec: MetricSpec) -> Metric:
+    return _info_family(spec) if spec.type == "info" else _number_family(spec)
+
+
+def _number_family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
     if spec.type == "counter":
         return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
     if spec.type == "gauge":
         return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
-    if spec.type == "info":
-        return InfoMetricFamily(spec.name.removesuffix("_info"), spec.help, labels=())
     raise ValueError(f"{spec.name}: a {spec.type} is not read from stats")
+
+
+def _info_family(spec: MetricSpec) -> InfoMetricFamily:
+    return InfoMetricFamily(spec.name.removesuffix("_info"), spec.help, labels=())
 
 
 class NodeCollector:
@@ -180,22 +186,25 @@ class NodeCollector:
         stats = self._node.stats()
         tiers: dict[str, dict[str, Any]] = stats["tiers"]
         for spec in TIER_METRICS:
-            family = _family(spec)
+            family = _number_family(spec)
             for name, t in tiers.items():
-                family.add_metric([name], float(t.get(spec.stat, 0)))  # type: ignore[attr-defined]
+                family.add_metric([name], float(t.get(spec.stat, 0)))
             yield family
         node: dict[str, Any] = stats["node"]
         derived = {"kvstore_gets_total": sum(t.get("hits", 0) + t.get("misses", 0)
                                              for t in tiers.values()),
                    "kvstore_puts_total": sum(t.get("puts", 0) for t in tiers.values())}
         for spec in NODE_METRICS + CLUSTER_METRICS:
-            family = _family(spec)
             if spec.type == "info":
-                family.add_metric([], {k: str(node.get(k, "")) for k in spec.labels})  # type: ignore[attr-defined]
-            elif spec.name in derived:
-                family.add_metric([], float(derived[spec.name]))  # type: ignore[attr-defined]
+                info = _info_family(spec)
+                info.add_metric([], {k: str(node.get(k, "")) for k in spec.labels})
+                yield info
+                continue
+            family = _number_family(spec)
+            if spec.name in derived:
+                family.add_metric([], float(derived[spec.name]))
             elif spec.stat in node:  # cluster keys exist only on a node in a cluster
-                family.add_metric([], float(node[spec.stat]))  # type: ignore[attr-defined]
+                family.add_metric([], float(node[spec.stat]))
             yield family
 
 
@@ -292,7 +301,7 @@ class RequestInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
-        full_name: str = handler_call_details.method  # type: ignore[attr-defined]
+        full_name: str = handler_call_details.method
         wrapped = self._wrapped.get(full_name)
         if wrapped is not None:
             return wrapped
@@ -319,7 +328,7 @@ class RequestInterceptor(grpc.ServerInterceptor):
                 try:
                     return behavior(request, context)
                 except BaseException:
-                    code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+                    code = context.code() or grpc.StatusCode.UNKNOWN
                     context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
                     _log_failure(method, code, context, rid)
                     raise
@@ -333,10 +342,10 @@ class RequestInterceptor(grpc.ServerInterceptor):
 def _log_failure(method: str, code: grpc.StatusCode, context: grpc.ServicerContext,
                  rid: str) -> None:
     extra = {"request_id": rid, "method": method, "code": code.name}
-    if context.code() is None:  # type: ignore[attr-defined]
+    if context.code() is None:
         log.exception("%s failed outside the error mapping", method, extra=extra)
     elif code is not grpc.StatusCode.INTERNAL:  # _rpc logged it with its traceback
-        details = context.details() or b""  # type: ignore[attr-defined]
+        details = context.details() or b""
         text = details.decode("utf-8", "replace") if isinstance(details, bytes) else details
         log.info("%s failed: %s: %s", method, code.name, text, extra=extra)
 

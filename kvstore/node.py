@@ -34,7 +34,7 @@ from kvstore.fit import check_fits
 from kvstore.forwarding import BlockCopy
 from kvstore.keys import BlockKey
 from kvstore.quotas import QuotaBook
-from tiers.base import Tier
+from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
@@ -97,7 +97,7 @@ class Node:
         self._started = clock()
         self._info: dict[str, str | int | bool] = {}
         self._stat_sources: list[Callable[[], dict[str, object]]] = []
-        tiers, durable = self._open_tiers(settings)
+        tiers = self._open_tiers(settings)
         self._tiers = tiers
         self._tier = next(t for t in tiers if isinstance(t, DramTier))
         self._lock = threading.Lock()
@@ -107,7 +107,6 @@ class Node:
             tiers,
             make_policy(settings.policy),
             watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
-            durable=durable,
             retention=RetentionBook(clock=clock, max_bytes=int(
                 settings.max_retained_fraction * sum(t.capacity for t in tiers))),
         )
@@ -122,10 +121,9 @@ class Node:
         self._in_flight = 0
         self._request_scope = _RequestScope(self)
 
-    def _open_tiers(self, s: NodeSettings) -> tuple[list[Tier], list[bool]]:
+    def _open_tiers(self, s: NodeSettings) -> list[Tier]:
         check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device)
         tiers: list[Tier] = []
-        durable: list[bool] = []
         try:
             if s.hbm_bytes:
                 from tiers.hbm import HbmTier
@@ -135,39 +133,36 @@ class Node:
                 log.info("HBM tier: %d bytes on device %s%s", s.hbm_bytes, hbm.device,
                          "" if hbm.on_gpu else " (no GPU: the HBM code path runs on the CPU)")
                 tiers.append(hbm)
-                durable.append(False)
             dram = DramTier(s.dram_bytes, prefault=s.prefault)
             self._info["dram_pinned"] = dram.pinned
             tiers.append(dram)
-            durable.append(False)
             if s.ssd_path:
                 from tiers.ssd import SsdTier
 
                 ssd = SsdTier(s.ssd_path, s.ssd_bytes, io=s.ssd_io)
                 self._info["ssd_io"] = ssd.io_backend
                 tiers.append(ssd)
-                durable.append(True)
         except BaseException:
             for t in tiers:
                 t.close()
             raise
-        return tiers, durable
+        return tiers
 
     def _recover(self) -> None:
         """Indexes every block the SSD tier kept across a restart (its index, no data scan)."""
         for level, lv in enumerate(self._manager.levels):
-            if lv.durable:
-                records = lv.tier.recover()  # type: ignore[attr-defined]
+            if lv.durable_tier is not None:
+                records = lv.durable_tier.recover()
                 for r in records:
                     self._manager.adopt(r.key, r.parent, r.location.nbytes, level=level,
                                         location=r.location)
                 self._info["recovered_blocks"] = len(records)
                 log.info("recovered %d blocks from the %s tier", len(records), lv.tier.name)
 
-    def _delete_durable(self, garbage: Sequence[object]) -> None:
+    def _delete_durable(self, garbage: Sequence[DurableCopy]) -> None:
         """Deletes durable copies released by the manager (I/O: never under ``_lock``)."""
         if garbage and self._mover is not None:
-            self._mover.delete_durable(garbage)  # type: ignore[arg-type]
+            self._mover.delete_durable(garbage)
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -339,7 +334,7 @@ class Node:
             return [acquire(k, access=access) for k in keys]
 
     def release_reads(self, entries: Sequence[BlockEntry | None]) -> None:
-        garbage = []
+        garbage: list[DurableCopy] = []
         with self._lock:
             for entry in entries:
                 if entry is not None:
@@ -449,10 +444,10 @@ class Node:
             gone = self._manager.remove(key)
             if gone is not False:
                 self._quotas.release(key)
-        if gone is not True and gone is not False:
+        if isinstance(gone, DurableCopy):
             self._delete_durable([gone])
             return True
-        return bool(gone)
+        return gone
 
     def stats(self) -> dict:
         with self._lock:

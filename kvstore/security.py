@@ -49,7 +49,6 @@ import hashlib
 import hmac
 import ipaddress
 import ssl
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ from kvstore.sizes import parse_size
 # The tenant view (salting, quotas, roles) lives in kvstore.tenancy; its names are
 # re-exported here, where callers have always found them.
 from kvstore.tenancy import OPEN, TENANT_DOMAIN, Principal, Tenant, salt_key
+from kvstore.toml_files import load_toml
 
 __all__ = ["OPEN", "ROLES", "TENANT_DOMAIN", "ClientTls", "Principal", "ServerTls", "Tenant",
            "TenantRegistry", "bearer_token", "is_loopback", "salt_key"]
@@ -83,14 +83,7 @@ class TenantRegistry:
 
     @classmethod
     def load(cls, path: str | Path) -> TenantRegistry:
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read auth file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"auth file {path} is not valid TOML: {exc}") from None
-        entries = doc.get("tenant")
+        entries = load_toml(path, "auth file").get("tenant")
         if not isinstance(entries, list) or not entries:
             raise ValueError(f"auth file {path} needs at least one [[tenant]] entry")
         return cls([_tenant(path, i, e) for i, e in enumerate(entries)])

@@ -73,6 +73,10 @@ import struct
 from collections.abc import Sequence
 from enum import IntEnum
 
+import grpc
+
+from kvstore.errors import KVStoreError, error_for_code
+
 MAGIC = b"KVS1"
 PROTOCOL_VERSION = 1
 TOKEN_BYTES = 16
@@ -336,6 +340,20 @@ def header(op_or_status: int, count: int, meta_len: int) -> bytes:
 def error_frame(status: int, message: str) -> bytes:
     body = message.encode("utf-8", "replace")[:4096]
     return HEADER.pack(status, 0, len(body)) + body
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_of(error: KVStoreError | type[KVStoreError]) -> int:
+    """The status byte (of a response header or a HELLO reply) that carries ``error``:
+    its class's gRPC status code, by number, so both transports share one code table."""
+    return error.code.value[0]
+
+
+def error_of(status: int, message: str) -> KVStoreError:
+    """The exception a non-zero status byte stands for (``status_of`` read back)."""
+    return error_for_code(_CODES.get(status, grpc.StatusCode.UNKNOWN), message)
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:

@@ -55,7 +55,7 @@ from typing import Any
 from kvstore.checks import check_key
 from kvstore.client import Client, SingleKeyCalls, check_put_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, leading_run
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.retention import retain_seconds
 from kvstore.security import ClientTls
@@ -412,12 +412,7 @@ class ClusterClient(SingleKeyCalls):
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of ``keys`` are stored somewhere in the cluster."""
-        n = 0
-        for present in self.exists(keys):
-            if not present:
-                break
-            n += 1
-        return n
+        return leading_run(self.exists(keys))
 
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         """The tier of the first holder found for each key, None if none holds it."""

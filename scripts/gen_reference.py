@@ -48,6 +48,7 @@ def _size(n: int) -> str:
 def _toml(name: str, value: object) -> str:
     """A default as it would be written in the TOML config file."""
     if name in _SIZE_FIELDS:
+        # A size field's default is an int (NodeConfig), typed object in this table.
         return f'`"{_size(int(value))}"`' if value else "`0`"  # type: ignore[call-overload]
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

@@ -38,7 +38,8 @@ LAYERS: tuple[Layer, ...] = (  # lowest first
         "kvstore", "kvstore.errors", "kvstore.keys", "kvstore.sizes", "kvstore.checks",
         "kvstore.wire", "kvstore.logs", "kvstore.grpc_options", "kvstore.proto",
         "kvstore.proto.*", "kvstore.forwarding", "kvstore.tenancy", "kvstore.security",
-        "kvstore.quotas", "kvstore.fit", "kvstore.stat_table")),
+        "kvstore.quotas", "kvstore.fit", "kvstore.stat_table", "kvstore.retention",
+        "kvstore.toml_files")),
     Layer(name="tiers", modules=("tiers", "tiers.*")),
     Layer(name="node", modules=(
         "kvstore.node", "kvstore.config", "kvstore.metrics", "kvstore.channel_server",

@@ -19,6 +19,7 @@ from kvstore.keys import (
     block_keys,
     encode_token_ids,
     ensure_key,
+    leading_run,
     namespace_root_key,
     parse_key,
 )
@@ -96,6 +97,21 @@ def test_rejects_token_ids_outside_u32(bad: list) -> None:
 def test_rejects_nonpositive_block_tokens() -> None:
     with pytest.raises(ValueError, match="block_tokens"):
         block_keys([1, 2], 0, "ns")
+
+
+def test_leading_run_counts_up_to_the_first_miss_and_reads_no_further() -> None:
+    assert leading_run([]) == 0
+    assert leading_run([True, True, False, True]) == 2
+    assert leading_run([1, b"x", None, 1]) == 2
+    assert leading_run([True] * 5) == 5
+    seen: list[int] = []
+
+    def held(i: int) -> bool:
+        seen.append(i)
+        return i != 3
+
+    assert leading_run(held(i) for i in range(10)) == 3
+    assert seen == [0, 1, 2, 3]  # lazily: nothing past the first miss is asked
 
 
 def test_parse_key_round_trip_and_errors() -> None:

@@ -8,6 +8,16 @@ import threading
 import pytest
 
 from kvstore import wire
+from kvstore.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 
 
 def test_send_buffers_survives_partial_sends() -> None:
@@ -68,6 +78,18 @@ def test_packing_round_trips() -> None:
     frame = wire.error_frame(3, "bad key")
     assert wire.HEADER.unpack(frame[: wire.HEADER.size]) == (3, 0, 7)
     assert frame[wire.HEADER.size :] == b"bad key"
+
+
+def test_status_bytes_are_the_error_classes_grpc_codes_and_read_back() -> None:
+    # Pinned: these bytes are the wire format (HELLO replies and response headers).
+    expected = {InvalidArgument: 3, PermissionDenied: 7, ResourceExhausted: 8,
+                FailedPrecondition: 9, InternalError: 13, Unavailable: 14, Unauthenticated: 16}
+    for cls, status in expected.items():
+        assert wire.status_of(cls) == status == wire.status_of(cls("m"))
+        back = wire.error_of(status, "why")
+        assert type(back) is cls and str(back) == "why"
+    unknown = wire.error_of(2, "odd")  # UNKNOWN: no class of its own
+    assert type(unknown) is KVStoreError and str(unknown) == "odd"
 
 
 def test_meta_sizes() -> None:

@@ -1,15 +1,22 @@
 """What every storage medium offers the TierManager.
 
 A tier is a preallocated region plus the allocator that carves it. It knows
-nothing of keys, policies or the network: the TierManager owns the index and
-decides what lives where. Tiers do no locking; their owner serialises calls
-to ``allocate``/``free`` and never lets two writers touch one extent.
+nothing of policies or the network: the TierManager owns the index and decides
+what lives where. Tiers do no locking; their owner serialises calls to
+``allocate``/``free`` and never lets two writers touch one extent.
+
+Two refinements, decided by protocol (``isinstance``, once, when the manager is
+built), never by probing for a method: a ``MappedTier``'s bytes are addressable
+memory (DRAM), read and written through views; a ``DurableTier``'s blocks survive
+restarts (SSD), so it keeps its own index of keys and locations.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from kvstore.keys import BlockKey
 from tiers.allocator import Extent, ExtentAllocator
 
 
@@ -46,6 +53,53 @@ class MappedTier(Tier, Protocol):
 
     def view(self, extent: Extent, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` of ``extent``; valid while the extent is held."""
+
+
+class DurableCopy(NamedTuple):
+    """A block's copy in a durable tier that nobody indexes any more: the owner deletes it
+    (I/O, outside its lock). ``location`` is the tier's own record, opaque to the manager."""
+
+    key: BlockKey
+    location: Any
+
+
+class DurableRecord(Protocol):
+    """One block a durable tier kept across a restart, as ``recover`` returns it."""
+
+    @property
+    def key(self) -> BlockKey: ...
+
+    @property
+    def parent(self) -> BlockKey | None: ...
+
+    @property
+    def location(self) -> Any:
+        """The tier's location record; its ``nbytes`` is the value's length."""
+
+
+@runtime_checkable
+class DurableTier(Tier, Protocol):
+    """A tier whose blocks survive restarts: written and read in batches by location, kept
+    in an index of its own, and deleted by key and location.
+
+    Its blocks carry a ``location`` (never an extent the manager frees): their space
+    returns only through ``delete``, after the index forgot them.
+    """
+
+    def write_blocks(
+        self, items: Sequence[tuple[BlockKey, BlockKey | None, memoryview]]
+    ) -> list[Any]:
+        """Stores each (key, parent, value) durably; its location, or None where it did not
+        fit."""
+
+    def read_blocks_into(self, locations: Sequence[Any], outs: Sequence[memoryview]
+                         ) -> list[bool]:
+        """Reads each block into its ``out``; False where it failed its checksum."""
+
+    def delete(self, keys_and_locations: Sequence[tuple[BlockKey, Any]]) -> None: ...
+
+    def recover(self) -> Sequence[DurableRecord]:
+        """Every block kept across a restart; once, before any allocation."""
 
 
 class AllocatorBacked:

@@ -48,9 +48,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, leading_run
 from tiers.allocator import Extent
-from tiers.base import Tier
+from tiers.base import DurableCopy, Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
 from tiers.records import (
@@ -97,7 +97,7 @@ class TierManager:
         tier_list = [tiers] if not isinstance(tiers, Sequence) else list(tiers)
         if not tier_list:
             raise ValueError("a TierManager needs at least one tier")
-        flags = list(durable) if durable is not None else [False] * len(tier_list)
+        flags: list[bool | None] = [None] * len(tier_list) if durable is None else list(durable)
         self.policy = policy
         self.watermarks = watermarks or Watermarks()
         # One clock stamps accesses (``last_access``) and orders every queue's pushes:
@@ -105,10 +105,10 @@ class TierManager:
         self._clock = itertools.count(1)
         # The first tier uses the given policy object (tests inspect its state);
         # the others get fresh instances of the same policy.
+        # ``durable`` (tests) overrides what each tier's protocol says.
         self.levels = [
-            Level(tier=t, queue=EvictionQueue(policy if i == 0 else make_policy(policy.name),
-                                              clock=self._clock),
-                  durable=flags[i])
+            Level.of(t, EvictionQueue(policy if i == 0 else make_policy(policy.name),
+                                      clock=self._clock), durable=flags[i])
             for i, t in enumerate(tier_list)
         ]
         if landing is None:
@@ -147,12 +147,7 @@ class TierManager:
 
     def prefix_length(self, keys: list[BlockKey]) -> int:
         blocks = self._s.blocks
-        n = 0
-        for k in keys:
-            if k not in blocks:
-                break
-            n += 1
-        return n
+        return leading_run(map(blocks.__contains__, keys))  # map: no frame per key
 
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self.levels[entry.level].mapped
@@ -224,8 +219,7 @@ class TierManager:
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         """Where the put's bytes go; valid until commit or abort."""
-        return self.levels[self.landing].tier.view(reservation.extent,  # type: ignore[attr-defined]
-                                                   reservation.nbytes)
+        return self.levels[self.landing].memory.view(reservation.extent, reservation.nbytes)
 
     def commit(self, reservation: Reservation) -> bool:
         """Publishes the block; False (and the space returned) if another put of the key won."""
@@ -319,11 +313,12 @@ class TierManager:
 
     def read_view(self, entry: BlockEntry) -> memoryview:
         """The bytes of a block in a memory-mapped tier (see ``is_mapped``)."""
-        tier = self.levels[entry.level].tier
-        return tier.view(entry.extent, entry.nbytes)  # type: ignore[attr-defined]
+        extent = entry.extent
+        assert extent is not None  # a leased block of a memory tier holds its extent
+        return self.levels[entry.level].memory.view(extent, entry.nbytes)
 
-    def release_read(self, entry: BlockEntry) -> Any:
-        """Ends a lease. Returns a durable location to delete (outside the lock), or None."""
+    def release_read(self, entry: BlockEntry) -> DurableCopy | None:
+        """Ends a lease. Returns a durable copy to delete (outside the lock), or None."""
         if entry.readers <= 0:
             raise RuntimeError(f"release of a read lease not held: {entry.key.hex()}")
         entry.readers -= 1
@@ -339,15 +334,16 @@ class TierManager:
 
     # ---- removal and eviction ------------------------------------------------------------
 
-    def remove(self, key: BlockKey) -> Any:
-        """Unlinks ``key``. False if absent; True, or a durable location to delete, if removed."""
+    def remove(self, key: BlockKey) -> bool | DurableCopy:
+        """Unlinks ``key``. False if absent; True, or the durable copy to delete (outside
+        the lock), if removed."""
         entry = self._s.blocks.get(key)
         if entry is None:
             return False
         gone = self._unlink(entry)
         return True if gone is None else gone
 
-    def _unlink(self, entry: BlockEntry) -> Any:
+    def _unlink(self, entry: BlockEntry) -> DurableCopy | None:
         s = self._s
         del s.blocks[entry.key]
         self.levels[entry.level].blocks -= 1
@@ -370,15 +366,15 @@ class TierManager:
             return self._free_space(entry)
         return None
 
-    def _free_space(self, entry: BlockEntry) -> Any:
-        """Frees a memory extent now; returns a durable location for the owner to delete."""
+    def _free_space(self, entry: BlockEntry) -> DurableCopy | None:
+        """Frees a memory extent now; returns a durable copy for the owner to delete."""
         location = entry.place
         entry.place = None
         if entry.length:
             self.levels[entry.level].tier.free(Extent(location, entry.length))
             entry.length = 0
             return None
-        return (entry.key, location) if location is not None else None
+        return DurableCopy(entry.key, location) if location is not None else None
 
     def _held_by_children(self, entry: BlockEntry) -> bool:
         return self.policy.leaves_only and entry.children > 0
@@ -534,10 +530,10 @@ class TierManager:
             moves.append(Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent))
         return moves, None
 
-    def finish_moves(self, moves: Sequence[Move]) -> list[Any]:
-        """Applies the copied moves (phase 3); returns durable locations to delete."""
+    def finish_moves(self, moves: Sequence[Move]) -> list[DurableCopy]:
+        """Applies the copied moves (phase 3); returns durable copies to delete."""
         s = self._s
-        to_delete: list[Any] = []
+        to_delete: list[DurableCopy] = []
         for m in moves:
             e = m.entry
             e.flags &= ~MOVING
@@ -567,7 +563,7 @@ class TierManager:
                 if m.dst_extent is not None:
                     dst.tier.free(m.dst_extent)
                 if m.dst_location is not None:
-                    to_delete.append((e.key, m.dst_location))
+                    to_delete.append(DurableCopy(e.key, m.dst_location))
                 if unlinked:
                     if e.readers == 0:
                         gone = self._free_space(e)

@@ -15,75 +15,20 @@ Assumption: at most one durable tier, and it is the last (SSD).
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from tiers.manager import BlockEntry, Move, TierManager
+from kvstore.keys import BlockKey
+from tiers.base import DurableCopy
+from tiers.manager import Move, TierManager
+
+# Re-exported: they lived here before tiers.reads, and callers import them from here.
+from tiers.reads import leased_block_view as leased_block_view
+from tiers.reads import leased_block_views as leased_block_views
 
 log = logging.getLogger("kvstore.tiers.mover")
-
-_PAGE = mmap.PAGESIZE
-
-
-def leased_block_view(manager: TierManager, lock: AbstractContextManager[Any],
-                      entry: BlockEntry) -> memoryview | None:
-    """The bytes of a block the caller holds a lease on (or is moving).
-
-    In place for a mapped tier; otherwise read into a new buffer without ``lock``.
-    None if the copy failed its checksum: the block is then reported corrupt under
-    ``lock`` (counted, and dropped from the index) and must be treated as a miss.
-    """
-    return leased_block_views(manager, lock, [entry])[0]
-
-
-def leased_block_views(manager: TierManager, lock: AbstractContextManager[Any],
-                       entries: Sequence[BlockEntry | None]) -> list[memoryview | None]:
-    """``leased_block_view`` of each entry (None stays None), reading the blocks of a
-    durable tier in one batch: one ``read_blocks_into`` call keeps the tier's queue
-    as deep as the batch, where one call per block would read at queue depth 1.
-
-    The batch lands in one page-aligned buffer (each block at a page boundary), so
-    O_DIRECT reads go straight into it instead of through a bounce buffer.
-    """
-    out: list[memoryview | None] = [None] * len(entries)
-    durable: dict[int, list[int]] = {}  # level -> positions
-    for i, e in enumerate(entries):
-        if e is None:
-            continue
-        if manager.is_mapped(e):
-            out[i] = manager.read_view(e)
-            continue
-        level = manager.level_of(e)
-        if level.durable:
-            durable.setdefault(e.level, []).append(i)
-        else:
-            buf = memoryview(bytearray(e.nbytes))
-            level.tier.read_into(e.extent, e.nbytes, buf)  # type: ignore[attr-defined]
-            out[i] = buf
-    for level_index, positions in durable.items():
-        tier: Any = manager.levels[level_index].tier
-        spans = [-(-entries[i].nbytes // _PAGE) * _PAGE for i in positions]  # type: ignore[union-attr]
-        arena = memoryview(mmap.mmap(-1, max(sum(spans), _PAGE)))
-        bufs, at = [], 0
-        for i, span in zip(positions, spans, strict=True):
-            bufs.append(arena[at:at + entries[i].nbytes])  # type: ignore[union-attr]
-            at += span
-        ok = tier.read_blocks_into([entries[i].location for i in positions],  # type: ignore[union-attr]
-                                   bufs)
-        corrupt = []
-        for i, buf, good in zip(positions, bufs, ok, strict=True):
-            if good:
-                out[i] = buf
-            else:
-                corrupt.append(entries[i])
-        if corrupt:
-            with lock:
-                for e in corrupt:
-                    manager.report_corrupt(e)
-    return out
 
 
 class TierMover:
@@ -179,11 +124,11 @@ class TierMover:
             self._rounds.wait_for(lambda: self._in_flight == 0, timeout)
             return True
 
-    def delete_durable(self, garbage: Sequence[tuple[Any, Any]]) -> None:
+    def delete_durable(self, garbage: Sequence[DurableCopy]) -> None:
         if not garbage:
             return
-        durable = next(lv.tier for lv in self._m.levels if lv.durable)
-        durable.delete(list(garbage))  # type: ignore[attr-defined]
+        durable = next(lv.store for lv in self._m.levels if lv.durable)
+        durable.delete(list(garbage))
 
     def _copy(self, moves: Sequence[Move]) -> None:
         m = self._m
@@ -204,13 +149,14 @@ class TierMover:
     def _copy_to_memory(self, move: Move) -> None:
         m = self._m
         assert move.dst is not None and move.dst_extent is not None
-        dst = m.levels[move.dst].tier
+        dst_level = m.levels[move.dst]
+        dst = dst_level.tier
         e = move.entry
         src = m.levels[move.src]
-        if src.durable and m.levels[move.dst].mapped:
+        if src.durable and dst_level.mapped:
             # Read straight into the destination's memory.
-            out = dst.view(move.dst_extent, e.nbytes)  # type: ignore[attr-defined]
-            ok = src.tier.read_blocks_into([e.location], [out])[0]  # type: ignore[attr-defined]
+            out = dst_level.memory.view(move.dst_extent, e.nbytes)
+            ok = src.store.read_blocks_into([e.location], [out])[0]
             if not ok:
                 with self._lock:
                     m.report_corrupt(e)
@@ -226,7 +172,7 @@ class TierMover:
         m = self._m
         dst_level = moves[0].dst
         assert dst_level is not None
-        dst = m.levels[dst_level].tier
+        dst = m.levels[dst_level].store
         need = sum(mv.entry.nbytes for mv in moves)
         with self._lock:
             free = dst.capacity - dst.used
@@ -234,7 +180,7 @@ class TierMover:
                 m.watermarks.high * dst.capacity else 0
         if short or free < need:
             self.make_room(dst_level, max(short, need - free))
-        items: list[tuple[Any, Any, memoryview]] = []
+        items: list[tuple[BlockKey, BlockKey | None, memoryview]] = []
         sources: list[Move] = []
         for mv in moves:
             data = self._source_view(mv)
@@ -243,7 +189,7 @@ class TierMover:
                 sources.append(mv)
         if not items:
             return
-        locations = dst.write_blocks(items)  # type: ignore[attr-defined]
+        locations = dst.write_blocks(items)
         for mv, loc in zip(sources, locations, strict=True):
             if loc is not None:
                 mv.dst_location = loc

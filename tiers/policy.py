@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvstore.keys import BlockKey
 
@@ -36,6 +36,10 @@ class QueuedBlock(Protocol):
     last_access: int
     queue_seq: int
     queue_priority: float
+
+
+B = TypeVar("B", bound=QueuedBlock)
+"""The caller's block type: its ``eligibility`` is asked about its own blocks."""
 
 
 class EvictionPolicy(Protocol):
@@ -165,8 +169,8 @@ class EvictionQueue:
 
     def pop_victim(
         self,
-        blocks: Mapping[BlockKey, QueuedBlock],
-        eligibility: Callable[[QueuedBlock], Eligibility],
+        blocks: Mapping[BlockKey, B],
+        eligibility: Callable[[B], Eligibility],
         deferred: list[tuple[float, int, BlockKey]],
     ) -> BlockKey | None:
         """The next victim, or None when no queued block is eligible.

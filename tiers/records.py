@@ -10,7 +10,7 @@ from typing import Any
 
 from kvstore.keys import BlockKey
 from tiers.allocator import Extent
-from tiers.base import Tier
+from tiers.base import DurableTier, MappedTier, Tier
 from tiers.errors import TierError
 from tiers.policy import EvictionQueue
 from tiers.retention import RetainAsk
@@ -178,10 +178,37 @@ class Level:
     counters: TierCounters = field(default_factory=TierCounters)
     blocks: int = 0
     durable: bool = False  # blocks carry a ``location`` and survive restarts
+    mapped_tier: MappedTier | None = None  # ``tier`` when it is a MappedTier
+    durable_tier: DurableTier | None = None  # ``tier`` when it is a DurableTier
+
+    @classmethod
+    def of(cls, tier: Tier, queue: EvictionQueue, *, durable: bool | None = None) -> Level:
+        """The level of ``tier``, typed by its protocols. ``durable`` overrides the
+        protocol's answer (a metadata-only tier standing in for a durable one in tests)."""
+        durable_tier = tier if isinstance(tier, DurableTier) else None
+        return cls(tier=tier, queue=queue,
+                   durable=durable_tier is not None if durable is None else durable,
+                   mapped_tier=tier if isinstance(tier, MappedTier) else None,
+                   durable_tier=durable_tier)
 
     @property
     def mapped(self) -> bool:
-        return hasattr(self.tier, "view")
+        """Whether the tier's bytes are addressable memory (readers use views, not copies)."""
+        return self.mapped_tier is not None
+
+    @property
+    def memory(self) -> MappedTier:
+        """The tier as a MappedTier; only for a ``mapped`` level."""
+        if self.mapped_tier is None:
+            raise TypeError(f"the {self.tier.name} tier is not addressable memory")
+        return self.mapped_tier
+
+    @property
+    def store(self) -> DurableTier:
+        """The tier as a DurableTier; only for a level whose tier is one."""
+        if self.durable_tier is None:
+            raise TypeError(f"the {self.tier.name} tier is not a durable tier")
+        return self.durable_tier
 
     def stats(self) -> dict[str, int | str]:
         """The tier's capacity and use with this level's block count and counters."""

@@ -54,15 +54,15 @@ from typing import Any
 
 import xxhash
 
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ensure_key
 from tiers.allocator import Extent
 from tiers.ssd_alloc import _SsdAllocator
-from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, address_of, byte_view, round_up
-from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex, _check_key
+from tiers.ssd_buffers import ARENA_CACHE_BYTES, ArenaPool, byte_view
+from tiers.ssd_index import FORMAT_NAME, FORMAT_VERSION, SsdIndex
 from tiers.ssd_io import IO_CHOICES, Backend, OnComplete, _Op, open_backend, uring_available
 from tiers.ssd_reads import SsdReads
 from tiers.ssd_region import open_data, probe_region, size_region
-from tiers.ssd_staging import ReadJob, read_views, write_views
+from tiers.ssd_staging import ReadJob, bounces, read_views, transfer_bytes, write_views
 from tiers.ssd_types import (
     ALIGNMENT,
     NotRecoveredError,
@@ -212,7 +212,7 @@ class SsdTier:
         if len(mv) > extent.length:
             raise ValueError(f"{len(mv)} bytes do not fit in {extent}")
         results = self._write_views([mv], [extent.offset])
-        self._raise_on_failure(results, [round_up(len(mv)) if self.o_direct else len(mv)])
+        self._raise_on_failure(results, [transfer_bytes(mv, self.o_direct)])
         self._sync_data()
         with self._lock:
             self._writes += 1
@@ -271,16 +271,17 @@ class SsdTier:
         self._check_mutable()
         views = [byte_view(v) for _, _, v in items]
         for key, parent, _ in items:
-            _check_key(key)
+            ensure_key(key)
             if parent is not None:
-                _check_key(parent)
+                ensure_key(parent)
         extents: list[Extent | None] = []
         with self._lock:
             self._mutated = True
             for mv in views:
                 # A zero-length value still takes one page so its extent is unique.
                 extents.append(self._allocator.allocate(max(len(mv), 1)))
-        placed = [i for i, e in enumerate(extents) if e is not None]
+        held = {i: e for i, e in enumerate(extents) if e is not None}  # the items that fit
+        placed = list(held)
         try:
             checksums: dict[int, int] = {}
 
@@ -289,14 +290,13 @@ class SsdTier:
                 checksums[placed[k]] = xxhash.xxh3_64_intdigest(views[placed[k]])
 
             results = self._write_views([views[i] for i in placed],
-                                        [extents[i].offset for i in placed],  # type: ignore[union-attr]
+                                        [held[i].offset for i in placed],
                                         checksum)
             for i in placed:
                 if i not in checksums:  # empty values (no I/O)
                     checksums[i] = xxhash.xxh3_64_intdigest(views[i])
-            self._raise_on_failure(
-                results, [round_up(len(views[i])) if self.o_direct else len(views[i])
-                          for i in placed])
+            self._raise_on_failure(results,
+                                   [transfer_bytes(views[i], self.o_direct) for i in placed])
             if placed:
                 self._sync_data()
                 entries = []
@@ -310,7 +310,7 @@ class SsdTier:
         except BaseException:
             with self._lock:
                 for i in placed:
-                    self._allocator.free(extents[i])  # type: ignore[arg-type]
+                    self._allocator.free(held[i])
             raise
         out: list[SsdLocation | None] = [None] * len(items)
         nbytes = 0
@@ -386,7 +386,7 @@ class SsdTier:
         or a read that did not move every byte (the batch path finishes or reports it).
         """
         n = len(view)
-        if n == 0 or (self.o_direct and (n % ALIGNMENT or address_of(view) % ALIGNMENT)):
+        if n == 0 or bounces(view, self.o_direct):
             return None
         assert self._backend is not None
         op = _Op(is_write=False, offset=loc.extent.offset, bufs=[view], nbytes=n,

@@ -20,26 +20,20 @@ from collections.abc import Sequence
 
 import rocksdict
 
-from kvstore.keys import BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey
 from tiers.allocator import Extent
 from tiers.ssd_types import ALIGNMENT, SsdFormatError, SsdLocation, SsdRecord
 
 FORMAT_NAME = "kvstore-ssd-index"
 FORMAT_VERSION = 1
 
-_KEY_BYTES = 16
 # The meta key sorts before every block key (b"b" + key), so a prefix scan from
 # _BLOCK_PREFIX never sees it.
 _META_KEY = b"\x00meta"
 _BLOCK_PREFIX = b"b"
 # offset, extent length, value length, checksum, has_parent, parent key.
 _ENTRY = struct.Struct("<QQQQB16s")
-_NO_PARENT = bytes(_KEY_BYTES)
-
-
-def _check_key(key: bytes) -> None:
-    if not isinstance(key, bytes | bytearray) or len(key) != _KEY_BYTES:
-        raise ValueError(f"a block key is {_KEY_BYTES} bytes, got {key!r}")
+_NO_PARENT = bytes(KEY_BYTES)
 
 
 def _encode_entry(extent: Extent, nbytes: int, checksum: int, parent: bytes | None) -> bytes:
@@ -141,7 +135,7 @@ class SsdIndex:
             if not k.startswith(_BLOCK_PREFIX):
                 break
             key = bytes(k[len(_BLOCK_PREFIX):])
-            if len(key) != _KEY_BYTES:
+            if len(key) != KEY_BYTES:
                 raise SsdFormatError(f"index key of wrong length: {k!r}")
             parent, loc = _decode_entry(bytes(v))
             records.append(SsdRecord(key=BlockKey(key), parent=parent, location=loc))

@@ -47,21 +47,49 @@ class _Chunk:
     bounce_bytes: int = 0
 
 
-def _write_bounce_need(mv: memoryview, direct: bool) -> int:
+def _split(mv: memoryview, direct: bool) -> tuple[int, int]:
+    """The one O_DIRECT rule: how a transfer of ``mv`` goes, as (bytes moved in place from
+    its start, length of the bounce slot that carries the rest padded to the alignment).
+
+    Without O_DIRECT all of ``mv`` moves in place; an aligned buffer bounces only its
+    partial last page; an unaligned one bounces whole.
+    """
     n = len(mv)
     if not direct or n == 0:
-        return 0
+        return n, 0
     if address_of(mv) % ALIGNMENT == 0:
-        return ALIGNMENT if n % ALIGNMENT else 0
-    return round_up(n)
+        return n - n % ALIGNMENT, ALIGNMENT if n % ALIGNMENT else 0
+    return 0, round_up(n)
 
 
-def _read_bounce_need(out: memoryview, nbytes: int, direct: bool) -> int:
-    if not direct or nbytes == 0:
-        return 0
-    if address_of(out) % ALIGNMENT == 0:
-        return ALIGNMENT if nbytes % ALIGNMENT else 0
-    return round_up(nbytes)
+def transfer_bytes(mv: memoryview, direct: bool) -> int:
+    """Bytes one transfer of ``mv`` moves: its length, padded to the alignment under
+    O_DIRECT."""
+    head, slot = _split(mv, direct)
+    return head + slot
+
+
+def bounces(mv: memoryview, direct: bool) -> bool:
+    """Whether a transfer of ``mv`` goes (partly) through a bounce buffer."""
+    return _split(mv, direct)[1] > 0
+
+
+def _bounce_need(mv: memoryview, direct: bool) -> int:
+    """Scratch bytes one transfer of ``mv`` takes."""
+    return _split(mv, direct)[1]
+
+
+def _stage(mv: memoryview, direct: bool, scratch: memoryview, pos: int
+           ) -> tuple[list[memoryview], int, memoryview | None, int]:
+    """One transfer of the non-empty ``mv`` by ``_split``: its iovec, the ``head`` bytes
+    moved in place, the bounce slot carved from ``scratch`` at ``pos`` (None if nothing
+    is bounced), and the next free ``pos``."""
+    head, slot = _split(mv, direct)
+    bufs = [mv] if head == len(mv) else [mv[:head]] if head else []
+    if not slot:
+        return bufs, head, None, pos
+    bounce = scratch[pos:pos + slot]
+    return [*bufs, bounce], head, bounce, pos + slot
 
 
 def _chunks(needs: Sequence[int]) -> list[_Chunk]:
@@ -94,7 +122,7 @@ def write_views(backend: Backend, arenas: ArenaPool, direct: bool,
     ones are still in flight (e.g. to checksum the value meanwhile).
     """
     results = [0] * len(views)
-    for chunk in _chunks([_write_bounce_need(mv, direct) for mv in views]):
+    for chunk in _chunks([_bounce_need(mv, direct) for mv in views]):
         arena = arenas.acquire(chunk.bounce_bytes) if chunk.bounce_bytes else None
         try:
             ops: list[_Op] = []
@@ -105,25 +133,11 @@ def write_views(backend: Backend, arenas: ArenaPool, direct: bool,
                     mv, n = views[i], len(views[i])
                     if n == 0:
                         continue
-                    if not direct:
-                        bufs = [mv]
-                    elif address_of(mv) % ALIGNMENT == 0:
-                        head = n - n % ALIGNMENT
-                        bufs = [mv[:head]] if head else []
-                        if n % ALIGNMENT:
-                            tail = scratch[pos:pos + ALIGNMENT]
-                            pos += ALIGNMENT
-                            tail[: n - head] = mv[head:]
-                            # Pad with zeros, not stale scratch bytes of another block.
-                            tail[n - head:] = _ZEROS[: ALIGNMENT - (n - head)]
-                            bufs.append(tail)
-                    else:
-                        padded = round_up(n)
-                        slot = scratch[pos:pos + padded]
-                        pos += padded
-                        slot[:n] = mv
-                        slot[n:] = _ZEROS[: padded - n]
-                        bufs = [slot]
+                    bufs, head, bounce, pos = _stage(mv, direct, scratch, pos)
+                    if bounce is not None:
+                        bounce[: n - head] = mv[head:]
+                        # Pad with zeros, not stale scratch bytes of another block.
+                        bounce[n - head:] = _ZEROS[: len(bounce) - (n - head)]
                     ops.append(_Op(is_write=True, offset=offsets[i], bufs=bufs,
                                    nbytes=sum(len(b) for b in bufs)))
                     op_items.append(i)
@@ -151,21 +165,7 @@ def _read_ops(direct: bool, views: Sequence[memoryview], offsets: Sequence[int],
         if n == 0:
             ok[i] = checksums is None or want == _EMPTY_XXH3
             continue
-        bounce: memoryview | None = None
-        if not direct:
-            head, bufs = n, [mv]
-        elif address_of(mv) % ALIGNMENT == 0:
-            head = n - n % ALIGNMENT
-            bufs = [mv[:head]] if head else []
-            if n % ALIGNMENT:
-                bounce = scratch[pos:pos + ALIGNMENT]
-                pos += ALIGNMENT
-                bufs.append(bounce)
-        else:
-            head = 0
-            bounce = scratch[pos:pos + round_up(n)]
-            pos += round_up(n)
-            bufs = [bounce]
+        bufs, head, bounce, pos = _stage(mv, direct, scratch, pos)
         total = head + (len(bounce) if bounce is not None else 0)
         # The value is the first n bytes of the iovec: the backend may verify it as
         # it lands (in C, without the GIL).
@@ -187,7 +187,7 @@ def read_views(backend: Backend, arenas: ArenaPool, direct: bool,
     """
     ok = [False] * len(views)
     verify = checksums is not None
-    for chunk in _chunks([_read_bounce_need(mv, len(mv), direct) for mv in views]):
+    for chunk in _chunks([_bounce_need(mv, direct) for mv in views]):
         arena = arenas.acquire(chunk.bounce_bytes) if chunk.bounce_bytes else None
         try:
             with (memoryview(arena) if arena is not None else memoryview(b"")) as scratch:
@@ -220,7 +220,7 @@ class ReadJob:
         self._backend, self._arenas, self._direct = backend, arenas, direct
         self._views, self._offsets, self._checksums = views, offsets, checksums
         self._failed = failed
-        self._chunks = _chunks([_read_bounce_need(mv, len(mv), direct) for mv in views])
+        self._chunks = _chunks([_bounce_need(mv, direct) for mv in views])
         self._next_chunk = 0
         self._left = len(views)  # view indices not yet returned by reap
         self._ready: list[int] = []  # decided without I/O (empty views), not yet returned

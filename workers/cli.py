@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "prefill":
         from workers.prefill import PrefillWorker
 
-        worker: object = PrefillWorker(model, store, block_tokens=args.block_tokens,
-                                       namespace=args.namespace)
+        # A PrefillWorker or a DecodeWorker, as Service.worker takes it.
+        worker: Any = PrefillWorker(model, store, block_tokens=args.block_tokens,
+                                    namespace=args.namespace)
         close = store.close
     else:
         from workers.decode import DecodeWorker
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             store.close()
 
     logging.getLogger("workers").info("%s worker: model %s, namespace %s, store %s via %s",
-                                      args.role, model.name, worker.namespace,  # type: ignore[attr-defined]
+                                      args.role, model.name, worker.namespace,
                                       args.store, store.transport)
     try:
         return serve(Service(role=args.role, worker=worker), args.listen, on_stop=close)

@@ -60,7 +60,7 @@ class DecodeResult:
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__
                 if name != "logits"}
 
 

@@ -74,7 +74,7 @@ class PrefillResult:
     def to_json(self) -> dict[str, Any]:
         """The RPC form: keys as hex, logits left out."""
         out: dict[str, Any] = {}
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        for name in self.__slots__:
             if name == "logits":
                 continue
             value = getattr(self, name)

@@ -93,6 +93,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.errors import KVStoreError
 from kvstore.integrations.mooncake_compat import mooncake_key
 from kvstore.integrations.store_config import PLACE_KEYS, store_spec
+from kvstore.keys import leading_run
 
 __all__ = ["KVStoreHiCacheStorage", "page_object_name"]
 
@@ -345,9 +346,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return 0
         if pool_name not in self._pools or (pool_name == KV_POOL and not self._v1):
             flat = [self._flat_key(k) for k in keys]
-            return self._leading(self._exists(flat), 1)
+            return leading_run(self._exists(flat))
         pieces = self._pieces_per_page(pool_name)
-        return self._leading(self._exists(self._keys(pool_name, keys, pieces)), pieces)
+        # A page counts whole: its leading run of pieces, cut to full pages.
+        return leading_run(self._exists(self._keys(pool_name, keys, pieces))) // pieces
 
     def _exists(self, hkeys: list[bytes]) -> list[bool]:
         try:
@@ -355,13 +357,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         except KVStoreError as e:
             log.warning("kvstore exists of %d keys failed: %s", len(hkeys), e)
             return [False] * len(hkeys)
-
-    @staticmethod
-    def _leading(found: Sequence[bool], pieces: int) -> int:
-        for i, ok in enumerate(found):
-            if not ok:
-                return i // pieces
-        return len(found) // pieces
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:

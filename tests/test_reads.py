@@ -1,4 +1,4 @@
-"""tiers.mover: reading leased blocks out of the tiers (``leased_block_views``).
+"""tiers.reads: reading leased blocks out of the tiers (``leased_block_views``).
 
 The mover's background moves run in real node processes (test_tier_node.py); here the
 batch read path is checked in-process against a real DRAM and SSD tier, on both SSD I/O
@@ -18,8 +18,8 @@ from conftest import flip_byte
 from kvstore.keys import BlockKey
 from tiers.dram import DramTier
 from tiers.manager import TierManager
-from tiers.mover import leased_block_views
 from tiers.policy import make_policy
+from tiers.reads import leased_block_views
 from tiers.ssd import SsdTier
 from tiers.ssd_buffers import address_of
 
