@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.checks import check_key
-from kvstore.client import Client, SingleKeyCalls, check_put_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.keys import BlockKey, leading_run
+from kvstore.node_client import NodeClient, SingleKeyCalls, check_put_batch
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.retention import retain_seconds
 from kvstore.security import ClientTls
@@ -199,7 +199,7 @@ class ClusterClient(SingleKeyCalls):
             raise Unavailable("no live kvstore nodes in the cluster")
         return view
 
-    def _client(self, view: _View, node: NodeId) -> Client:
+    def _client(self, view: _View, node: NodeId) -> NodeClient:
         return self._peers.get(view.by_id[node].addr)
 
     def _suspect(self, node: NodeId) -> None:
@@ -305,7 +305,7 @@ class ClusterClient(SingleKeyCalls):
             pending = retry
         return stored
 
-    def _put_forwarded(self, client: Client, keys: list[BlockKey], values: list[memoryview],
+    def _put_forwarded(self, client: NodeClient, keys: list[BlockKey], values: list[memoryview],
                        parents: list[BlockKey | None], pin: bool, keep: float
                        ) -> list[bool]:
         """One trip: the master stores the blocks and forwards them to the owners it
@@ -318,7 +318,7 @@ class ClusterClient(SingleKeyCalls):
                                f"({'; '.join(failed)})")
         return flags
 
-    def _replicate(self, client: Client, keys: list[BlockKey], targets: list[str],
+    def _replicate(self, client: NodeClient, keys: list[BlockKey], targets: list[str],
                    orders: list[list[int]], values: list[memoryview],
                    parents: list[BlockKey | None], pin: bool, keep: float) -> None:
         """Asks the master ``client`` to copy ``keys`` to their replicas; QuorumNotMet if
@@ -345,7 +345,7 @@ class ClusterClient(SingleKeyCalls):
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def _rounds(self, keys: list[BlockKey], call: Callable[[Client, list[int]], list[Any]],
+    def _rounds(self, keys: list[BlockKey], call: Callable[[NodeClient, list[int]], list[Any]],
                 found: Callable[[Any], bool], *, record_reads: bool = False) -> list[Any]:
         """Asks each key of its read candidates in turn; per key the first ``found`` answer
         (or the last answer seen, a miss)."""
@@ -533,7 +533,7 @@ class ClusterClient(SingleKeyCalls):
 
     def _all_mapped(self, view: _View, nodes: Iterable[NodeId]) -> bool:
         """True if every node's client copies through shared memory (see
-        ``Client.maps_node_memory``): threads would only take turns holding the GIL."""
+        ``NodeClient.maps_node_memory``): threads would only take turns holding the GIL."""
         return all(self._client(view, n).maps_node_memory for n in nodes)
 
     def _parallel(self, calls: list[Callable[[], None]], *, serial: bool = False) -> None:

@@ -1,6 +1,6 @@
 """One client per peer node, shared by everything in a process that talks to peers.
 
-A ``PeerPool`` hands out a ``kvstore.client.Client`` per gRPC address, created on
+A ``PeerPool`` hands out a ``kvstore.node_client.NodeClient`` per gRPC address, created on
 first use and kept until ``retain`` drops addresses that left the membership or
 ``close`` ends them all. Clients are thread-safe, so one per peer is enough.
 
@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from kvstore.client import Client
 from kvstore.errors import PermissionDenied, Unavailable
+from kvstore.node_client import NodeClient
 from kvstore.security import ClientTls
 
 
@@ -76,10 +76,10 @@ class PeerPool:
         self._tls = tls
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._clients: dict[str, Client] = {}
+        self._clients: dict[str, NodeClient] = {}
         self._closed = False
 
-    def get(self, addr: str) -> Client:
+    def get(self, addr: str) -> NodeClient:
         if self.members is not None:
             self.members.check(addr)  # before any connection: the token goes nowhere else
         with self._lock:
@@ -87,7 +87,7 @@ class PeerPool:
                 raise Unavailable("peer pool is closed")
             client = self._clients.get(addr)
             if client is None:
-                client = Client(addr, transport=self.transport, timeout=self.timeout,
+                client = NodeClient(addr, transport=self.transport, timeout=self.timeout,
                                 token=self._token, tls=self._tls, io_timeout=self.io_timeout)
                 self._clients[addr] = client
             return client

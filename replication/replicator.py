@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstore.client import Client
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.forwarding import BlockCopy
 from kvstore.keys import BlockKey
 from kvstore.node import Node
+from kvstore.node_client import NodeClient
 from replication import quorum
 from replication.peers import PeerPool
 
@@ -44,7 +44,7 @@ class ReplicateOutcome:
     failed: list[str] = field(default_factory=list)  # "ADDR: reason"
 
 
-def send_copies(peer: Client, blocks: Sequence[BlockCopy]) -> int:
+def send_copies(peer: NodeClient, blocks: Sequence[BlockCopy]) -> int:
     """Puts ``blocks`` on ``peer``; bytes sent. Blocks go in batches of one pin flag and
     one retention, so the peer pins and retains what the source did."""
     sent = 0
@@ -58,8 +58,8 @@ def send_copies(peer: Client, blocks: Sequence[BlockCopy]) -> int:
     return sent
 
 
-def push_blocks(node: Node, peer: Client, keys: Sequence[BlockKey]) -> int:
-    """Copies the blocks of ``keys`` that ``node`` holds to ``peer`` (a Client); bytes sent.
+def push_blocks(node: Node, peer: NodeClient, keys: Sequence[BlockKey]) -> int:
+    """Copies the blocks of ``keys`` that ``node`` holds to ``peer`` (a NodeClient); bytes sent.
 
     The node hands frozen copies whose bytes stay leased only for the copy, and are
     not counted as reads (no hits, no recency, no promotion): the cluster copying a

@@ -21,6 +21,16 @@ def _modules_after(statement: str) -> list[str]:
     return json.loads(out.stdout)
 
 
+def test_importing_the_node_client_loads_no_tier_node_or_server_module() -> None:
+    loaded = _modules_after("import kvstore.node_client")
+    assert "kvstore.node_client" in loaded
+    assert [m for m in loaded if m == "tiers" or m.startswith("tiers.")] == []
+    assert "kvstore.node" not in loaded
+    assert "kvstore.server" not in loaded
+    assert "kvstore.channel_server" not in loaded
+    assert [m for m in loaded if m.startswith("replication")] == []
+
+
 def test_importing_the_client_loads_no_tier_node_or_server_module() -> None:
     loaded = _modules_after("import kvstore.client")
     assert "kvstore.client" in loaded
