@@ -5,22 +5,8 @@
 returns a ``replication.cluster_client.ClusterClient`` with the same API, cluster-wide.
 This module sits above both (README "How it works"), so neither imports it.
 
-Transports (``transport=``):
-
-* ``"grpc"``: every call is a gRPC call; portable, ~1 GB/s at best.
-* ``"tcp"``: a transfer channel negotiated over gRPC; values stream over raw TCP.
-* ``"shm"``: same host only; the node's DRAM region is mapped into this process
-  and values are copied straight from/into it under read leases/reservations.
-* ``"auto"`` (default): ``shm`` if the node is on this host, else ``tcp``, else ``grpc``.
-
-Errors: every failure reaches the caller as a ``kvstore.errors`` exception,
-mapped at one choke point (``_errors``): gRPC status codes by code, socket
-failures as ``Unavailable``. A gRPC failure the node reported ends with
-``(request id ID)``: the id under which the node logged it.
-
-Retry policy: none for errors the node reports. A call that fails with a
-transport error is retried once on a fresh connection (every kvstore operation
-is idempotent: puts are content-addressed); a second failure is raised.
+Transports, errors and the retry policy: ``kvstore.node_client`` (the cluster client
+uses node clients, so they hold there too).
 """
 
 from __future__ import annotations
