@@ -50,6 +50,7 @@ from kvstore.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.base import Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
+from tiers.observer import TierObserver
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
 from tiers.records import (
     MOVING,
@@ -113,6 +114,7 @@ class TierManager:
             raise ValueError("the landing tier must be addressable memory")
         self.landing = landing
         self._s = _State()
+        self.observer: TierObserver | None = None  # told of commits, unlinks and moves
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -237,6 +239,8 @@ class TierManager:
             children=s.orphans.pop(key, 0) if s.orphans else 0,
         )
         self._index(entry, tick)
+        if self.observer is not None:
+            self.observer.stored(key, entry.parent, self.landing)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
@@ -342,6 +346,8 @@ class TierManager:
         if entry.parent is not None:
             self._drop_child(entry.parent)
         entry.flags |= UNLINKED
+        if self.observer is not None:
+            self.observer.removed(entry.key, entry.level)
         if entry.readers == 0:
             if entry.length:  # the memory-tier case of ``_free_space``, inlined
                 self.levels[entry.level].tier.free(Extent(entry.place, entry.length))
@@ -542,6 +548,8 @@ class TierManager:
             else:
                 e.place, e.length = m.dst_location, 0
             e.tier_hits = 0
+            if self.observer is not None:
+                self.observer.moved(e.key, e.parent, m.src, m.dst)
             if m.dst < m.src:
                 dst.counters.promotions += 1
             else:
