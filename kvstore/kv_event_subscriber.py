@@ -26,7 +26,7 @@ def decode(payload: bytes) -> list[dict[str, Any]]:
     """The events of one batch payload, as maps (each with its ``"type"``)."""
     import msgspec
 
-    ts, events, *_ = msgspec.msgpack.decode(payload)
+    _ts, events, *_ = msgspec.msgpack.decode(payload)
     return list(events)
 
 
@@ -110,7 +110,7 @@ class KVEventSubscriber:
         if got is None:
             return None
         seq, payload = got
-        if state.last_seq >= 0 and seq > state.last_seq + 1 or state.last_seq < 0:
+        if state.last_seq < 0 or seq > state.last_seq + 1:
             for rseq, rpayload in self.replay(state.last_seq + 1):
                 if rseq > state.last_seq:
                     state.apply(rseq, rpayload)
