@@ -270,3 +270,38 @@ def test_moves_between_tiers_and_a_restart(tmp_path: Path) -> None:
         sub.close()
         code = node.stop()
     assert code == 0, node.output()
+
+
+def test_bad_endpoints_are_cli_errors(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    def serve(*flags: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen",
+                               f"127.0.0.1:{free_port()}", "--dram-bytes", "1MiB",
+                               "--no-prefault", *flags],
+                              capture_output=True, cwd=REPO, timeout=60, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+        (line,) = proc.stderr.splitlines()
+        return line
+
+    assert serve("--kv-events-endpoint", "udp://127.0.0.1:5557") == (
+        "kvstore serve: error: kv_events_endpoint must be tcp://HOST:PORT (or ipc://PATH), "
+        "got 'udp://127.0.0.1:5557'")
+    assert serve("--kv-events-endpoint", "tcp://127.0.0.1:5557",
+                 "--kv-events-replay-endpoint", "tcp://127.0.0.1") == (
+        "kvstore serve: error: kv_events_replay_endpoint must be tcp://HOST:PORT (or "
+        "ipc://PATH), got 'tcp://127.0.0.1'")
+    assert serve("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558") == (
+        "kvstore serve: error: kv_events_replay_endpoint needs kv_events_endpoint")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = serve("--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
+        assert line.startswith("kvstore serve: error: cannot bind KV events endpoint: "
+                               "Address already in use"), line
