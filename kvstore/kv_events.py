@@ -131,6 +131,8 @@ class KVEventPublisher:
         self._observer = _Enqueue(media, self._q)
         self._stop = threading.Event()
         self.ready = threading.Event()  # set once the first batch (the resync) is out
+        self.resyncs = 0  # batches that restated every block (the first one included)
+        node.add_stat_source(self._stats)
         node.observe(self._observer)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -184,6 +186,11 @@ class KVEventPublisher:
     def _resync(self) -> None:
         resync, _, _ = self._state()  # what was queued is in the snapshot already
         self._send(resync)
+        self.resyncs += 1
+
+    def _stats(self) -> dict[str, object]:
+        # Read from other threads without a lock: ints, each at worst one batch old.
+        return {"kv_events_seq": self._next_seq - 1, "kv_events_resyncs": self.resyncs}
 
     def _send(self, events: Sequence[Event]) -> None:
         seq = self._next_seq
@@ -211,6 +218,7 @@ class KVEventPublisher:
             resync, pending, lost = self._state()
             if lost:
                 self._send(resync)  # the live stream needs it as much as this client
+                self.resyncs += 1
             else:
                 for i in range(0, len(pending), self._s.max_batch):
                     self._send(pending[i:i + self._s.max_batch])

@@ -215,6 +215,8 @@ def test_queue_overflow_drops_events_then_resyncs() -> None:
             ("C",), ("S", key(1), None, "CPU"), ("S", key(3), key(2), "CPU"),
             ("S", key(4), None, "CPU"),
         ]
+        info = node.stats()["node"]
+        assert (info["kv_events_seq"], info["kv_events_resyncs"]) == (base + 2, 2)
     finally:
         release.set()
         sub.close()
