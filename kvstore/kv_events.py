@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -67,35 +66,45 @@ class KVEventSettings:
     hwm: int = 100_000  # PUB high-water mark (messages per subscriber)
 
 
+Item = tuple[BlockKey, BlockKey | None, int] | tuple[BlockKey, int]
+"""A queued index change: (key, parent, level) stored, or (key, level) removed. Plain
+tuples, not events: the observer runs under the node's lock on every put."""
+
+
 class _Enqueue:
-    """The TierObserver: turns index changes into events on a bounded queue.
+    """The TierObserver: appends index changes to a bounded deque, waking the thread
+    when it was empty. Called under the node's lock only, which also guards ``lost``
+    (the thread pops without it: deque appends and pops are atomic)."""
 
-    Called under the node's lock only, which also guards ``lost``."""
+    __slots__ = ("_limit", "_q", "_wake", "lost")
 
-    __slots__ = ("_media", "_q", "lost")
-
-    def __init__(self, media: Sequence[str], q: queue.Queue[Event]) -> None:
-        self._media = list(media)
+    def __init__(self, q: deque[Item], wake: threading.Event, limit: int) -> None:
         self._q = q
+        self._wake = wake
+        self._limit = limit
         self.lost = False
 
-    def _put(self, event: Event) -> None:
+    def _put(self, item: Item) -> None:
+        q = self._q
         if self.lost:
             return  # a resync replaces everything after the first lost event
-        try:
-            self._q.put_nowait(event)
-        except queue.Full:
+        if len(q) >= self._limit:
             self.lost = True
+            self._wake.set()
+            return
+        q.append(item)
+        if len(q) == 1:
+            self._wake.set()
 
     def stored(self, key: BlockKey, parent: BlockKey | None, level: int) -> None:
-        self._put(Stored(key=key, parent=parent, medium=self._media[level]))
+        self._put((key, parent, level))
 
     def removed(self, key: BlockKey, level: int) -> None:
-        self._put(Removed(key=key, medium=self._media[level]))
+        self._put((key, level))
 
     def moved(self, key: BlockKey, parent: BlockKey | None, src: int, dst: int) -> None:
-        self._put(Stored(key=key, parent=parent, medium=self._media[dst]))
-        self._put(Removed(key=key, medium=self._media[src]))
+        self._put((key, parent, dst))
+        self._put((key, src))
 
 
 class KVEventPublisher:
@@ -126,9 +135,10 @@ class KVEventPublisher:
             raise ValueError(f"cannot bind KV events endpoint: {exc}") from None
         self._next_seq = int(clock() * 1_000_000)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
-        self._q: queue.Queue[Event] = queue.Queue(maxsize=settings.max_queue)
-        media = [medium_of(name) for name in node.stats()["tiers"]]
-        self._observer = _Enqueue(media, self._q)
+        self._q: deque[Item] = deque()
+        self._wake = threading.Event()
+        self._media = [medium_of(name) for name in node.stats()["tiers"]]
+        self._observer = _Enqueue(self._q, self._wake, settings.max_queue)
         self._stop = threading.Event()
         self.ready = threading.Event()  # set once the first batch (the resync) is out
         self.resyncs = 0  # batches that restated every block (the first one included)
@@ -146,31 +156,29 @@ class KVEventPublisher:
             while not self._stop.is_set():
                 if self._replay is not None and self._replay.poll(0):
                     self._serve_replay()
-                try:
-                    first = self._q.get(timeout=0.05)
-                except queue.Empty:
-                    first = None
-                if first is not None:
-                    events = [first]
-                    while len(events) < self._s.max_batch:
-                        try:
-                            events.append(self._q.get_nowait())
-                        except queue.Empty:
-                            break
-                    self._send(events)
+                q = self._q
+                if not q:
+                    self._wake.wait(0.05)  # also the longest a replay request waits
+                    self._wake.clear()
+                items: list[Item] = []
+                while q and len(items) < self._s.max_batch:
+                    items.append(q.popleft())
+                if items:
+                    self._send(self._events(items))
                 if self._observer.lost:  # read without the lock: at worst one loop late
                     self._resync()
         except Exception:  # the node keeps serving; routers see silence (and a gap)
             log.exception("KV event publisher stopped")
 
-    def _take_pending(self) -> tuple[list[Event], bool]:
-        """Runs under the node's lock: the queued events and whether any were lost."""
-        pending: list[Event] = []
-        while True:
-            try:
-                pending.append(self._q.get_nowait())
-            except queue.Empty:
-                break
+    def _events(self, items: Sequence[Item]) -> list[Event]:
+        media = self._media
+        return [Stored(key=i[0], parent=i[1], medium=media[i[2]]) if len(i) == 3
+                else Removed(key=i[0], medium=media[i[1]]) for i in items]  # type: ignore[misc]
+
+    def _take_pending(self) -> tuple[list[Item], bool]:
+        """Runs under the node's lock: the queued changes and whether any were lost."""
+        pending = list(self._q)
+        self._q.clear()
         lost, self._observer.lost = self._observer.lost, False
         return pending, lost
 
@@ -178,10 +186,10 @@ class KVEventPublisher:
         """The node's blocks as a resync (Cleared + Stored each), what was queued before,
         and whether events were lost; one consistent cut of the index."""
         blocks, (pending, lost) = self._node.index_snapshot(self._take_pending)
-        media = self._observer._media
+        media = self._media
         resync: list[Event] = [Cleared()]
         resync += [Stored(key=k, parent=p, medium=media[level]) for k, p, level in blocks]
-        return resync, pending, lost
+        return resync, self._events(pending), lost
 
     def _resync(self) -> None:
         resync, _, _ = self._state()  # what was queued is in the snapshot already
