@@ -129,6 +129,8 @@ class KVEventPublisher:
             if settings.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what passes its high-water mark: room for a whole replay.
+                self._replay.set_hwm(settings.buffer_batches + 2)
                 self.replay_endpoint = _bind(self._replay, settings.replay_endpoint)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
