@@ -152,3 +152,33 @@ def test_media_are_vllms() -> None:
     from kvstore.kv_event_wire import MEDIA
 
     assert MEDIA == {"hbm": MEDIUM_GPU, "dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}
+
+
+def test_int_hashes_decode_as_vllms_int_form() -> None:
+    """``int_hashes``: what vLLM sends with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (its
+    ``maybe_convert_block_hash``: the hash bytes big-endian, low 64 bits)."""
+    from kvstore.kv_event_subscriber import KVEventSubscriber
+    from kvstore.kv_events import KVEventPublisher, KVEventSettings
+    from kvstore.node import Node, NodeSettings
+
+    node = Node(NodeSettings(dram_bytes=1 << 20, prefault=False))
+    pub = KVEventPublisher(node, KVEventSettings(endpoint="tcp://127.0.0.1:0",
+                                                 replay_endpoint="tcp://127.0.0.1:0",
+                                                 int_hashes=True))
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    try:
+        assert pub.ready.wait(10.0)
+        node.put(key(1), memoryview(b"a" * 100))
+        node.put(key(2), memoryview(b"b" * 100), parent=key(1))
+        _seq, payload = sub.snapshot()
+        as_int = [int.from_bytes(key(i), "big") & ((1 << 64) - 1) for i in (1, 2)]
+        assert vllm_batch(payload).events == [
+            AllBlocksCleared(),
+            BlockStored(block_hashes=[as_int[0]], parent_block_hash=None, token_ids=[],
+                        block_size=0, lora_id=None, medium=MEDIUM_CPU, lora_name=None),
+            BlockStored(block_hashes=[as_int[1]], parent_block_hash=as_int[0], token_ids=[],
+                        block_size=0, lora_id=None, medium=MEDIUM_CPU, lora_name=None)]
+    finally:
+        sub.close()
+        pub.close()
+        node.close()
