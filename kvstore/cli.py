@@ -14,11 +14,16 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import parse_key
 from kvstore.sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvstore.config import NodeConfig
+    from kvstore.kv_events import KVEventPublisher
+    from kvstore.node import Node
 
 DEFAULT_ADDR = "127.0.0.1:7600"
 BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
@@ -291,7 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_kv_events(cfg: Any, node: Any) -> Any:
+def _start_kv_events(cfg: NodeConfig, node: Node) -> KVEventPublisher | None:
     """The KV event publisher of ``--kv-events-endpoint`` (kvstore/kv_events.py), or None."""
     if not cfg.kv_events_endpoint:
         return None
