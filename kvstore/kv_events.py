@@ -41,7 +41,6 @@ from kvstore.kv_event_wire import (
     END_SEQ,
     Cleared,
     Event,
-    Removed,
     Stored,
     encoder,
     medium_of,
@@ -66,9 +65,10 @@ class KVEventSettings:
     hwm: int = 100_000  # PUB high-water mark (messages per subscriber)
 
 
-Item = tuple[BlockKey, BlockKey | None, int] | tuple[BlockKey, int]
-"""A queued index change: (key, parent, level) stored, or (key, level) removed. Plain
-tuples, not events: the observer runs under the node's lock on every put."""
+Item = tuple[BlockKey, BlockKey | None, str] | tuple[BlockKey, str]
+"""A queued index change: (key, parent, medium) stored, or (key, medium) removed: plain
+tuples of the shapes of ``Stored`` and ``Removed`` (the observer runs under the node's
+lock on every put)."""
 
 
 class _Enqueue:
@@ -76,10 +76,12 @@ class _Enqueue:
     when it was empty. Called under the node's lock only, which also guards ``lost``
     (the thread pops without it: deque appends and pops are atomic)."""
 
-    __slots__ = ("_limit", "_q", "_wake", "lost")
+    __slots__ = ("_limit", "_media", "_q", "_wake", "lost")
 
-    def __init__(self, q: deque[Item], wake: threading.Event, limit: int) -> None:
+    def __init__(self, q: deque[Item], wake: threading.Event, limit: int,
+                 media: Sequence[str]) -> None:
         self._q = q
+        self._media = list(media)
         self._wake = wake
         self._limit = limit
         self.lost = False
@@ -97,14 +99,14 @@ class _Enqueue:
             self._wake.set()
 
     def stored(self, key: BlockKey, parent: BlockKey | None, level: int) -> None:
-        self._put((key, parent, level))
+        self._put((key, parent, self._media[level]))
 
     def removed(self, key: BlockKey, level: int) -> None:
-        self._put((key, level))
+        self._put((key, self._media[level]))
 
     def moved(self, key: BlockKey, parent: BlockKey | None, src: int, dst: int) -> None:
-        self._put((key, parent, dst))
-        self._put((key, src))
+        self._put((key, parent, self._media[dst]))
+        self._put((key, self._media[src]))
 
 
 class KVEventPublisher:
@@ -140,7 +142,7 @@ class KVEventPublisher:
         self._q: deque[Item] = deque()
         self._wake = threading.Event()
         self._media = [medium_of(name) for name in node.stats()["tiers"]]
-        self._observer = _Enqueue(self._q, self._wake, settings.max_queue)
+        self._observer = _Enqueue(self._q, self._wake, settings.max_queue, self._media)
         self._stop = threading.Event()
         self.ready = threading.Event()  # set once the first batch (the resync) is out
         self.resyncs = 0  # batches that restated every block (the first one included)
@@ -166,16 +168,11 @@ class KVEventPublisher:
                 while q and len(items) < self._s.max_batch:
                     items.append(q.popleft())
                 if items:
-                    self._send(self._events(items))
+                    self._send(items)
                 if self._observer.lost:  # read without the lock: at worst one loop late
                     self._resync()
         except Exception:  # the node keeps serving; routers see silence (and a gap)
             log.exception("KV event publisher stopped")
-
-    def _events(self, items: Sequence[Item]) -> list[Event]:
-        media = self._media
-        return [Stored(key=i[0], parent=i[1], medium=media[i[2]]) if len(i) == 3
-                else Removed(key=i[0], medium=media[i[1]]) for i in items]  # type: ignore[misc]
 
     def _take_pending(self) -> tuple[list[Item], bool]:
         """Runs under the node's lock: the queued changes and whether any were lost."""
@@ -184,14 +181,14 @@ class KVEventPublisher:
         lost, self._observer.lost = self._observer.lost, False
         return pending, lost
 
-    def _state(self) -> tuple[list[Event], list[Event], bool]:
+    def _state(self) -> tuple[list[Event], list[Item], bool]:
         """The node's blocks as a resync (Cleared + Stored each), what was queued before,
         and whether events were lost; one consistent cut of the index."""
         blocks, (pending, lost) = self._node.index_snapshot(self._take_pending)
         media = self._media
         resync: list[Event] = [Cleared()]
-        resync += [Stored(key=k, parent=p, medium=media[level]) for k, p, level in blocks]
-        return resync, self._events(pending), lost
+        resync += [Stored(k, p, media[level]) for k, p, level in blocks]
+        return resync, pending, lost
 
     def _resync(self) -> None:
         resync, _, _ = self._state()  # what was queued is in the snapshot already
@@ -202,7 +199,7 @@ class KVEventPublisher:
         # Read from other threads without a lock: ints, each at worst one batch old.
         return {"kv_events_seq": self._next_seq - 1, "kv_events_resyncs": self.resyncs}
 
-    def _send(self, events: Sequence[Event]) -> None:
+    def _send(self, events: Sequence[Event | Item]) -> None:
         seq = self._next_seq
         self._next_seq += 1
         payload = self._encode(events)
