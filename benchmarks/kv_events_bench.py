@@ -37,10 +37,11 @@ VALUE = memoryview(b"v" * 4096)
 
 
 class _Counter:
-    """Drains a SUB socket on a thread, counting events."""
+    """Drains a SUB socket on a thread, counting events (``decode``) or messages."""
 
-    def __init__(self, sub: KVEventSubscriber) -> None:
+    def __init__(self, sub: KVEventSubscriber, *, decode: bool = True) -> None:
         self.sub = sub
+        self.decode = decode
         self.events = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -50,7 +51,7 @@ class _Counter:
         while not self.stop.is_set():
             got = self.sub.recv(0.05)
             if got is not None:
-                self.events += len(decode(got[1]))
+                self.events += len(decode(got[1])) if self.decode else 1
 
     def wait_for(self, n: int, timeout: float = 60.0) -> float:
         t0 = time.perf_counter()
@@ -134,7 +135,8 @@ def process_round(blocks: int, events: bool, batch: int = 64) -> dict[str, Any]:
             if events:
                 m = re.search(r"KV events on (\S+)", head)
                 assert m is not None
-                counter = _Counter(KVEventSubscriber(m[1]))
+                # Received, not decoded: this process's GIL is the client's.
+                counter = _Counter(KVEventSubscriber(m[1]), decode=False)
                 probe = b"\xff" * 16
                 while counter.events == 0:
                     c.put(probe, b"p")

@@ -61,6 +61,7 @@ class KVEventSettings:
     int_hashes: bool = False  # hashes as 64-bit ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     max_queue: int = 100_000  # events waiting for the thread; past it: dropped, then a resync
     max_batch: int = 1_000  # events per live batch
+    flush_interval_s: float = 0.005  # the longest an event waits for its batch
     buffer_batches: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # PUB high-water mark (messages per subscriber)
 
@@ -72,31 +73,27 @@ lock on every put)."""
 
 
 class _Enqueue:
-    """The TierObserver: appends index changes to a bounded deque, waking the thread
-    when it was empty. Called under the node's lock only, which also guards ``lost``
-    (the thread pops without it: deque appends and pops are atomic)."""
+    """The TierObserver: appends index changes to a bounded deque. Called under the
+    node's lock only, which also guards ``lost`` (the thread pops without it: deque
+    appends and pops are atomic). It wakes nobody: the thread polls every
+    ``flush_interval_s``, since waking it per put hands the GIL back and forth between
+    the putting thread and the publisher (measured: ~40% fewer puts/s over the channel)."""
 
-    __slots__ = ("_limit", "_media", "_q", "_wake", "lost")
+    __slots__ = ("_limit", "_media", "_q", "lost")
 
-    def __init__(self, q: deque[Item], wake: threading.Event, limit: int,
-                 media: Sequence[str]) -> None:
+    def __init__(self, q: deque[Item], limit: int, media: Sequence[str]) -> None:
         self._q = q
         self._media = list(media)
-        self._wake = wake
         self._limit = limit
         self.lost = False
 
     def _put(self, item: Item) -> None:
-        q = self._q
         if self.lost:
             return  # a resync replaces everything after the first lost event
-        if len(q) >= self._limit:
+        if len(self._q) >= self._limit:
             self.lost = True
-            self._wake.set()
             return
-        q.append(item)
-        if len(q) == 1:
-            self._wake.set()
+        self._q.append(item)
 
     def stored(self, key: BlockKey, parent: BlockKey | None, level: int) -> None:
         self._put((key, parent, self._media[level]))
@@ -140,9 +137,8 @@ class KVEventPublisher:
         self._next_seq = int(clock() * 1_000_000)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
         self._q: deque[Item] = deque()
-        self._wake = threading.Event()
         self._media = [medium_of(name) for name in node.stats()["tiers"]]
-        self._observer = _Enqueue(self._q, self._wake, settings.max_queue, self._media)
+        self._observer = _Enqueue(self._q, settings.max_queue, self._media)
         self._stop = threading.Event()
         self.ready = threading.Event()  # set once the first batch (the resync) is out
         self.resyncs = 0  # batches that restated every block (the first one included)
@@ -161,9 +157,9 @@ class KVEventPublisher:
                 if self._replay is not None and self._replay.poll(0):
                     self._serve_replay()
                 q = self._q
-                if not q:
-                    self._wake.wait(0.05)  # also the longest a replay request waits
-                    self._wake.clear()
+                if len(q) < self._s.max_batch:
+                    # Events wait up to this long to share a batch (as a replay request does).
+                    self._stop.wait(self._s.flush_interval_s)
                 items: list[Item] = []
                 while q and len(items) < self._s.max_batch:
                     items.append(q.popleft())
