@@ -26,7 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import Panel, format_table, median, plot_panels, write_json
+from benchmarks.stats import (
+    Panel,
+    format_table,
+    median,
+    paired_median_ratio,
+    plot_panels,
+    write_json,
+)
 from kvstore import Client
 from kvstore.kv_event_subscriber import KVEventSubscriber, decode
 from kvstore.kv_events import KVEventPublisher, KVEventSettings
@@ -180,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs[kind].append(one_round(blocks, kind == "on"))
             tcp[kind].append(process_round(blocks, kind == "on"))
 
+    def paired(field: str, rs: dict[str, list[dict[str, Any]]]) -> float | None:
+        return paired_median_ratio([r[field] for r in rs["on"]], [r[field] for r in rs["off"]])
+
     def med(kind: str, field: str) -> float:
         return median([r[field] for r in runs[kind]])
 
@@ -187,20 +197,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "blocks": blocks, "block_bytes": len(VALUE), "rounds": rounds,
         "puts_per_s": {k: med(k, "puts_per_s") for k in runs},
         "removes_per_s": {k: med(k, "removes_per_s") for k in runs},
-        "put_ratio_on_off": med("on", "puts_per_s") / med("off", "puts_per_s"),
-        "remove_ratio_on_off": med("on", "removes_per_s") / med("off", "removes_per_s"),
+        # Paired by round (on against the off run just before it): load from other
+        # processes on the machine moves both alike.
+        "put_ratio_on_off": paired("puts_per_s", runs),
+        "remove_ratio_on_off": paired("removes_per_s", runs),
         "drain_after_puts_s": med("on", "drain_after_puts_s"),
         "snapshot_s": med("on", "snapshot_s"),
         "snapshot_bytes_per_block": med("on", "snapshot_bytes") / blocks,
         "tcp_puts_per_s": {k: median([r["puts_per_s"] for r in tcp[k]]) for k in tcp},
         "runs": runs, "tcp_runs": tcp,
     }
-    summary["tcp_put_ratio_on_off"] = (summary["tcp_puts_per_s"]["on"]
-                                       / summary["tcp_puts_per_s"]["off"])
+    summary["tcp_put_ratio_on_off"] = paired("puts_per_s", tcp)
     rows = [[kind, summary["puts_per_s"][kind], summary["removes_per_s"][kind],
              summary["tcp_puts_per_s"][kind]] for kind in ("off", "on")]
-    rows.append(["ratio on/off", summary["put_ratio_on_off"], summary["remove_ratio_on_off"],
-                 summary["tcp_put_ratio_on_off"]])
+    rows.append(["ratio on/off (paired)", summary["put_ratio_on_off"],
+                 summary["remove_ratio_on_off"], summary["tcp_put_ratio_on_off"]])
     print(f"KV events: {blocks} blocks of 4 KiB, median of {rounds} rounds")
     print(format_table(["events", "in-process puts/s", "in-process removes/s",
                         "TCP channel puts/s (batches of 64)"], rows))
