@@ -8,8 +8,9 @@
   new medium *then* ``BlockRemoved`` from the old one, so a consumer applying events one
   by one never believes a held block is gone. The observer only appends to a bounded queue:
   a put never waits for the network.
-* One thread owns the sockets: it drains the queue into batches (up to ``max_batch``
-  events each) and sends each on the PUB socket as ``(topic, seq, payload)``. PUB drops
+* One thread owns the sockets: every ``flush_interval_s`` (5 ms) it drains the queue into
+  batches (up to ``max_batch`` events each) and sends each on the PUB socket as
+  ``(topic, seq, payload)``. PUB drops
   messages for a subscriber past its high-water mark rather than block.
 * Sequence numbers count batches, one apart. The first one of a node process is its start
   time in microseconds since the epoch, so a restart shows up as a jump: vLLM's
