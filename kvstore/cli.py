@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks import cli as bench_cli
 from benchmarks.cli import BENCHMARKS as BENCHMARKS
@@ -24,6 +24,11 @@ from kvstore.sizes import format_size, parse_size
 from kvstore.stat_table import STAT_COLUMNS as STAT_COLUMNS
 from kvstore.stat_table import format_stat_table
 from replication import cluster_cli
+
+if TYPE_CHECKING:
+    from kvstore.config import NodeConfig
+    from kvstore.kv_events import KVEventPublisher
+    from kvstore.node import Node
 
 DEFAULT_ADDR = "127.0.0.1:7600"
 
@@ -85,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log lines as text, or one JSON object per line (default text)")
     s.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    s.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                   help="publish KV events (vLLM's format, ZeroMQ PUB) there (default: off)")
+    s.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
+                   help="answer KV event replay and snapshot requests there (ZeroMQ ROUTER)")
     t = s.add_argument_group("security (see kvstore/security.py)")
     t.add_argument("--tls-cert", help="server certificate (PEM): TLS on gRPC and the channel")
     t.add_argument("--tls-key", help="the certificate's private key (PEM)")
@@ -207,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.server import NodeServer
 
     overrides = {k: getattr(args, k) for k in (
-        "log_format", "metrics_listen",
+        "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
         "hbm_bytes", "max_retained_fraction",
@@ -234,8 +243,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
                              ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io,
                              max_retained_fraction=cfg.max_retained_fraction))
-    exporter = None
+    exporter = events = None
     try:
+        events = _start_kv_events(cfg, node)
         metrics = NodeMetrics(node) if cfg.metrics_listen else None
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
@@ -244,6 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
+        if events is not None:
+            events.close()
         node.close()
         raise
     server.start()
@@ -288,10 +300,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     drained = server.stop(grace=cfg.drain_timeout)
     if exporter is not None:
         exporter.stop()  # before close: a scrape reads the node
+    if events is not None:
+        events.close()
     node.close()
     announce("kvstore: stopped" + ("" if drained else " (some requests did not finish in time)"),
              fmt=fmt)
     return 0
+
+
+def _start_kv_events(cfg: NodeConfig, node: Node) -> KVEventPublisher | None:
+    """The KV event publisher of ``--kv-events-endpoint`` (kvstore/kv_events.py), or None."""
+    if not cfg.kv_events_endpoint:
+        return None
+    from kvstore.logs import announce
+
+    try:
+        from kvstore.kv_events import KVEventPublisher, KVEventSettings
+    except ImportError as exc:
+        raise CliError(f"--kv-events-endpoint needs the events extra (pip install "
+                       f"'kvstore[events]'): {exc}") from None
+    try:
+        pub = KVEventPublisher(node, KVEventSettings(
+            endpoint=cfg.kv_events_endpoint, replay_endpoint=cfg.kv_events_replay_endpoint))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
+    announce(f"kvstore: KV events on {pub.endpoint}{replay}", fmt=cfg.log_format)
+    return pub
 
 
 STOP_MARGIN_S = 5.0

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.kv_event_wire import check_endpoint
 from kvstore.sizes import parse_size
 from kvstore.toml_files import load_toml
 from tiers.policy import POLICIES
@@ -30,6 +31,8 @@ class NodeConfig:
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json" (one object per line, stdout and stderr)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus /metrics endpoint; "": none
+    kv_events_endpoint: str = ""  # tcp://HOST:PORT: publish KV events there (kv_events.py)
+    kv_events_replay_endpoint: str = ""  # tcp://HOST:PORT: replays and snapshots; "": none
     hbm_bytes: int = 0  # 0: no HBM tier
     hbm_device: str = ""  # "": CUDA when present, else the CPU (and stat says so)
     ssd_path: str = ""  # "": no SSD tier
@@ -106,6 +109,11 @@ class NodeConfig:
             if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"metrics_listen must be HOST:PORT, got "
                                  f"{self.metrics_listen!r}")
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, key):
+                check_endpoint(key, getattr(self, key))
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
     def member_addrs(self) -> list[str]:

@@ -39,6 +39,7 @@ from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
+from tiers.observer import TierObserver
 from tiers.policy import make_policy
 from tiers.retention import DEFAULT_MAX_RETAINED_FRACTION, RetentionBook, retain_ask
 
@@ -400,6 +401,18 @@ class Node:
         """A snapshot of every stored key (for repair scans)."""
         with self._lock:
             return self._manager.keys()
+
+    def observe(self, observer: TierObserver | None) -> None:
+        """Tells ``observer`` of every later index change, under ``_lock`` (kvstore.kv_events)."""
+        with self._lock:
+            self._manager.observer = observer
+
+    def index_snapshot(self, atomically: Callable[[], T]
+                       ) -> tuple[list[tuple[BlockKey, BlockKey | None, int]], T]:
+        """Every block as (key, parent, level), and ``atomically()``, under one lock hold."""
+        with self._lock:
+            m = self._manager
+            return [(e.key, e.parent, e.level) for e in map(m.entry, m.keys()) if e], atomically()
 
     @contextmanager
     def reading(self, key: BlockKey) -> Iterator[memoryview | None]:

@@ -52,6 +52,7 @@ from kvstore.keys import BlockKey, leading_run
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
+from tiers.observer import TierObserver
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
 from tiers.records import (
     MOVING,
@@ -119,6 +120,7 @@ class TierManager:
         self._s = _State()
         # Retained blocks (``tiers.retention``): demotable, but never dropped while held.
         self.retention = retention if retention is not None else RetentionBook()
+        self.observer: TierObserver | None = None  # told of commits, unlinks and moves
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -246,6 +248,8 @@ class TierManager:
         self._index(entry, tick)
         if reservation.retain is not None:
             self.retention.grant(key, entry.nbytes, reservation.retain)
+        if self.observer is not None:
+            self.observer.stored(key, entry.parent, self.landing)
         level.counters.puts += 1
         level.counters.bytes_in += entry.nbytes
         return True
@@ -357,6 +361,8 @@ class TierManager:
         if entry.parent is not None:
             self._drop_child(entry.parent)
         entry.flags |= UNLINKED
+        if self.observer is not None:
+            self.observer.removed(entry.key, entry.level)
         if entry.readers == 0:
             if entry.length:  # the memory-tier case of ``_free_space``, inlined
                 self.levels[entry.level].tier.free(Extent(entry.place, entry.length))
@@ -583,6 +589,8 @@ class TierManager:
             else:
                 e.place, e.length = m.dst_location, 0
             e.tier_hits = 0
+            if self.observer is not None:
+                self.observer.moved(e.key, e.parent, m.src, m.dst)
             if m.dst < m.src:
                 dst.counters.promotions += 1
             else:
