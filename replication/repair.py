@@ -72,6 +72,7 @@ class RepairWorker:
         self._wake = threading.Condition()
         # guarded by _wake:
         self._generation = 0  # bumped on every membership change
+        self._done_generation = -1  # the membership the last whole pass ran under
         self._stopped = False
         self._handing_off = False
         self._counters = RepairCounters()
@@ -105,7 +106,9 @@ class RepairWorker:
     def stats(self) -> dict[str, object]:
         with self._wake:
             c = self._counters
-            return {"repair_passes": c.passes, "repaired_blocks": c.repaired_blocks,
+            return {"repair_passes": c.passes,
+                    "repair_pending": self._done_generation != self._generation,
+                    "repaired_blocks": c.repaired_blocks,
                     "repaired_bytes": c.repaired_bytes, "repair_backlog": c.backlog,
                     "repair_failures": c.failures, "last_repair_pass_s": round(c.last_pass_s, 3)}
 
@@ -126,7 +129,9 @@ class RepairWorker:
                     generation = self._generation
             seen = generation
             try:
-                self.run_pass(generation)
+                if self.run_pass(generation):
+                    with self._wake:
+                        self._done_generation = generation
             except Exception:
                 log.exception("repair pass failed")
                 with self._wake:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +30,26 @@ NODE_ARGS = ["--dram-bytes", "64MiB", "--no-prefault", "--lease-ttl", "30",
              "--replicas", "1", "--repair-interval", "600"]
 
 
+def _settled(c: LocalCluster, n: int, timeout: float = 30.0) -> None:
+    """Until every node sees all ``n`` members and has finished the repair pass that the
+    last join started: a pass still running would copy a block onto its master between the
+    master's reserve and commit, and the writers' flags would then all be False."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = []
+        for rec in c.nodes:
+            with Client(rec.addr, transport="grpc") as one:
+                nodes.append(one.stats()["node"])
+        if all(s["cluster_members"] == n and not s["repair_pending"] for s in nodes):
+            return
+        assert time.monotonic() < deadline, f"the cluster never settled: {nodes}"
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     c = LocalCluster.up(tmp_path / "cluster", 3, node_args=NODE_ARGS)
     try:
+        _settled(c, 3)
         yield c
     finally:
         c.down(timeout=10)
