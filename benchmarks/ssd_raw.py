@@ -107,10 +107,13 @@ def raw_uring(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: boo
 
 
 def raw_threads(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: bool,
-                src: mmap.mmap, dests: int = 1) -> tuple[float, list[float]]:
+                src: mmap.mmap | None, dests: int = 1) -> tuple[float, list[float]]:
     """GB/s of ``qd`` threads (a plain loop if 1) moving ``offsets`` back to back, and
     per-request latencies. Reads land in ``max(qd, dests)`` buffers, block ``i`` in
-    buffer ``i % count``. Writes send ``src`` and end with one fdatasync."""
+    buffer ``i % count``. Writes send ``src`` (required then; reads ignore it) and end
+    with one fdatasync."""
+    if write and src is None:
+        raise ValueError("raw_threads: a write needs src")
     lat: list[float] = []
     lock = threading.Lock()
     bufs = [] if write else _read_buffers(size, len(offsets), qd, dests)
@@ -120,8 +123,11 @@ def raw_threads(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: b
         for i in range(w, len(offsets), qd):
             off = offsets[i]
             t0 = time.perf_counter()
-            n = (os.pwrite(fd, src, off) if write
-                 else os.preadv(fd, [bufs[i % len(bufs)]], off))
+            if write:
+                assert src is not None  # checked above
+                n = os.pwrite(fd, src, off)
+            else:
+                n = os.preadv(fd, [bufs[i % len(bufs)]], off)
             if n != size:
                 raise RuntimeError("short raw transfer")
             mine.append(time.perf_counter() - t0)
@@ -181,9 +187,7 @@ def raw_random_threads(path: Path, size: int, offsets: Sequence[int],
     ``qd`` in flight, one buffer each), and per-request latencies."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        # A read sends nothing: raw_threads types src for its writes.
-        return raw_threads(fd, size, offsets, qd, write=False, src=None,  # type: ignore[arg-type]
-                           dests=qd)
+        return raw_threads(fd, size, offsets, qd, write=False, src=None, dests=qd)
     finally:
         os.close(fd)
 

@@ -71,6 +71,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.stats import format_table, write_json
 from conductor.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvstore.keys import BlockKey
 from tiers.dram import DramTier
@@ -78,13 +79,6 @@ from tiers.errors import OutOfSpace
 from tiers.manager import TierManager, Watermarks
 from tiers.metadata import MetadataTier
 from tiers.policy import POLICIES, make_policy
-
-try:  # shared helpers of the benchmarks, when present
-    from benchmarks.stats import format_table, write_json
-except ImportError:  # pragma: no cover - fallback for a tree without benchmarks/stats.py
-    # None marks the helpers absent (mypy types the names as the functions).
-    format_table = None  # type: ignore[assignment]
-    write_json = None  # type: ignore[assignment]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_LRU = {5000: 0.29, 10000: 0.44, 20000: 0.59, 50000: 0.63}
@@ -346,31 +340,13 @@ def metadata_overhead(n_blocks: int = 1_000_000, *, chain: int = 32, policy: str
 # ---- output --------------------------------------------------------------------------------
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    if format_table is not None:
-        return format_table(headers, rows)
-    cells = [[str(v) for v in r] for r in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(lines)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    if write_json is not None:
-        write_json(path, obj)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1) + "\n")
-
-
 def format_runs(runs: Sequence[dict[str, Any]]) -> str:
     headers = ["trace", "policy", "capacity", "mode", "lookups", "hits", "hit ratio",
                "prefill tokens saved", "evictions", "lookups/s"]
     rows = [[r["trace"], r["policy"], r["capacity_blocks"], r["mode"], r["lookups"], r["hits"],
              f"{r['hit_ratio']:.4f}", f"{r['prefill_tokens_saved']:,}", r["evictions"],
              f"{r['lookups_per_s']:,.0f}" if r["lookups_per_s"] else "-"] for r in runs]
-    return _table(headers, rows)
+    return format_table(headers, rows)
 
 
 def targets(runs: Sequence[dict[str, Any]], traces: dict[str, dict[str, Any]]) -> list[dict]:
@@ -572,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if not args.no_files:
         out = Path(args.results_dir)
-        _write_json(out / "trace_replay.json", result)
+        write_json(out / "trace_replay.json", result)
         written = [out / "trace_replay.json"]
         if runs:
             plot(out / "trace_replay.png", runs, traces)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -124,6 +126,21 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
     return app
 
 
+class CallerSignalsServer(uvicorn.Server):
+    """A uvicorn server that leaves the process's signal handlers to its caller.
+
+    ``serve`` ends when its ``stop`` event is set (``conductor serve`` sets it on SIGTERM /
+    SIGINT), and then waits for uvicorn's graceful shutdown. uvicorn (0.29 and later) would
+    install its own SIGTERM / SIGINT handlers for as long as it serves, shadowing the
+    caller's, and raise the signals it caught again once it returns; overriding its
+    ``capture_signals`` hook (the one place it touches signals) keeps them the caller's.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def _poll(front: VllmFront) -> None:
     while True:
         await asyncio.sleep(LOAD_POLL_S)
@@ -133,16 +150,14 @@ async def _poll(front: VllmFront) -> None:
 async def serve(front: VllmFront, *, host: str, port: int, codec: TextCodec | None,
                 stop: asyncio.Event, on_ready: Any = None, check_namespace: bool = True
                 ) -> None:
-    """Starts the front (shape checks, namespace probe), serves until ``stop`` is set."""
-    import uvicorn
-
+    """Starts the front (shape checks, namespace probe), serves until ``stop`` is set.
+    Signals are the caller's to handle (see ``CallerSignalsServer``)."""
     await front.start()
     if check_namespace:
         await front.check_namespace()
     config = uvicorn.Config(build_app(front, codec=codec), host=host, port=port,
                             log_level="warning", lifespan="off", timeout_keep_alive=30)
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server = CallerSignalsServer(config)
     poller = asyncio.ensure_future(_poll(front))
     runner = asyncio.ensure_future(server.serve())
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore import wire
+from kvstore.checks import byte_view
 from kvstore.errors import InvalidArgument, error_for_code
 from kvstore.wire import HEADER, Mode, Op
 
@@ -48,13 +49,11 @@ class ChannelSession:
 
 def _as_bytes_view(value: object) -> memoryview:
     try:
-        # typeshed's memoryview takes a Buffer, which Python 3.11 cannot test for at run
-        # time (no __buffer__): any object is tried, and a non-buffer raises TypeError.
-        return memoryview(value).cast("B")  # type: ignore[arg-type]
+        return byte_view(value)
     except TypeError:
         numpy = getattr(value, "numpy", None)  # a torch CPU tensor
         if numpy is not None:
-            return memoryview(numpy()).cast("B")
+            return byte_view(numpy())
         raise InvalidArgument(f"value must be a bytes-like object, got {type(value).__name__}"
                               ) from None
 

@@ -48,8 +48,10 @@ def _size(n: int) -> str:
 def _toml(name: str, value: object) -> str:
     """A default as it would be written in the TOML config file."""
     if name in _SIZE_FIELDS:
-        # A size field's default is an int (NodeConfig), typed object in this table.
-        return f'`"{_size(int(value))}"`' if value else "`0`"  # type: ignore[call-overload]
+        if not value:
+            return "`0`"
+        assert isinstance(value, int), f"{name}: a size field's default is an int (NodeConfig)"
+        return f'`"{_size(value)}"`'
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, str):

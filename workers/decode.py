@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvstore import KVStoreError
-from workers.kv_blocks import FetchResult, KVBlockStore, kv_shape
+from workers.kv_blocks import FetchResult, KVBlockStore, StoredBlocks, kv_shape
 from workers.metrics import Ema, RateMeter
 from workers.model import KVCache, LlamaModel
 
@@ -92,7 +92,7 @@ class DecodeWorker:
     """Decode against a kvstore ``Client``. Thread-safe; ``close()`` lets running requests
     finish and stops the engine thread."""
 
-    def __init__(self, model: LlamaModel, store: object, *, block_tokens: int = 16,
+    def __init__(self, model: LlamaModel, store: StoredBlocks, *, block_tokens: int = 16,
                  namespace: str | None = None, max_batch: int = 8, remove_tail: bool = True,
                  staged: bool | None = None) -> None:
         if max_batch <= 0:

@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -60,6 +61,23 @@ from workers.model import KVCache, LlamaModel
 
 LAYOUT_VERSION = 1
 log = logging.getLogger("workers.kv_blocks")
+
+
+class StoredBlocks(Protocol):
+    """The store calls the worker makes: ``kvstore.Client`` has them, on one node and on a
+    cluster (the worker never needs to know which)."""
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int: ...
+
+    def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]
+                       ) -> list[int | None]: ...
+
+    def get_into(self, key: bytes, buf: object) -> int | None: ...
+
+    def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
+                  parents: Sequence[bytes | None] | None = None) -> list[bool]: ...
+
+    def remove(self, key: bytes) -> bool: ...
 
 
 def kv_shape(model: LlamaModel) -> dict[str, int]:
@@ -101,7 +119,7 @@ class KVBlockStore:
     of the cache itself.
     """
 
-    def __init__(self, store: object, model: LlamaModel, *, block_tokens: int,
+    def __init__(self, store: StoredBlocks, model: LlamaModel, *, block_tokens: int,
                  namespace: str | None = None, staged: bool | None = None) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -126,7 +144,7 @@ class KVBlockStore:
         if not keys:
             return 0
         last = self.n_layers - 1
-        return self.store.prefix_match([layer_key(k, last) for k in keys])  # type: ignore[attr-defined]
+        return self.store.prefix_match([layer_key(k, last) for k in keys])
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -180,14 +198,14 @@ class KVBlockStore:
 
     def _get_into(self, keys: list[bytes], bufs: list[np.ndarray]) -> list[int | None]:
         try:
-            return self.store.get_batch_into(keys, bufs)  # type: ignore[attr-defined]
+            return self.store.get_batch_into(keys, bufs)
         except InvalidArgument:
             # Some stored value is larger than its slot (a foreign or corrupt object under
             # our key). Find which, key by key: those count as misses.
             out: list[int | None] = []
             for k, b in zip(keys, bufs, strict=True):
                 try:
-                    out.append(self.store.get_into(k, b))  # type: ignore[attr-defined]
+                    out.append(self.store.get_into(k, b))
                 except InvalidArgument:
                     log.warning("object %s has the wrong size; treated as missing", k.hex())
                     out.append(None)
@@ -225,14 +243,14 @@ class KVBlockStore:
             parents.append(prev)
         if not skeys:
             return 0
-        self.store.put_batch(skeys, values, parents=parents)  # type: ignore[attr-defined]
+        self.store.put_batch(skeys, values, parents=parents)
         return sum(v.nbytes for v in values)
 
     def remove_tail(self, tail: BlockKey) -> None:
         """Drops every layer of a request's tail (best effort: it is only a cache)."""
         for layer in range(self.n_layers):
             try:
-                self.store.remove(layer_key(tail, layer))  # type: ignore[attr-defined]
+                self.store.remove(layer_key(tail, layer))
             except Exception as exc:  # (a leftover tail only costs space)
                 log.warning("removing tail %s layer %d: %s", tail.hex(), layer, exc)
                 return

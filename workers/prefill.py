@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvstore import BlockKey, KVStoreError
-from workers.kv_blocks import FetchResult, KVBlockStore, kv_shape
+from workers.kv_blocks import FetchResult, KVBlockStore, StoredBlocks, kv_shape
 from workers.metrics import Ema, RateMeter
 from workers.model import KVCache, LlamaModel
 
@@ -142,7 +142,7 @@ class PrefillWorker:
     Thread-safe: concurrent calls queue on one lock (``status()['queued']``).
     """
 
-    def __init__(self, model: LlamaModel, store: object, *, block_tokens: int = 16,
+    def __init__(self, model: LlamaModel, store: StoredBlocks, *, block_tokens: int = 16,
                  namespace: str | None = None, write_tail: bool = True,
                  staged: bool | None = None) -> None:
         self.model = model

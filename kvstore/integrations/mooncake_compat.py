@@ -65,6 +65,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvstore.checks import byte_view
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.integrations.mooncake_cuda import CudaTensorReads
 from kvstore.integrations.mooncake_ranges import RangedTransfers
@@ -280,12 +281,13 @@ class MooncakeDistributedStore(RangedTransfers, Upserts, TensorObjects, CudaTens
               ) -> tuple[memoryview | None, list[memoryview] | None]:
         """A key's buffers: (one view if they are adjacent, the views), (None, None) if any
         lies outside registered memory."""
-        views = [self._view(p, s) for p, s in zip(ptrs, sizes, strict=True)]
-        if not views or any(v is None for v in views):
+        found = (self._view(p, s) for p, s in zip(ptrs, sizes, strict=True))
+        views = [v for v in found if v is not None]
+        if not views or len(views) != len(ptrs):
             return None, None
         adjacent = all(ptrs[i] + sizes[i] == ptrs[i + 1] for i in range(len(ptrs) - 1))
         whole = self._view(ptrs[0], sum(sizes)) if adjacent else None
-        return whole, views  # type: ignore[return-value]
+        return whole, views
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -402,7 +404,7 @@ class MooncakeDistributedStore(RangedTransfers, Upserts, TensorObjects, CudaTens
                   config: ReplicateConfig | None = None) -> int:
         """Stores the concatenation of the bytes-like ``parts`` as one value: 0 or a code."""
         try:
-            value = b"".join(memoryview(p).cast("B") for p in parts)  # type: ignore[arg-type]
+            value = b"".join(byte_view(p) for p in parts)
         except TypeError:
             return INVALID_PARAMS
         return self._put([key], [value], config)[0]

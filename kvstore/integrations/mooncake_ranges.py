@@ -98,6 +98,12 @@ class RangedTransfers:
              config: ReplicateConfig | None) -> list[int]:
         raise NotImplementedError  # pragma: no cover
 
+    def _views(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview] | None:
+        """A view of registered memory per ``(ptr, size)``, or None if any lies outside it."""
+        found = (self._view(p, s) for p, s in zip(ptrs, sizes, strict=True))
+        views = [v for v in found if v is not None]
+        return views if len(views) == len(ptrs) else None
+
     def _tail(self, ptr: int) -> memoryview | None:
         """Registered memory from ``ptr`` to the end of its range (Mooncake checks a
         destination against that), or None."""
@@ -227,14 +233,14 @@ class RangedTransfers:
                            if isinstance(key, (str, bytes)) else None)
             if session is None or not _ranges_ok(ptrs, sizes, offs, len(session.data)):
                 continue
-            views = [self._view(p, s) for p, s in zip(ptrs, sizes, strict=True)]
-            if any(v is None for v in views):
+            views = self._views(ptrs, sizes)
+            if views is None:
                 continue
             with session.lock:
                 if session.sealed:
                     continue
                 for view, off in zip(views, offs, strict=True):
-                    session.data[off : off + len(view)] = view  # type: ignore[arg-type]
+                    session.data[off : off + len(view)] = view
             codes[i] = sum(sizes)
         return codes
 
@@ -256,16 +262,16 @@ class RangedTransfers:
             return []
         sessions = self._pop_put_sessions(keys)
         codes = [INVALID_PARAMS] * len(keys)
-        groups: dict[int, list[int]] = {}  # id(config) -> positions, one put per config
+        # id(config) -> (position, session) of each key with a session: one put per config
+        groups: dict[int, list[tuple[int, _PutSession]]] = {}
         for i, s in enumerate(sessions):
             if s is not None:
-                groups.setdefault(id(s.config), []).append(i)
-        for positions in groups.values():
-            values: list[object | None] = [memoryview(sessions[i].data)  # type: ignore[union-attr]
-                                           for i in positions]  # sealed: no writer left
-            config = sessions[positions[0]].config  # type: ignore[union-attr]
-            got = self._put([keys[i] for i in positions], values, config)
-            for i, code in zip(positions, got, strict=True):
+                groups.setdefault(id(s.config), []).append((i, s))
+        for group in groups.values():
+            values: list[object | None] = [memoryview(s.data)  # sealed: no writer left
+                                           for _, s in group]
+            got = self._put([keys[i] for i, _ in group], values, group[0][1].config)
+            for (i, _), code in zip(group, got, strict=True):
                 codes[i] = code
         return codes
 
@@ -322,11 +328,11 @@ class RangedTransfers:
                          if isinstance(key, (str, bytes)) else None)
             if value is None or not _ranges_ok(ptrs, sizes, offs, len(value)):
                 continue
-            views = [self._view(p, s) for p, s in zip(ptrs, sizes, strict=True)]
-            if any(v is None for v in views):
+            views = self._views(ptrs, sizes)
+            if views is None:
                 continue
             for view, off in zip(views, offs, strict=True):
-                view[:] = value[off : off + len(view)]  # type: ignore[index]
+                view[:] = value[off : off + len(view)]
             codes[i] = sum(sizes)
         return codes
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.checks import buffer_view, byte_view
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.integrations.mooncake_types import (
     INVALID_PARAMS,
@@ -34,7 +35,7 @@ def _non_empty(value: object | None) -> bool:
     if value is None:
         return False
     try:
-        return memoryview(value).nbytes > 0  # type: ignore[arg-type]
+        return buffer_view(value).nbytes > 0
     except TypeError:
         return False
 
@@ -102,7 +103,7 @@ class Upserts:
                      config: ReplicateConfig | None = None) -> int:
         """Stores the concatenated ``parts`` under ``key``, replacing a stored value."""
         try:
-            value = b"".join(memoryview(p).cast("B") for p in parts)  # type: ignore[arg-type]
+            value = b"".join(byte_view(p) for p in parts)
         except TypeError:
             return INVALID_PARAMS
         return self._upsert([key], [value], config)[0]
