@@ -73,7 +73,7 @@ def seq_bytes(seq: int) -> bytes:
 def _structs() -> tuple[type, type, type, type]:
     import msgspec
 
-    class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True,  # type: ignore[call-arg]
+    class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True,
                       gc=False):
         block_hashes: list[bytes | int]
         parent_block_hash: bytes | int | None
@@ -90,7 +90,7 @@ def _structs() -> tuple[type, type, type, type]:
         ownership: str | None = None
         session_id: str | None = None
 
-    class BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True,  # type: ignore[call-arg]
+    class BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True,
                        gc=False):
         block_hashes: list[bytes | int]
         medium: str | None
@@ -98,11 +98,11 @@ def _structs() -> tuple[type, type, type, type]:
         locality: str | None = None
         ownership: str | None = None
 
-    class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared",  # type: ignore[call-arg]
+    class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared",
                            omit_defaults=True, gc=False):
         pass
 
-    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True,  # type: ignore[call-arg]
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True,
                        gc=False):
         ts: float
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
