@@ -415,12 +415,8 @@ class MooncakeDistributedStore(RangedTransfers, Upserts, TensorObjects, CudaTens
 
     def get_batch(self, keys: Sequence[str | bytes]) -> list[bytes]:
         """The value of each key; empty bytes for a miss (all empty on an error)."""
-        client = self._reader()
-        if client is None:
-            return [b""] * len(keys)
-        try:
-            values = client.get_batch([mooncake_key(k) for k in keys])
-        except (KVStoreError, TypeError):
+        values = self._values(keys)
+        if values is None:
             return [b""] * len(keys)
         return [v if v is not None else b"" for v in values]
 
@@ -430,12 +426,8 @@ class MooncakeDistributedStore(RangedTransfers, Upserts, TensorObjects, CudaTens
 
     def batch_get_buffer(self, keys: Sequence[str | bytes]) -> list[BufferHandle | None]:
         """Each value as a ``BufferHandle``; None for a key not found (all None on an error)."""
-        client = self._reader()
-        if client is None:
-            return [None] * len(keys)
-        try:
-            values = client.get_batch([mooncake_key(k) for k in keys])
-        except (KVStoreError, TypeError):
+        values = self._values(keys)
+        if values is None:
             return [None] * len(keys)
         return [BufferHandle(v) if v is not None else None for v in values]
 

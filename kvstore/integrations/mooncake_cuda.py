@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.mooncake_host import StoreHost
 from kvstore.integrations.mooncake_tensors import META_BYTES, parse_header
 from kvstore.integrations.mooncake_types import (
     INVALID_PARAMS,
@@ -45,11 +46,8 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-class CudaTensorReads:
+class CudaTensorReads(StoreHost):
     """The two CUDA read methods; the store class provides ``_reader``."""
-
-    def _reader(self) -> Any:  # pragma: no cover
-        raise NotImplementedError
 
     def get_tensor_into_cuda(self, key: str | bytes, tensor: Any) -> int:
         """Reads ``key``'s value into CUDA ``tensor``: bytes read, or a negative code."""

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.mooncake_host import StoreHost
 from kvstore.integrations.mooncake_types import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
@@ -77,26 +78,13 @@ def _ranges_ok(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]
                and o + s <= object_size for s, o in zip(sizes, offsets, strict=True))
 
 
-class RangedTransfers:
+class RangedTransfers(StoreHost):
     """The ranged and session methods; the store class provides the attributes below."""
 
     _lock: threading.Lock
     _regions: tuple[Any, ...]
     _put_sessions: dict[bytes, _PutSession]
     _get_sessions: dict[bytes, bytes]
-
-    def _view(self, ptr: int, size: int) -> memoryview | None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _reader(self) -> Any:  # pragma: no cover
-        raise NotImplementedError
-
-    def _writer(self, config: ReplicateConfig | None) -> tuple[Any, dict[str, Any]]:
-        raise NotImplementedError  # pragma: no cover
-
-    def _put(self, keys: Sequence[Key], values: Sequence[object | None],
-             config: ReplicateConfig | None) -> list[int]:
-        raise NotImplementedError  # pragma: no cover
 
     def _views(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview] | None:
         """A view of registered memory per ``(ptr, size)``, or None if any lies outside it."""

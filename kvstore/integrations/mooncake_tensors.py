@@ -24,8 +24,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.errors import KVStoreError
-from kvstore.integrations.mooncake_types import INVALID_PARAMS, ReplicateConfig, mooncake_key
+from kvstore.integrations.mooncake_host import StoreHost
+from kvstore.integrations.mooncake_types import INVALID_PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +77,8 @@ def _to_tensor(torch: Any, raw: Any, dtype_name: str, shape: tuple[int, ...]) ->
     return flat.view(getattr(torch, dtype_name)).reshape(shape)
 
 
-class TensorObjects:
+class TensorObjects(StoreHost):
     """The whole-tensor methods; the store class provides the attributes below."""
-
-    def _reader(self) -> Any:  # pragma: no cover
-        raise NotImplementedError
-
-    def _view(self, ptr: int, size: int) -> memoryview | None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _put(self, keys: Sequence[Key], values: Sequence[object | None],
-             config: ReplicateConfig | None) -> list[int]:
-        raise NotImplementedError  # pragma: no cover
 
     def _get_into(self, keys: Sequence[Key], outs: Sequence[memoryview | None]
                   ) -> list[int]:
@@ -128,17 +118,13 @@ class TensorObjects:
 
     def batch_get_tensor(self, keys: Sequence[Key]) -> list[Any]:
         """Per key the tensor, or None (a miss, an error, not a Mooncake tensor object)."""
-        client = self._reader()
         try:
             import torch
         except ImportError:
             log.error("get_tensor: torch is not installed")
             return [None] * len(keys)
-        if client is None:
-            return [None] * len(keys)
-        try:
-            values = client.get_batch([mooncake_key(k) for k in keys])
-        except (KVStoreError, TypeError):
+        values = self._values(keys)
+        if values is None:
             return [None] * len(keys)
         out: list[Any] = []
         for value in values:

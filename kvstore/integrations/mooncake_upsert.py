@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from kvstore.checks import buffer_view, byte_view
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.integrations.mooncake_host import StoreHost
 from kvstore.integrations.mooncake_types import (
     INVALID_PARAMS,
     OK,
@@ -40,24 +40,11 @@ def _non_empty(value: object | None) -> bool:
         return False
 
 
-class Upserts:
+class Upserts(StoreHost):
     """The upsert methods; the store class provides the attributes below."""
 
     _lock: threading.Lock
     _written: dict[bytes, Key]
-
-    def _reader(self) -> Any:  # pragma: no cover
-        raise NotImplementedError
-
-    def _view(self, ptr: int, size: int) -> memoryview | None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _writer(self, config: ReplicateConfig | None) -> tuple[Any, dict[str, Any]]:
-        raise NotImplementedError  # pragma: no cover
-
-    def _put(self, keys: Sequence[Key], values: Sequence[object | None],
-             config: ReplicateConfig | None) -> list[int]:
-        raise NotImplementedError  # pragma: no cover
 
     def _upsert(self, keys: Sequence[Key], values: Sequence[object | None],
                 config: ReplicateConfig | None) -> list[int]:
