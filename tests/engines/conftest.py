@@ -43,6 +43,8 @@ free_port = main.free_port
 wait_until = main.wait_until
 NodeProcess = main.NodeProcess
 
+from kvstore.client import Client  # noqa: E402  (after the engine checks above)
+
 BLOCK = 32
 """vLLM's CPU attention needs block sizes that are multiples of 32."""
 
@@ -69,6 +71,16 @@ def store_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess
     finally:
         code = n.stop()
     assert code == 0, n.output()
+
+
+@pytest.fixture
+def client(store_node: NodeProcess) -> Iterator[Client]:
+    """A client of the module's node."""
+    c = Client(store_node.addr)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

@@ -58,15 +58,6 @@ def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
         gc.collect()
 
 
-@pytest.fixture
-def client(store_node: Any) -> Iterator[Client]:
-    c = Client(store_node.addr)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def external_hits(llm: Any) -> int:
     return int(sum(m.value for m in llm.get_metrics()
                    if m.name == "vllm:external_prefix_cache_hits"))

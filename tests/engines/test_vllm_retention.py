@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_fakes import FakeManager, request_id, tokens
 
 from kvstore import Client, block_keys
 
@@ -22,41 +23,13 @@ NAMESPACE = f"retention-test-{time.time_ns()}"
 PROMPT_TOKENS = 200  # 6 full blocks; with 12 output tokens still 6 (212 < 224)
 
 
-@pytest.fixture
-def client(store_node: Any) -> Iterator[Client]:
-    c = Client(store_node.addr)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-class FakeManager:
-    """What the connector uses of vLLM's KVCacheManager: a request's block ids."""
-
-    block_pool = None
-
-    def __init__(self) -> None:
-        self.blocks: dict[str, list[int]] = {}
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return (self.blocks[req_id],)
-
-
-_ids = iter(range(10**9))
-
-
 def request(tokens: list[int], params: dict[str, Any] | None) -> Any:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     extra = None if params is None else {"kv_transfer_params": params}
-    return Request(f"req-{next(_ids)}", tokens, SamplingParams(max_tokens=64,
+    return Request(request_id(), tokens, SamplingParams(max_tokens=64,
                                                                 extra_args=extra), None)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return [(seed * 1_000_003 + i * 7919) % 500 + 3 for i in range(n)]
 
 
 def sched_output(new: list[tuple[Any, list[int]]], scheduled: dict[str, int]) -> Any:

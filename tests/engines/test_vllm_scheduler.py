@@ -5,49 +5,21 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from vllm_fakes import FakeManager, request_id, tokens
 
 from kvstore import Client, block_keys
 
 BLOCK = 32
 
 
-@pytest.fixture
-def client(store_node: Any) -> Iterator[Client]:
-    c = Client(store_node.addr)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-class FakeManager:
-    """What the connector uses of vLLM's KVCacheManager: a request's block ids."""
-
-    block_pool = None
-
-    def __init__(self) -> None:
-        self.blocks: dict[str, list[int]] = {}
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return (self.blocks[req_id],)
-
-
-_ids = iter(range(10**9))
-
-
 def request(tokens: list[int], **kw: Any) -> Any:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(f"req-{next(_ids)}", tokens, SamplingParams(max_tokens=64), None, **kw)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return [(seed * 1_000_003 + i * 7919) % 500 + 3 for i in range(n)]
+    return Request(request_id(), tokens, SamplingParams(max_tokens=64), None, **kw)
 
 
 def blocks_of(ids: list[int]) -> Any:

@@ -19,15 +19,6 @@ SHAPE = (64, 2, 32, 64)  # [num_blocks, kv_heads, block_size, 2 * head_size], as
 
 
 @pytest.fixture
-def client(store_node: Any) -> Iterator[Client]:
-    c = Client(store_node.addr)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
 def worker(make_connector: Any, store_node: Any) -> Iterator[Any]:
     conn = make_connector("WORKER", store_node.addr, namespace=f"worker-{time.time_ns()}")
     torch.manual_seed(0)
