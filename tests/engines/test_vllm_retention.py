@@ -4,7 +4,6 @@ saving into a real kvstore node whose stats count the retained blocks."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 from vllm_fakes import FakeManager, request_id, tokens
+from vllm_llm import external_hits, kvstore_llm
 
 from kvstore import Client, block_keys
 
@@ -82,29 +82,8 @@ def test_a_bad_retention_is_ignored_with_a_warning(make_connector: Any, store_no
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    ktc = KVTransferConfig(
-        kv_connector="KVStoreConnector",
-        kv_connector_module_path="kvstore.integrations.vllm_connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvstore_addr": store_node.addr, "namespace": NAMESPACE})
-    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, block_size=BLOCK,
-              max_model_len=512, dtype="float32", enforce_eager=True, seed=0,
-              disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
-              kv_transfer_config=ktc)
-    try:
+    with kvstore_llm(tiny_llama, store_node.addr, NAMESPACE) as llm:
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def external_hits(llm: Any) -> int:
-    return int(sum(m.value for m in llm.get_metrics()
-                   if m.name == "vllm:external_prefix_cache_hits"))
 
 
 def generate(llm: Any, toks: list[int], params: dict[str, Any] | None) -> int:

@@ -1,0 +1,42 @@
+"""vLLM's offline engine on the tiny model with kvstore as its connector, for the engine
+tests that share one shape: one ``LLM`` per module, shut down whole at the end."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+
+
+@contextmanager
+def kvstore_llm(model: Path, addr: str, namespace: str) -> Iterator[Any]:
+    """An ``LLM`` (greedy-ready, float32, eager, 64 MiB of KV cache) whose connector is
+    kvstore's at ``addr`` under ``namespace``; a failed load is recomputed."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm_connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kvstore_addr": addr, "namespace": namespace})
+    llm = LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK,
+              max_model_len=512, dtype="float32", enforce_eager=True, seed=0,
+              disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
+              kv_transfer_config=ktc)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def external_hits(llm: Any) -> int:
+    """Tokens vLLM has counted as loaded from the connector so far."""
+    return int(sum(m.value for m in llm.get_metrics()
+                   if m.name == "vllm:external_prefix_cache_hits"))
