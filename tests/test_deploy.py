@@ -449,8 +449,10 @@ def test_dockerfile() -> None:
     assert exposed_ports() == {port_of(cmd.listen), cmd.data_port}
     install = next(r for i, r in ins if i == "RUN" and "pip install" in r)
     assert 'if [ "$WITH_TORCH" = "1" ]' in install
-    assert re.search(r"\belse\s+pip install \.;\s+fi$", install), install
+    # Without torch by default, with the events extra either way (--kv-events-endpoint).
+    assert re.search(r'\belse\s+pip install "\.\[events\]";\s+fi$', install), install
     assert "torch" not in install.split("else")[1]
+    assert '".[torch,events]"' in install.split("else")[0]
 
 
 def test_dockerignore_keeps_the_package() -> None:
