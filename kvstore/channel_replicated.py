@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvstore import wire
+from kvstore.client_holds import ReservationSet
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.forwarding import BlockCopy, Forwarding
 from kvstore.keys import BlockKey
-from kvstore.node import Node, PutSlot, ReservationSet
+from kvstore.node import Node, PutSlot
 from kvstore.security import Principal
 
 

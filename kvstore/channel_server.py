@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvstore import channel_replicated as replicated
 from kvstore import tenancy, wire
+from kvstore.client_holds import LeaseSet, ReservationSet
 from kvstore.errors import (
     InternalError,
     InvalidArgument,
@@ -30,7 +31,7 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.keys import BlockKey
-from kvstore.node import MAX_BATCH, LeaseSet, Node, ReservationSet
+from kvstore.node import MAX_BATCH, Node
 from kvstore.security import Principal
 from kvstore.wire import HEADER, Mode, Op, ProtocolError
 

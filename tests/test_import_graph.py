@@ -43,7 +43,8 @@ LAYERS: tuple[Layer, ...] = (  # lowest first
     Layer(name="tiers", modules=("tiers", "tiers.*")),
     Layer(name="node", modules=(
         "kvstore.node", "kvstore.config", "kvstore.metrics", "kvstore.channel_server",
-        "kvstore.channel_replicated", "kvstore.kv_events")),
+        "kvstore.channel_replicated", "kvstore.kv_events",
+        "kvstore.client_holds")),
     Layer(name="client", modules=("kvstore.node_client", "kvstore.channel_client",
                                    "kvstore.kv_event_subscriber")),
     Layer(name="cluster", modules=("replication", "replication.*")),

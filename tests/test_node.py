@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvstore.client_holds import LeaseSet, ReservationSet
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.keys import BlockKey
-from kvstore.node import LeaseSet, Node, NodeSettings, ReservationSet, check_key, check_parent
+from kvstore.node import Node, NodeSettings, check_key, check_parent
 
 
 def k(i: int) -> BlockKey:
