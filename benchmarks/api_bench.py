@@ -455,7 +455,7 @@ def _short(label: str) -> str:
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
-    from kvstore.sizes import parse_size  # no network stack: only size parsing
+    from kvstore.core.sizes import parse_size  # no network stack: only size parsing
 
     try:
         sizes = tuple(parse_size(t) for t in text.split(",") if t.strip())

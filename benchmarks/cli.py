@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from kvstore.errors import KVStoreError
+from kvstore.core.errors import KVStoreError
 
 BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
               "cluster": "benchmarks.cluster_bench",

@@ -8,7 +8,7 @@
   for early rejection to act; see RESULTS.md), against the paper's Table 3.
   Rejected = at arrival (TTFT SLO, or decode overload) + by the decode instance
   after prefill; the predictions assume every request generates the running mean
-  output length (``conductor.rejection``). Two yardsticks: the trace's KV demand
+  output length (``conductor.scheduling.rejection``). Two yardsticks: the trace's KV demand
   if every request decoded at the TBT SLO's pace (``decode_demand``), and a
   clairvoyant row that rejects at arrival exactly the requests ``baseline``
   rejected at decode (``ClairvoyantConductor``).
@@ -16,7 +16,7 @@
   replay speed 1.5-3 x five splits x prefill MFU 0.5 / 0.3.
 * ``capacity``: effective request capacity at TTFT 30 s and TBT 100/200/300 ms of
   the disaggregated cache-aware cluster vs the colocated baseline at equal
-  instance count (``conductor.capacity``, what ``conductor capacity`` runs).
+  instance count (``conductor.simulation.capacity``, what ``conductor capacity`` runs).
   Capacity = the highest replay speed at which at least ``--attainment`` (0.9) of
   the requests meet both SLOs, TBT being the tail mean (FAST'25 5.1), found by
   bisection (attainment falls with speed), reported in requests/s (speed x the
@@ -40,13 +40,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conductor.capacity import CapacitySettings, base_rate, measure_capacity, threshold_key
-from conductor.colocated import simulate_colocated
-from conductor.costs import LLAMA2_70B_LAYERS, CostModel, PolyCostModel, a800_kv_capacity_tokens
-from conductor.metrics import MEAN, TAIL_MEAN, TBT_DEFINITIONS, summarize
-from conductor.policies import POLICIES
-from conductor.scheduler import Conductor
-from conductor.sim import (
+from conductor.scheduling.costs import (
+    LLAMA2_70B_LAYERS,
+    CostModel,
+    PolyCostModel,
+    a800_kv_capacity_tokens,
+)
+from conductor.scheduling.policies import POLICIES
+from conductor.scheduling.scheduler import Conductor
+from conductor.scheduling.types import Decision, Request, RequestId, Slo
+from conductor.simulation.capacity import (
+    CapacitySettings,
+    base_rate,
+    measure_capacity,
+    threshold_key,
+)
+from conductor.simulation.colocated import simulate_colocated
+from conductor.simulation.metrics import MEAN, TAIL_MEAN, TBT_DEFINITIONS, summarize
+from conductor.simulation.sim import (
     DEFAULT_CACHE_BLOCKS,
     ClusterSpec,
     SimResult,
@@ -54,8 +65,7 @@ from conductor.sim import (
     requests_from_trace,
     simulate,
 )
-from conductor.trace import TraceRequest, load_trace
-from conductor.types import Decision, Request, RequestId, Slo
+from conductor.simulation.trace import TraceRequest, load_trace
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -225,8 +235,8 @@ def bench_capacity(trace: Sequence[TraceRequest], *, instances: int, attainment:
                    tbt_statistic: str = TAIL_MEAN, kv_stream_layers: int = LLAMA2_70B_LAYERS,
                    prefill_mfu: float = 0.5, splits: Sequence[int] | None = None,
                    diagnostic: bool = True) -> dict[str, Any]:
-    """``conductor.capacity.measure_capacity`` (what ``conductor capacity`` runs), printed
-    as a table; ``contract`` holds the ``conductor capacity --json`` object."""
+    """``conductor.simulation.capacity.measure_capacity`` (what ``conductor capacity``
+    runs), printed as a table; ``contract`` holds the ``conductor capacity --json`` object."""
     cost = PolyCostModel.a800_llama2_70b(prefill_mfu=prefill_mfu)
     kv = a800_kv_capacity_tokens()
     settings = CapacitySettings(instances=instances, tbt_slos_s=TBT_SLOS, attainment=attainment,

@@ -35,9 +35,9 @@ from benchmarks.stats import (
     write_json,
 )
 from kvstore import Client
-from kvstore.kv_event_subscriber import KVEventSubscriber, decode
-from kvstore.kv_events import KVEventPublisher, KVEventSettings
-from kvstore.node import Node, NodeSettings
+from kvstore.node.kv_events import KVEventPublisher, KVEventSettings
+from kvstore.node.semantics import Node, NodeSettings
+from kvstore.remote.kv_event_subscriber import KVEventSubscriber, decode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VALUE = memoryview(b"v" * 4096)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import format_table, median, paired_median_ratio, write_json
-from conductor.local import free_port
+from conductor.live.local import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CELLS = ("session put", "session get", "whole put", "whole get")
@@ -131,7 +131,7 @@ def one_round(store: Any, tag: str, keys: int, layers: int, chunk: int, src: Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from mooncake.store import MooncakeDistributedStore as Wheel
 
-    from kvstore.integrations.mooncake_compat import MooncakeDistributedStore as Ours
+    from kvstore.integrations.mooncake.store import MooncakeDistributedStore as Ours
 
     total = args.keys * args.layers * args.chunk
     src = (ctypes.c_ubyte * total).from_buffer(bytearray(os.urandom(total)))

@@ -17,7 +17,7 @@ pass over all (key, node) hashes yields the masters of all three placements:
 with ``S`` the best of the nodes that stay, ``L`` the leaving and ``J`` the joining
 node, the master is ``max(S, L)`` before, ``S`` after the leave and
 ``max(S, L, J)`` after the join. The hash is the spec's XXH3-64 evaluated in numpy
-(``replication.placement.xxh3_64_key16``), checked bit for bit against xxhash, and
+(``replication.placement.rendezvous.xxh3_64_key16``), checked bit for bit against xxhash, and
 the masters of a sample of keys are checked against ``Placement.masters_many``
 for all six placements. Within a run every node's weight is one of a few values,
 and for a fixed weight the score grows with ``h >> 12``, so the best node of each
@@ -48,7 +48,7 @@ import numpy.typing as npt
 import xxhash
 
 from benchmarks.stats import Panel, format_table, plot_panels, write_json
-from replication.placement import (
+from replication.placement.rendezvous import (
     Member,
     NodeId,
     Placement,
@@ -137,7 +137,7 @@ class Kernel:
 
     def _hash_block(self, k0: U64, k1: U64, bk0: U64, sel: npt.NDArray[np.intp],
                     bufs: list[U64]) -> U64:
-        # xxh3_64 of a 16-byte key (see replication.placement), with out= buffers.
+        # xxh3_64 of a 16-byte key (see replication.placement.rendezvous), with out= buffers.
         lo, hi, acc, a0, a1, b0, t, x = bufs
         f1, f2, bf1 = self.f1[sel], self.f2[sel], self.bf1[sel]
         np.bitwise_xor(k0, f1, out=lo)

@@ -22,14 +22,13 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from kvstore.sizes import parse_size
+from kvstore.core.sizes import parse_size
 
 
 def _serve(port: int, region: int, ops: int, ready: Connection) -> None:
     """The child: a node's channel server; sends its HELLO token over ``ready`` once up."""
-    from kvstore import channel_server
-    from kvstore.node import Node, NodeSettings
-    from kvstore.tenancy import OPEN
+    from kvstore.auth.tenancy import OPEN
+    from kvstore.node.semantics import Node, NodeSettings, channel_server
 
     class ProfiledServer(channel_server.ChannelServer):
         """Profiles each connection's thread (its HELLO, then every request it serves)."""
@@ -64,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     size = parse_size(args.size)
     from benchmarks.peers import free_port
-    from kvstore.channel_client import ChannelConnection, ChannelSession
-    from kvstore.wire import Mode
+    from kvstore.protocol.wire import Mode
+    from kvstore.remote.channel_client import ChannelConnection, ChannelSession
 
     port = args.port or free_port()
     region = max(64 << 20, 2 * size * args.count // 4)

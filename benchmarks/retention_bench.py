@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import Panel, format_table, plot_panels, write_json
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 from tiers.manager import TierManager, Watermarks
 from tiers.metadata import MetadataTier
 from tiers.policy import make_policy

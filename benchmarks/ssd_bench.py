@@ -74,8 +74,8 @@ from benchmarks.ssd_raw import (
     run_workers,
     uring_lib,
 )
-from kvstore.keys import BlockKey
-from tiers.ssd import ALIGNMENT, SsdLocation, SsdTier
+from kvstore.core.keys import BlockKey
+from tiers.ssd.tier import ALIGNMENT, SsdLocation, SsdTier
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd_bench.json"
 KiB, MiB, GB = 1 << 10, 1 << 20, 1e9

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tiers.ssd_io import _load_uring
+from tiers.ssd.io import _load_uring
 
 GB = 1e9
 RAW_QDS = (1, 4, 32)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.stats import progress
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 from tiers.dram import DramTier
 from tiers.manager import TierManager, Watermarks
 from tiers.policy import make_policy

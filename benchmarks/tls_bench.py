@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import format_table, size_label, write_json
-from conductor.local import free_port
+from conductor.live.local import free_port
+from kvstore.auth.security import ClientTls
 from kvstore.client import Client
-from kvstore.security import ClientTls
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

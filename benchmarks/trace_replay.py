@@ -72,8 +72,8 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.stats import format_table, write_json
-from conductor.trace import BLOCK_TOKENS, TraceRequest, load_trace
-from kvstore.keys import BlockKey
+from conductor.simulation.trace import BLOCK_TOKENS, TraceRequest, load_trace
+from kvstore.core.keys import BlockKey
 from tiers.dram import DramTier
 from tiers.errors import OutOfSpace
 from tiers.manager import TierManager, Watermarks

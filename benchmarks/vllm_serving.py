@@ -46,8 +46,7 @@ import httpx
 import numpy as np
 
 from benchmarks.stats import percentile, ratio
-from conductor.trace import load_trace
-from conductor.vllm_procs import (
+from conductor.front.vllm_procs import (
     REPO,
     VLLM_BLOCK,
     Proc,
@@ -56,6 +55,7 @@ from conductor.vllm_procs import (
     start_vllm,
     wait_ready,
 )
+from conductor.simulation.trace import load_trace
 
 RESULTS = REPO / "benchmarks" / "results"
 TRACE_NAME = Path("shared") / "traces" / "conversation_trace.jsonl"
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-serving-") as tmp:
         root = Path(tmp)
         subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
-                        "from conductor.vllm_procs import write_tiny_llama; "
+                        "from conductor.front.vllm_procs import write_tiny_llama; "
                         "write_tiny_llama(Path(sys.argv[1]))", str(root / "model")],
                        check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True)

@@ -5,8 +5,8 @@ Run from the repository root::
     python -m cffi_build.uring_build
 
 It compiles ``cffi_build/uring_io.c`` against liburing and places the extension
-next to ``tiers/ssd.py`` (``tiers/_uring*.so``). The native module is optional:
-``tiers/ssd.py`` falls back to a pure-Python thread-pool backend, so when
+next to ``tiers/ssd/tier.py`` (``tiers/_uring*.so``). The native module is optional:
+``tiers/ssd/tier.py`` falls back to a pure-Python thread-pool backend, so when
 liburing or a C compiler is missing this script warns and exits 0.
 """
 
@@ -50,7 +50,7 @@ void kv_group_free(struct kv_group *g);
 int kv_queue_run(struct kv_queue *q, struct kv_op *ops, int n, int max_inflight);
 void kv_op_sync(int fd, struct kv_op *op);
 """
-# What tiers/ssd_io.py expects of a build (kv_ring_api_version()).
+# What tiers/ssd/io.py expects of a build (kv_ring_api_version()).
 API_VERSION = 4
 # struct iovec and struct kv_op are declared with "..." so cffi takes their real
 # layout from the compiler (kv_op has private fields Python never touches).

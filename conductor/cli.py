@@ -13,14 +13,14 @@ effective request capacity (requests meeting both SLOs) and rejections per
 policy. With ``--json`` the last line printed is one JSON object keyed by policy
 name, each value holding at least ``avg_ttft_s``, ``p90_ttft_s``, ``p90_tbt_s``,
 ``tail_tbt_s``, ``slo_attainment`` and ``rejected`` (a contract; see
-``conductor.metrics``). The TBT SLO is checked on each request's tail-mean TBT (the
+``conductor.simulation.metrics``). The TBT SLO is checked on each request's tail-mean TBT (the
 mean of its longest 10% token intervals, FAST'25 section 5.1) unless
 ``--tbt-statistic mean``.
 
 ``conductor capacity`` output: a table of each system's capacity, then with
 ``--json`` one JSON object as the last line, ``{"tbt_definition": ..., "thresholds":
 {"100ms": {"colocated_req_s", "colocated_chunked_req_s", "disaggregated_req_s",
-"best_split", "gain"}, ...}}`` (a contract; see ``conductor.capacity``).
+"best_split", "gain"}, ...}}`` (a contract; see ``conductor.simulation.capacity``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from conductor.costs import LLAMA2_70B_LAYERS, PolyCostModel, a800_kv_capacity_tokens
-from conductor.metrics import TAIL_MEAN, TBT_DEFINITIONS, TBT_STATISTICS, summarize
-from conductor.policies import POLICIES
-from conductor.rejection import REJECTION_MODES
-from conductor.sim import DEFAULT_CACHE_BLOCKS, ClusterSpec, requests_from_trace, simulate
-from conductor.trace import load_trace
-from conductor.types import Slo
+from conductor.scheduling.costs import LLAMA2_70B_LAYERS, PolyCostModel, a800_kv_capacity_tokens
+from conductor.scheduling.policies import POLICIES
+from conductor.scheduling.rejection import REJECTION_MODES
+from conductor.scheduling.types import Slo
+from conductor.simulation.metrics import TAIL_MEAN, TBT_DEFINITIONS, TBT_STATISTICS, summarize
+from conductor.simulation.sim import (
+    DEFAULT_CACHE_BLOCKS,
+    ClusterSpec,
+    requests_from_trace,
+    simulate,
+)
+from conductor.simulation.trace import load_trace
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -294,7 +299,7 @@ def add_capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from conductor.capacity import (
+    from conductor.simulation.capacity import (
         COLOCATED,
         COLOCATED_CHUNKED,
         CapacitySettings,
@@ -414,7 +419,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if vllm_mode:
         if args.prefill or args.decode:
             raise CliError("--prefill/--decode (toy workers) cannot be combined with --vllm*")
-        from conductor.serve_vllm import run_serve_vllm
+        from conductor.front.serve_vllm import run_serve_vllm
 
         return run_serve_vllm(args, _addrs, CliError)
     if not (args.prefill and args.decode):
@@ -425,8 +430,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from conductor.live import LiveConductor
-    from conductor.service import ConductorService
+    from conductor.live.runner import LiveConductor
+    from conductor.live.service import ConductorService
     from kvstore.client import Client
 
     stop = threading.Event()
@@ -467,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from kvstore.errors import KVStoreError
+    from kvstore.core.errors import KVStoreError
     from workers.client import WorkerError
 
     try:

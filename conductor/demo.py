@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conductor.local import LocalServing
-from conductor.service import ConductorClient
+from conductor.live.local import LocalServing
+from conductor.live.service import ConductorClient
 from workers.client import WorkerError
 from workers.model import PRESETS
 

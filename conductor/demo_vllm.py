@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from conductor.vllm_procs import (
+from conductor.front.vllm_procs import (
     VLLM_BLOCK,
     Proc,
     start_conductor,

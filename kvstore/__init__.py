@@ -1,25 +1,25 @@
 """kvstore: a tiered KV-cache block store for LLM serving.
 
 ``Client`` and the errors load on first use, so the ``tiers`` package can use
-``kvstore.keys`` without importing the network stack (and without a cycle).
+``kvstore.core.keys`` without importing the network stack (and without a cycle).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.keys import BlockKey, block_keys, namespace_root_key
+from kvstore.core.keys import BlockKey, block_keys, namespace_root_key
 
 if TYPE_CHECKING:
     from kvstore.client import Client
-    from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+    from kvstore.core.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 
 _LAZY = {
     "Client": "kvstore.client",
-    "InvalidArgument": "kvstore.errors",
-    "KVStoreError": "kvstore.errors",
-    "ResourceExhausted": "kvstore.errors",
-    "Unavailable": "kvstore.errors",
+    "InvalidArgument": "kvstore.core.errors",
+    "KVStoreError": "kvstore.core.errors",
+    "ResourceExhausted": "kvstore.core.errors",
+    "Unavailable": "kvstore.core.errors",
 }
 
 

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks import cli as bench_cli
 from benchmarks.cli import BENCHMARKS as BENCHMARKS
-from kvstore.errors import KVStoreError
-from kvstore.keys import parse_key
-from kvstore.sizes import format_size, parse_size
-from kvstore.stat_table import STAT_COLUMNS as STAT_COLUMNS
-from kvstore.stat_table import format_stat_table
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import parse_key
+from kvstore.core.sizes import format_size, parse_size
+from kvstore.remote.stat_table import STAT_COLUMNS as STAT_COLUMNS
+from kvstore.remote.stat_table import format_stat_table
 from replication import cluster_cli
 
 if TYPE_CHECKING:
-    from kvstore.config import NodeConfig
-    from kvstore.kv_events import KVEventPublisher
-    from kvstore.node import Node
+    from kvstore.node.config import NodeConfig
+    from kvstore.node.kv_events import KVEventPublisher
+    from kvstore.node.semantics import Node
 
 DEFAULT_ADDR = "127.0.0.1:7600"
 
@@ -38,7 +38,7 @@ class CliError(Exception):
 
 
 def _retain(text: str) -> float:
-    from kvstore.retention import check_retain_s
+    from kvstore.core.retention import check_retain_s
 
     try:
         return check_retain_s(float(text))
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV events (vLLM's format, ZeroMQ PUB) there (default: off)")
     s.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
                    help="answer KV event replay and snapshot requests there (ZeroMQ ROUTER)")
-    t = s.add_argument_group("security (see kvstore/security.py)")
+    t = s.add_argument_group("security (see kvstore/auth/security.py)")
     t.add_argument("--tls-cert", help="server certificate (PEM): TLS on gRPC and the channel")
     t.add_argument("--tls-key", help="the certificate's private key (PEM)")
     t.add_argument("--tls-ca", help="CA bundle that client and peer certificates chain to")
@@ -208,11 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- serve ---------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvstore.config import load_config
-    from kvstore.logs import announce
-    from kvstore.logs import setup as setup_logging
-    from kvstore.metrics import NodeMetrics
-    from kvstore.node import Node, NodeSettings
+    from kvstore.core.logs import announce
+    from kvstore.core.logs import setup as setup_logging
+    from kvstore.node.config import load_config
+    from kvstore.node.metrics import NodeMetrics
+    from kvstore.node.semantics import Node, NodeSettings
     from kvstore.server import NodeServer
 
     overrides = {k: getattr(args, k) for k in (
@@ -309,13 +309,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _start_kv_events(cfg: NodeConfig, node: Node) -> KVEventPublisher | None:
-    """The KV event publisher of ``--kv-events-endpoint`` (kvstore/kv_events.py), or None."""
+    """The KV event publisher of ``--kv-events-endpoint`` (kvstore/node/kv_events.py), or None."""
     if not cfg.kv_events_endpoint:
         return None
-    from kvstore.logs import announce
+    from kvstore.core.logs import announce
 
     try:
-        from kvstore.kv_events import KVEventPublisher, KVEventSettings
+        from kvstore.node.kv_events import KVEventPublisher, KVEventSettings
     except ImportError as exc:
         raise CliError(f"--kv-events-endpoint needs the events extra (pip install "
                        f"'kvstore[events]'): {exc}") from None
@@ -338,7 +338,7 @@ def _exit_watchdog(after_s: float, fmt: str) -> None:
     thread stuck in a peer call or a stalled client must not keep a stopping node alive."""
     import os
 
-    from kvstore.logs import announce
+    from kvstore.core.logs import announce
 
     def expire() -> None:
         announce(f"kvstore: stopped (forced after {after_s:g}s: some work did not end)",
@@ -352,7 +352,7 @@ def _exit_watchdog(after_s: float, fmt: str) -> None:
 
 def _security(cfg: Any) -> dict[str, Any]:
     """NodeServer's security arguments from the config (files read and checked here)."""
-    from kvstore.security import ServerTls, TenantRegistry
+    from kvstore.auth.security import ServerTls, TenantRegistry
 
     tls = (ServerTls(cert=cfg.tls_cert, key=cfg.tls_key, ca=cfg.tls_ca or None,
                      client_auth=cfg.tls_client_auth) if cfg.tls_cert else None)
@@ -362,7 +362,7 @@ def _security(cfg: Any) -> dict[str, Any]:
 
 
 def _etcd_tls(cfg: Any) -> Any:
-    from kvstore.security import ClientTls
+    from kvstore.auth.security import ClientTls
 
     if not (cfg.etcd_ca or cfg.etcd_cert):
         return None
@@ -382,7 +382,7 @@ def _read_token(path: str) -> str:
 
 def _start_exporter(metrics: Any, listen: str, server: Any) -> Any:
     """The /metrics endpoint; on failure (a bad or busy address) ``server`` is stopped."""
-    from kvstore.metrics import MetricsExporter
+    from kvstore.node.metrics import MetricsExporter
 
     try:
         return MetricsExporter(metrics, listen)
@@ -396,9 +396,9 @@ def _forward_in_static_cluster(cfg: Any, server: Any, fmt: str) -> None:
     same list its clients rank (``members=``, ``kvstore_members``: node id = address). Only
     when the list names this node as clients reach it: otherwise it would rank itself as
     another node, and a copy it forwarded to itself would count twice."""
-    from kvstore.logs import announce
+    from kvstore.core.logs import announce
     from replication.membership import StaticMembership
-    from replication.placement import Member, NodeId
+    from replication.placement.rendezvous import Member, NodeId
 
     me, addrs = cfg.advertise or server.addresses.grpc, cfg.member_addrs()
     if me not in addrs:
@@ -430,8 +430,8 @@ def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:
 # ---- client commands -----------------------------------------------------------------------
 
 def _client(args: argparse.Namespace) -> Any:
+    from kvstore.auth.security import ClientTls
     from kvstore.client import Client
-    from kvstore.security import ClientTls
 
     token = _read_token(args.token_file) if args.token_file else os.environ.get("KVSTORE_TOKEN")
     tls = (ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -510,7 +510,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         raise CliError(f"address must be HOST:PORT, got {args.addr!r}")
     if not args.timeout > 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
-    from kvstore.security import ClientTls
+    from kvstore.auth.security import ClientTls
 
     tls = (ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
            if args.tls_ca or args.tls_cert else None)

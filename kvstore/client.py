@@ -1,11 +1,11 @@
 """The kvstore client library: ``Client``.
 
-``Client(addr)`` is a connection to one node (``kvstore.node_client.NodeClient``);
+``Client(addr)`` is a connection to one node (``kvstore.remote.node_client.NodeClient``);
 ``Client(etcd="HOST:PORT", replicas=2, write_quorum=2)`` (or ``members=[Member(...)]``)
 returns a ``replication.cluster_client.ClusterClient`` with the same API, cluster-wide.
 This module sits above both (README "How it works"), so neither imports it.
 
-Transports, errors and the retry policy: ``kvstore.node_client`` (the cluster client
+Transports, errors and the retry policy: ``kvstore.remote.node_client`` (the cluster client
 uses node clients, so they hold there too).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.errors import InvalidArgument
-from kvstore.keys import BlockKey
-from kvstore.node_client import TRANSPORTS, NodeClient, SingleKeyCalls, check_put_batch
+from kvstore.core.errors import InvalidArgument
+from kvstore.core.keys import BlockKey
+from kvstore.remote.node_client import TRANSPORTS, NodeClient, SingleKeyCalls, check_put_batch
 from replication.cluster_client import ClusterClient
 
 _NODE_OPTIONS = frozenset({"transport", "timeout", "token", "tls", "io_timeout"})

@@ -21,8 +21,8 @@ import sys
 import time
 
 from kvstore.client import Client
-from kvstore.keys import BlockKey, block_keys
-from kvstore.stat_table import format_stat_table
+from kvstore.core.keys import BlockKey, block_keys
+from kvstore.remote.stat_table import format_stat_table
 
 NAMESPACE = "demo-llama/bf16/tp0"
 BLOCK_TOKENS = 256

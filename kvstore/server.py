@@ -21,16 +21,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import tenancy, wire
-from kvstore.channel_server import ChannelServer
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
-from kvstore.grpc_options import GRPC_OPTIONS, host_id
-from kvstore.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
-from kvstore.node import Node, check_key, check_keys, check_parent
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.retention import retain_seconds
-from kvstore.security import (
+from kvstore.auth import tenancy
+from kvstore.auth.security import (
     OPEN,
     Principal,
     ServerTls,
@@ -38,10 +30,19 @@ from kvstore.security import (
     bearer_token,
     is_loopback,
 )
+from kvstore.core.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.core.retention import retain_seconds
+from kvstore.node.channel_server import ChannelServer
+from kvstore.node.semantics import Node, check_key, check_keys, check_parent
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.protocol import wire
+from kvstore.protocol.grpc_options import GRPC_OPTIONS, host_id
+from kvstore.protocol.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
 
 if TYPE_CHECKING:
-    from kvstore.metrics import NodeMetrics
-    from replication.replicator import Replicator
+    from kvstore.node.metrics import NodeMetrics
+    from replication.copies.replicator import Replicator
 
 log = logging.getLogger("kvstore.server")
 
@@ -269,17 +270,17 @@ class NodeServer:
                  peer_token: str | None = None, insecure: bool = False,
                  metrics: NodeMetrics | None = None, members: Sequence[str] = (),
                  read_lease_timeout: float | None = DEFAULT_READ_LEASE_TIMEOUT) -> None:
-        """``tls``/``auth``: see ``kvstore.security``. ``peer_token`` is what this node
+        """``tls``/``auth``: see ``kvstore.auth.security``. ``peer_token`` is what this node
         presents to its peers (a cluster-role token) when it replicates or repairs.
         Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``.
         ``members``: the static list of peer addresses this node may send blocks to (a
         cluster node adds its etcd view with ``known_members.follow``); no one else.
         ``read_lease_timeout``: seconds a client's read lease or unfinished put may pin
-        space while its bytes do not flow (see ``kvstore.channel_server``)."""
-        from kvstore.metrics import RequestInterceptor  # clients need not import prometheus
-        from replication.forwarder import Forwarder  # replication builds on the client: late
-        from replication.peers import KnownMembers, PeerPool
-        from replication.replicator import Replicator
+        space while its bytes do not flow (see ``kvstore.node.channel_server``)."""
+        from kvstore.node.metrics import RequestInterceptor  # clients need not import prometheus
+        from replication.copies.forwarder import Forwarder  # replication builds on the client: late
+        from replication.copies.peers import KnownMembers, PeerPool
+        from replication.copies.replicator import Replicator
 
         self.node = node
         host, _, port = listen.rpartition(":")

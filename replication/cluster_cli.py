@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import KVStoreError
-from kvstore.sizes import format_size
+from kvstore.core.errors import KVStoreError
+from kvstore.core.sizes import format_size
 from replication.local_cluster import ClusterError, LocalCluster
 
 STATUS_COLUMNS = ("node", "addr", "zone", "health", "capacity", "used", "blocks",
@@ -85,7 +85,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def credentials(args: argparse.Namespace) -> dict[str, Any]:
     """Token and TLS settings for ``cluster_status`` from the flags (and $KVSTORE_TOKEN)."""
-    from kvstore.security import ClientTls
+    from kvstore.auth.security import ClientTls
 
     token = (Path(args.token_file).read_text().strip() if args.token_file
              else os.environ.get("KVSTORE_TOKEN")) or None
@@ -99,7 +99,7 @@ def cluster_status(etcd: str, *, token: str | None = None, tls: Any = None,
                    etcd_tls: Any = None) -> list[dict]:
     """One row per live member: its registration and what its Stats RPC says."""
     from replication.cluster_client import ClusterClient
-    from replication.etcd_membership import EtcdMembership
+    from replication.membership.etcd import EtcdMembership
 
     with EtcdMembership(etcd, tls=etcd_tls) as membership:
         members = membership.members()

@@ -2,13 +2,13 @@
 
 ``kvstore.Client(etcd="HOST:PORT", replicas=2, write_quorum=2)`` returns one of
 these. It watches membership, ranks the live nodes for every key (see
-``replication/placement.py``), and:
+``replication/placement/rendezvous.py``), and:
 
 * **put**: sends each key once to its master (the top-ranked live node; if that
   node is unreachable, the next ranked node stands in), a batch's masters
   concurrently. With ``replicas > 1`` it is a replicated put on the transfer
   channel: the master stores the bytes and forwards them itself to the other
-  owners, ranked by its own membership (``replication/forwarder.py``), and
+  owners, ranked by its own membership (``replication/copies/forwarder.py``), and
   answers once they settled. A master outside an etcd cluster (a static member
   list) refuses that; then the put is stored and the master asked to
   ``Replicate`` (two trips). Either way the call returns once ``write_quorum``
@@ -20,7 +20,7 @@ these. It watches membership, ranks the live nodes for every key (see
   them); a miss or an unreachable node moves the key to its next candidate.
   Keys are grouped per node and each round's groups run in parallel.
 * **hot blocks** (``hot_reads_per_s``): reads are counted per key with decayed
-  counters (``replication/hotness.py``) where they are issued, here, since a
+  counters (``replication/placement/hotness.py``) where they are issued, here, since a
   node only sees its share once reads spread. A key that turns hot is copied to
   the ``fanout`` next-ranked nodes (by its master, in the background) and its
   reads rotate over owners and those copies; when it cools, the extra copies
@@ -52,18 +52,18 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.checks import check_key
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
-from kvstore.keys import BlockKey, leading_run
-from kvstore.node_client import NodeClient, SingleKeyCalls, check_put_batch
+from kvstore.auth.security import ClientTls
+from kvstore.core.checks import check_key
+from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
+from kvstore.core.keys import BlockKey, leading_run
+from kvstore.core.retention import retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.retention import retain_seconds
-from kvstore.security import ClientTls
-from replication.etcd_membership import EtcdMembership
-from replication.hotness import HotnessTracker
+from kvstore.remote.node_client import NodeClient, SingleKeyCalls, check_put_batch
+from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
-from replication.peers import PeerPool
-from replication.placement import Member, NodeId, Placement
+from replication.membership.etcd import EtcdMembership
+from replication.placement.hotness import HotnessTracker
+from replication.placement.rendezvous import Member, NodeId, Placement
 
 log = logging.getLogger("kvstore.cluster")
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvstore.errors import Unavailable
-from kvstore.node import Node
-from kvstore.security import ClientTls
-from replication.etcd_membership import EtcdMembership
-from replication.forwarder import Forwarder
-from replication.peers import PeerPool
-from replication.placement import Member, NodeId
-from replication.ratelimit import TokenBucket
-from replication.repair import RepairWorker
+from kvstore.auth.security import ClientTls
+from kvstore.core.errors import Unavailable
+from kvstore.node.semantics import Node
+from replication.copies.forwarder import Forwarder
+from replication.copies.peers import PeerPool
+from replication.copies.ratelimit import TokenBucket
+from replication.copies.repair import RepairWorker
+from replication.membership.etcd import EtcdMembership
+from replication.placement.rendezvous import Member, NodeId
 
 log = logging.getLogger("kvstore.cluster")
 

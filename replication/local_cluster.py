@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from replication.etcd_server import EtcdServer
+from replication.membership.etcd_server import EtcdServer
 
 MANIFEST = "cluster.json"
 _SERVING = re.compile(r"kvstore: serving on (\S+) ")

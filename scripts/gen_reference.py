@@ -3,7 +3,7 @@
 Why generated: a hand-written table drifts from the code. The configuration
 table is read from the ``kvstore serve`` argument parser and the ``NodeConfig``
 dataclass, the metrics table from the exporter's own declaration
-(``kvstore.metrics.METRICS``), and ``tests/test_reference_docs.py`` fails when
+(``kvstore.node.metrics.METRICS``), and ``tests/test_reference_docs.py`` fails when
 README.md differs from what this script writes.
 
 Each table replaces what lies between ``<!-- BEGIN GENERATED: NAME -->`` and
@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from kvstore.cli import build_parser  # noqa: E402
-from kvstore.config import _SIZE_FIELDS, NodeConfig  # noqa: E402
-from kvstore.metrics import METRICS  # noqa: E402
+from kvstore.node.config import _SIZE_FIELDS, NodeConfig  # noqa: E402
+from kvstore.node.metrics import METRICS  # noqa: E402
 
 README = ROOT / "README.md"
 BEGIN = "<!-- BEGIN GENERATED: {} -->"

@@ -137,7 +137,7 @@ def start_static_cluster(tmp_path: Path, n: int, *extra: str, dram: str = "64MiB
 def uring_status() -> tuple[bool, str | None]:
     """Whether the SSD tier's io_uring backend runs here; builds the native module if
     needed (once per session)."""
-    from tiers.ssd import uring_available
+    from tiers.ssd.tier import uring_available
 
     ok, reason = uring_available()
     if not ok:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from replication.etcd_server import EtcdServer
 from replication.membership import EtcdMembership, decode_member, encode_member
-from replication.placement import Member
+from replication.membership.etcd_server import EtcdServer
+from replication.placement.rendezvous import Member
 
 REPO = Path(__file__).resolve().parent.parent
 

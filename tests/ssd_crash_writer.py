@@ -19,7 +19,7 @@ import xxhash
 # Run as a script: make the repository importable without an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiers.ssd import SsdTier
+from tiers.ssd.tier import SsdTier
 
 MAX_BLOCK = 48 << 10
 

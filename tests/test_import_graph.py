@@ -28,35 +28,29 @@ PACKAGES = ("kvstore", "tiers", "replication", "conductor", "workers", "benchmar
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layer:
     name: str
-    modules: tuple[str, ...]
-    """Module names; ``pkg.*`` is every module under ``pkg`` that no exact name claims."""
+    places: tuple[str, ...]
+    """Folders (``kvstore/core/``: every module under it) and single files (``kvstore/cli.py``),
+    relative to the repository root. A file named here wins over the folder holding it."""
 
 
 LAYERS: tuple[Layer, ...] = (  # lowest first
-    Layer(name="build", modules=("cffi_build", "cffi_build.*")),
-    Layer(name="foundations", modules=(
-        "kvstore", "kvstore.errors", "kvstore.keys", "kvstore.sizes", "kvstore.checks",
-        "kvstore.wire", "kvstore.logs", "kvstore.grpc_options", "kvstore.proto",
-        "kvstore.proto.*", "kvstore.forwarding", "kvstore.tenancy", "kvstore.security",
-        "kvstore.quotas", "kvstore.fit", "kvstore.stat_table", "kvstore.retention",
-        "kvstore.toml_files", "kvstore.kv_event_wire")),
-    Layer(name="tiers", modules=("tiers", "tiers.*")),
-    Layer(name="node", modules=(
-        "kvstore.node", "kvstore.config", "kvstore.metrics", "kvstore.channel_server",
-        "kvstore.channel_replicated", "kvstore.kv_events",
-        "kvstore.client_holds")),
-    Layer(name="client", modules=("kvstore.node_client", "kvstore.channel_client",
-                                   "kvstore.kv_event_subscriber")),
-    Layer(name="cluster", modules=("replication", "replication.*")),
-    Layer(name="facade", modules=("kvstore.client",)),
-    Layer(name="server", modules=("kvstore.server",)),
-    Layer(name="integrations", modules=("kvstore.integrations", "kvstore.integrations.*")),
-    Layer(name="workers", modules=("workers", "workers.*")),
-    Layer(name="conductor", modules=("conductor", "conductor.*")),
-    Layer(name="benchmarks", modules=("benchmarks", "benchmarks.*")),
-    Layer(name="commands", modules=(
-        "kvstore.cli", "kvstore.__main__", "kvstore.demo", "workers.cli", "workers.__main__",
-        "conductor.cli", "conductor.__main__")),
+    Layer(name="build", places=("cffi_build/",)),
+    Layer(name="core", places=("kvstore/__init__.py", "kvstore/core/")),
+    Layer(name="protocol", places=("kvstore/protocol/", "kvstore/proto/")),
+    Layer(name="auth", places=("kvstore/auth/",)),
+    Layer(name="tiers", places=("tiers/",)),
+    Layer(name="node", places=("kvstore/node/",)),
+    Layer(name="remote", places=("kvstore/remote/", "kvstore/kv_event_subscriber.py")),
+    Layer(name="cluster", places=("replication/",)),
+    Layer(name="facade", places=("kvstore/client.py",)),
+    Layer(name="server", places=("kvstore/server.py",)),
+    Layer(name="integrations", places=("kvstore/integrations/",)),
+    Layer(name="workers", places=("workers/",)),
+    Layer(name="conductor", places=("conductor/",)),
+    Layer(name="benchmarks", places=("benchmarks/",)),
+    Layer(name="commands", places=(
+        "kvstore/cli.py", "kvstore/__main__.py", "kvstore/demo.py", "workers/cli.py",
+        "workers/__main__.py", "conductor/cli.py", "conductor/__main__.py")),
 )
 
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
@@ -163,16 +157,24 @@ def _imports(module: str, path: Path) -> list[Edge]:
 EDGES = [e for m, p in MODULES.items() for e in _imports(m, p)]
 
 
+def _place_of(module: str) -> str:
+    path = MODULES.get(module)
+    if path is None:  # a made-up module (the checker's own tests): where it would live
+        return module.replace(".", "/") + ".py"
+    return str(path.relative_to(ROOT))
+
+
 def layer_of(module: str) -> int | None:
-    """The index in LAYERS of ``module``: an exact name wins over a ``pkg.*`` pattern, a
-    longer pattern over a shorter one."""
+    """The index in LAYERS of ``module``: a file named in a layer wins over a folder, a
+    deeper folder over a shallower one."""
+    where = _place_of(module)
     best: tuple[int, int] | None = None  # (specificity, layer index)
     for i, layer in enumerate(LAYERS):
-        for pat in layer.modules:
-            if pat == module:
+        for place in layer.places:
+            if place == where:
                 score = 10_000
-            elif pat.endswith(".*") and module.startswith(pat[:-1]):
-                score = len(pat)
+            elif place.endswith("/") and where.startswith(place):
+                score = len(place)
             else:
                 continue
             if best is None or score > best[0]:
@@ -185,18 +187,27 @@ def _where(module: str) -> str:
 
 
 def test_every_module_has_a_layer() -> None:
-    missing = [f"{m} ({_where(m)}) is in no layer: add it to the layer table (LAYERS in "
-               f"tests/test_import_graph.py) and to README 'How it works'"
+    missing = [f"{m} ({_where(m)}) is in no layer: put it in a layer's folder, or name it in "
+               f"the layer table (LAYERS in tests/test_import_graph.py)"
                for m in MODULES if layer_of(m) is None]
     assert missing == []
 
 
-def test_every_layer_entry_names_a_module() -> None:
-    stale = [f"layer {layer.name!r} names {pat!r}, which matches no module: remove it"
-             for layer in LAYERS for pat in layer.modules
-             if not any(m == pat or (pat.endswith(".*") and m.startswith(pat[:-1])
-                        and layer_of(m) == LAYERS.index(layer)) for m in MODULES)]
+def test_every_layer_entry_names_a_place() -> None:
+    stale = [f"layer {layer.name!r} names {place!r}, which holds no module: remove it"
+             for layer in LAYERS for place in layer.places
+             if not any(_place_of(m) == place or (place.endswith("/") and _place_of(m)
+                        .startswith(place) and layer_of(m) == LAYERS.index(layer))
+                        for m in MODULES)]
     assert stale == []
+
+
+def test_folders_are_the_layers() -> None:
+    """A layer is folders: a single file is named only at the top of a top-level package
+    (the facade, the server, the commands, a documented old path), never inside a
+    subpackage, so ``ls`` shows every layer below the top."""
+    files = [place for layer in LAYERS for place in layer.places if place.endswith(".py")]
+    assert [f for f in files if f.count("/") != 1] == []
 
 
 def _ruled_edges() -> list[Edge]:
@@ -282,11 +293,11 @@ def test_known_exceptions_are_still_needed() -> None:
 def test_the_checker_sees_what_it_must_refuse() -> None:
     """The rules fire on a made-up upward edge and a made-up cycle (so a passing run means
     the real graph is clean, not that the checks see nothing)."""
-    up = Edge(importer="tiers.manager", imported="kvstore.node", path="x.py", line=1)
+    up = Edge(importer="tiers.manager", imported="kvstore.node.semantics", path="x.py", line=1)
     src, dst = layer_of(up.importer), layer_of(up.imported)
     assert src is not None and dst is not None and dst > src
-    back = Edge(importer="kvstore.node", imported="tiers.manager", path="x.py", line=2)
-    assert _cycles([up, back]) == [["kvstore.node", "tiers.manager"]]
+    back = Edge(importer="kvstore.node.semantics", imported="tiers.manager", path="x.py", line=2)
+    assert _cycles([up, back]) == [["kvstore.node.semantics", "tiers.manager"]]
     assert layer_of("kvstore.kv_events_new_module") is None
     assert layer_of("tiers.some_new_tier") == [layer.name for layer in LAYERS].index("tiers")
 
@@ -295,14 +306,15 @@ def test_the_graph_is_read() -> None:
     """Spot checks that the reader finds module-level, deferred and ``from pkg import mod``
     imports, and skips TYPE_CHECKING ones."""
     pairs = {(e.importer, e.imported) for e in EDGES}
-    assert ("kvstore.node", "tiers.manager") in pairs  # module level
-    assert Edge(importer="kvstore.node", imported="tiers.ssd", path="kvstore/node.py",
+    assert ("kvstore.node.semantics", "tiers.manager") in pairs  # module level
+    assert Edge(importer="kvstore.node.semantics", imported="tiers.ssd.tier",
+                path="kvstore/node/semantics.py",
                 line=next(e.line for e in EDGES if (e.importer, e.imported)
-                          == ("kvstore.node", "tiers.ssd")), deferred=True) in EDGES
-    assert ("kvstore.server", "kvstore.tenancy") in pairs  # from kvstore import tenancy
-    assert ("workers.kv_blocks", "kvstore.errors") in pairs  # a name the package hands on
-    assert ("kvstore.integrations.vllm_connector", "kvstore.client") in pairs
-    assert ("kvstore.server", "replication.replicator") in pairs  # under TYPE_CHECKING too
+                          == ("kvstore.node.semantics", "tiers.ssd.tier")), deferred=True) in EDGES
+    assert ("kvstore.server", "kvstore.auth.tenancy") in pairs  # from kvstore import tenancy
+    assert ("workers.kv_blocks", "kvstore.core.errors") in pairs  # a name the package hands on
+    assert ("kvstore.integrations.vllm.connector", "kvstore.client") in pairs
+    assert ("kvstore.server", "replication.copies.replicator") in pairs  # under TYPE_CHECKING too
     assert ("kvstore", "kvstore.client") not in pairs  # a package's lazily handed-on name
 
 
@@ -331,4 +343,4 @@ def test_the_readme_mirrors_the_layer_table() -> None:
     assert [(int(n), name) for n, name, _ in rows] == [
         (i + 1, layer.name) for i, layer in enumerate(LAYERS)]
     for (_, name, mods), layer in zip(rows, LAYERS, strict=True):
-        assert re.findall(r"`([^`]+)`", mods) == list(layer.modules), name
+        assert re.findall(r"`([^`]+)`", mods) == list(layer.places), name

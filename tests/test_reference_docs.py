@@ -11,8 +11,8 @@ from types import ModuleType
 
 from conftest import REPO
 
-from kvstore.config import NodeConfig
-from kvstore.metrics import METRICS
+from kvstore.node.config import NodeConfig
+from kvstore.node.metrics import METRICS
 
 SCRIPT = REPO / "scripts" / "gen_reference.py"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent, ExtentAllocator
 
 

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.keys import BlockKey, leading_run
+from kvstore.core.keys import BlockKey, leading_run
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
 from tiers.errors import BlockTooLarge, OutOfSpace

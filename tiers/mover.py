@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 from tiers.base import DurableCopy
 from tiers.manager import Move, TierManager
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 
 
 class TierObserver(Protocol):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from typing import Protocol, TypeVar
 
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 
 
 class QueuedBlock(Protocol):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.keys import BlockKey
+from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.base import DurableTier, MappedTier, Tier
 from tiers.errors import TierError

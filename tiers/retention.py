@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.keys import BlockKey
-from kvstore.retention import MAX_RETAIN_S as MAX_RETAIN_S  # re-exported
-from kvstore.retention import check_retain_s as check_retain_s
-from kvstore.retention import retain_seconds
+from kvstore.core.keys import BlockKey
+from kvstore.core.retention import MAX_RETAIN_S as MAX_RETAIN_S  # re-exported
+from kvstore.core.retention import check_retain_s as check_retain_s
+from kvstore.core.retention import retain_seconds
 
 DEFAULT_MAX_RETAINED_FRACTION = 0.5
 

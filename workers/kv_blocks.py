@@ -4,7 +4,7 @@ Byte layout (layout version 1)
 ------------------------------
 A prompt of ``n`` tokens has ``n_full = n // B`` full blocks (``B = block_tokens``)
 with the store's prefix-hash keys ``kvstore.block_keys(tokens, B, namespace)``.
-There is **one object per (block, layer)**, keyed (``kvstore.keys.layer_key``, where
+There is **one object per (block, layer)**, keyed (``kvstore.core.keys.layer_key``, where
 every stored-key derivation is specified and pinned by vectors)::
 
     layer_key(block_key, l) = xxh3_128(b"kvstore-workers-layer-v1\\x00" || block_key || u32le(l))
@@ -54,9 +54,9 @@ import torch
 
 from kvstore import BlockKey, InvalidArgument, block_keys
 
-# The layer and tail derivations are kvstore.keys' (with every other stored-key derivation,
+# The layer and tail derivations are kvstore.core.keys' (with every other stored-key derivation,
 # so the Conductor names last layers without importing torch); re-exported here.
-from kvstore.keys import layer_key, tail_key
+from kvstore.core.keys import layer_key, tail_key
 from workers.model import KVCache, LlamaModel
 
 LAYOUT_VERSION = 1

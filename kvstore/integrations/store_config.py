@@ -58,7 +58,7 @@ class StoreSpec:
                                    "write_quorum": self.write_quorum}
         if self.etcd:
             return Client(etcd=self.etcd, **cluster, **opts)
-        from replication.placement import Member, NodeId
+        from replication.placement.rendezvous import Member, NodeId
 
         members = [Member(node_id=NodeId(a), addr=a) for a in self.members]
         return Client(members=members, **cluster, **opts)

@@ -52,7 +52,7 @@ BLOCK = 32
 def make_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     """A random 2-layer Llama saved as a local HF checkpoint (``write_tiny_llama``, the
     demo's and the benchmark's model, at 2,048 positions)."""
-    from conductor.vllm_procs import write_tiny_llama
+    from conductor.front.vllm_procs import write_tiny_llama
 
     return write_tiny_llama(out, seed=seed, layers=2, max_positions=2048)
 

@@ -399,3 +399,12 @@ class TestLMCacheOnACluster:
             for name in names:
                 LMCacheEngineBuilder.destroy(name)
             cluster.down(timeout=10)
+
+
+def test_the_documented_module_path_is_the_module() -> None:
+    """``kvstore.integrations.lmcache_connector`` (the path configs name) is the module itself."""
+    import importlib
+
+    old = importlib.import_module("kvstore.integrations.lmcache_connector")
+    new = importlib.import_module("kvstore.integrations.lmcache.connector")
+    assert old is new and old.KVStoreRemoteConnector is new.KVStoreRemoteConnector

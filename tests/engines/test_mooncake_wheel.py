@@ -166,3 +166,12 @@ class TestSideBySide:
         s.close()
         assert got == scenario.expected(got, kvstore=True)
         assert len(got) == 9
+
+
+def test_the_documented_module_path_is_the_module() -> None:
+    """``kvstore.integrations.mooncake_compat`` (the path configs name) is the module itself."""
+    import importlib
+
+    old = importlib.import_module("kvstore.integrations.mooncake_compat")
+    new = importlib.import_module("kvstore.integrations.mooncake.store")
+    assert old is new and old.MooncakeDistributedStore is new.MooncakeDistributedStore

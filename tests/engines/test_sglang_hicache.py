@@ -457,3 +457,12 @@ class TestSGLangHiCacheOnACluster:
         lone = sf.dynamic_extra("127.0.0.1:1", replicas=2)
         with pytest.raises(ValueError, match="replicas and write_quorum need a cluster"):
             StorageBackendFactory.create_backend("dynamic", sf.storage_config(lone), None)
+
+
+def test_the_documented_module_path_is_the_module() -> None:
+    """``kvstore.integrations.sglang_hicache`` (the path configs name) is the module itself."""
+    import importlib
+
+    old = importlib.import_module("kvstore.integrations.sglang_hicache")
+    new = importlib.import_module("kvstore.integrations.sglang.hicache")
+    assert old is new and old.KVStoreHiCacheStorage is new.KVStoreHiCacheStorage

@@ -23,7 +23,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from conductor.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
+from conductor.front.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
 from kvstore import Client, block_keys
 
 pytestmark = pytest.mark.timeout(900)
@@ -274,7 +274,7 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type"))
 
-    from conductor.vllm_procs import free_port
+    from conductor.front.vllm_procs import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
@@ -311,11 +311,11 @@ def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
     asked."""
     import asyncio
 
-    from conductor.http_front import serve
-    from conductor.store_view import StoreView
-    from conductor.types import Slo
-    from conductor.vllm_front import FrontConfig, VllmFront
-    from conductor.vllm_procs import free_port
+    from conductor.front.http_front import serve
+    from conductor.front.store_view import StoreView
+    from conductor.front.vllm_front import FrontConfig, VllmFront
+    from conductor.front.vllm_procs import free_port
+    from conductor.scheduling.types import Slo
 
     store = Client(store_node.addr)
     cfg = FrontConfig(namespace="not-the-connectors", block_tokens=BLOCK,

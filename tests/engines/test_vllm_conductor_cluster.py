@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_vllm_conductor import BLOCK, HITS, complete, loadable, model_of, prompt, vllm_metric
 
-from conductor.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
+from conductor.front.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
 from kvstore import Client, block_keys
 from replication.local_cluster import LocalCluster
 

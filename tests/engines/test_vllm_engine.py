@@ -19,7 +19,7 @@ import xxhash
 from vllm_llm import external_hits, kvstore_llm
 
 from kvstore import Client, block_keys
-from kvstore.integrations.vllm_blocks import HEADER_BYTES, parse_header, reseal
+from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header, reseal
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -164,3 +164,12 @@ def test_corrupted_block_is_refused_and_recomputed(engine: Any, client: Client) 
     third, hits = generate(engine, tokens)
     assert hits == LOADABLE
     assert third == first
+
+
+def test_the_documented_module_path_is_the_module() -> None:
+    """``kvstore.integrations.vllm_connector`` (the path configs name) is the module itself."""
+    import importlib
+
+    old = importlib.import_module("kvstore.integrations.vllm_connector")
+    new = importlib.import_module("kvstore.integrations.vllm.connector")
+    assert old is new and old.KVStoreConnector is new.KVStoreConnector

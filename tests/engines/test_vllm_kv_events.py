@@ -149,7 +149,7 @@ def test_vllm_decodes_a_node_across_a_restart(tmp_path: Path) -> None:
 def test_media_are_vllms() -> None:
     from vllm.distributed.kv_events import MEDIUM_GPU
 
-    from kvstore.kv_event_wire import MEDIA
+    from kvstore.protocol.kv_event_wire import MEDIA
 
     assert MEDIA == {"hbm": MEDIUM_GPU, "dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}
 
@@ -158,8 +158,8 @@ def test_int_hashes_decode_as_vllms_int_form() -> None:
     """``int_hashes``: what vLLM sends with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (its
     ``maybe_convert_block_hash``: the hash bytes big-endian, low 64 bits)."""
     from kvstore.kv_event_subscriber import KVEventSubscriber
-    from kvstore.kv_events import KVEventPublisher, KVEventSettings
-    from kvstore.node import Node, NodeSettings
+    from kvstore.node.kv_events import KVEventPublisher, KVEventSettings
+    from kvstore.node.semantics import Node, NodeSettings
 
     node = Node(NodeSettings(dram_bytes=1 << 20, prefault=False))
     pub = KVEventPublisher(node, KVEventSettings(endpoint="tcp://127.0.0.1:0",

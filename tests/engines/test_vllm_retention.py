@@ -147,7 +147,7 @@ def test_the_openai_servers_kv_transfer_params_field_carries_it(
 
     import httpx
 
-    from conductor.vllm_procs import start_vllm, wait_ready
+    from conductor.front.vllm_procs import start_vllm, wait_ready
 
     namespace = f"{NAMESPACE}-server"
     server = start_vllm(sys.executable, tiny_llama, tmp_path_factory.mktemp("vllm"),

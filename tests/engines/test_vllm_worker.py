@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore import Client, block_keys
-from kvstore.integrations.vllm_blocks import HEADER_BYTES, BlockLayout, parse_header, reseal
+from kvstore.integrations.vllm.blocks import HEADER_BYTES, BlockLayout, parse_header, reseal
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 SHAPE = (64, 2, 32, 64)  # [num_blocks, kv_heads, block_size, 2 * head_size], as CPU_ATTN

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front in front of vLLM instances."""

@@ -1,0 +1,178 @@
+"""The Conductor's OpenAI-compatible HTTP front: FastAPI on uvicorn, as vLLM's own server.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (with a tokenizer that
+has a chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Everything runs on one event loop; upstream calls use one pooled ``httpx.AsyncClient``,
+so hundreds of requests may be in flight without a thread each. Streamed answers are
+passed through chunk by chunk. A client that disconnects cancels its upstream request:
+for a stream, Starlette stops iterating the pass-through (which closes the upstream
+response); for a plain answer, a watcher on the client's connection cancels the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from conductor.front.openai_api import error_body
+from conductor.front.sse_reply import StreamedReply
+from conductor.front.text_prompts import TextCodec
+from conductor.front.vllm_front import JsonReply, Reply, VllmFront
+
+LOAD_POLL_S = 0.5
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(request: Request, work: Any) -> Reply | None:
+    """Runs ``work`` (a coroutine); None if the client went away first (work cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def _respond(reply: Reply | None) -> Response:
+    if reply is None:  # nobody to answer
+        return Response(status_code=499)
+    if isinstance(reply, JsonReply):
+        return JSONResponse(reply.body, status_code=reply.status)
+    return StreamedReply(reply)
+
+
+def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
+    app = FastAPI(title="conductor", docs_url=None, redoc_url=None)
+
+    async def body_of(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return JSONResponse(error_body(400, f"request body is not JSON: {exc}"), 400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body(400, "request body must be a JSON object"), 400)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            front.metrics.requests.labels("completions", "bad_request").inc()
+            return body
+        if isinstance(body.get("prompt"), str):
+            if codec is None:
+                front.metrics.requests.labels("completions", "bad_request").inc()
+                return JSONResponse(error_body(400, "a text prompt needs the Conductor "
+                                               "started with --tokenizer DIR; send token "
+                                               "ids otherwise"), 400)
+            return await codec.completions(front, request, body, _cancel_on_disconnect)
+        reply = await _cancel_on_disconnect(request, front.complete(body, route="completions"))
+        if reply is None:
+            front.metrics.requests.labels("completions", "cancelled").inc()
+        return _respond(reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            front.metrics.requests.labels("chat", "bad_request").inc()
+            return body
+        if codec is None or not codec.has_chat_template:
+            front.metrics.requests.labels("chat", "bad_request").inc()
+            return JSONResponse(error_body(400, "chat completions need the Conductor "
+                                           "started with --tokenizer DIR whose tokenizer "
+                                           "has a chat template"), 400)
+        return await codec.chat(front, request, body, _cancel_on_disconnect)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": front.model, "object": "model",
+                                            "owned_by": "conductor",
+                                            "max_model_len": front.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = front.status()
+        down = [u for u, i in status["instances"].items() if i["load"] is None]
+        status["status"] = "degraded" if down else "ok"
+        status["unreachable"] = down
+        return JSONResponse(status, status_code=503 if down else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(front.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class CallerSignalsServer(uvicorn.Server):
+    """A uvicorn server that leaves the process's signal handlers to its caller.
+
+    ``serve`` ends when its ``stop`` event is set (``conductor serve`` sets it on SIGTERM /
+    SIGINT), and then waits for uvicorn's graceful shutdown. uvicorn (0.29 and later) would
+    install its own SIGTERM / SIGINT handlers for as long as it serves, shadowing the
+    caller's, and raise the signals it caught again once it returns; overriding its
+    ``capture_signals`` hook (the one place it touches signals) keeps them the caller's.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _poll(front: VllmFront) -> None:
+    while True:
+        await asyncio.sleep(LOAD_POLL_S)
+        await front.poll_loads()
+
+
+async def serve(front: VllmFront, *, host: str, port: int, codec: TextCodec | None,
+                stop: asyncio.Event, on_ready: Any = None, check_namespace: bool = True
+                ) -> None:
+    """Starts the front (shape checks, namespace probe), serves until ``stop`` is set.
+    Signals are the caller's to handle (see ``CallerSignalsServer``)."""
+    await front.start()
+    if check_namespace:
+        await front.check_namespace()
+    config = uvicorn.Config(build_app(front, codec=codec), host=host, port=port,
+                            log_level="warning", lifespan="off", timeout_keep_alive=30)
+    server = CallerSignalsServer(config)
+    poller = asyncio.ensure_future(_poll(front))
+    runner = asyncio.ensure_future(server.serve())
+    try:
+        while not server.started:
+            if runner.done():
+                runner.result()
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.01)
+        if on_ready is not None:
+            sock = server.servers[0].sockets[0].getsockname()
+            on_ready(f"{sock[0]}:{sock[1]}")
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await runner
+    finally:
+        poller.cancel()
+        await front.close()

@@ -1,0 +1,135 @@
+"""The OpenAI completions wire format as the front needs it: request checks, error
+bodies, and the two ways of asking an instance (one JSON answer, or a server-sent-event
+stream passed through chunk by chunk).
+
+Errors follow OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "param",
+"code"}}``; a rejection also carries ``"reason"`` (the Conductor's sentence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from conductor.front.vllm_instances import UpstreamError, VllmInstance
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``."""
+
+
+class BadRequest(Exception):
+    """The client's request is malformed (HTTP 400)."""
+
+
+def error_body(status: int, message: str, *, kind: str | None = None,
+               reason: str | None = None) -> dict[str, Any]:
+    kinds = {400: "invalid_request_error", 429: "rate_limit_exceeded", 502: "upstream_error",
+             503: "service_unavailable", 504: "timeout"}
+    err: dict[str, Any] = {"message": message, "type": kind or kinds.get(status, "error"),
+                           "param": None, "code": status}
+    if reason is not None:
+        err["reason"] = reason
+    return {"error": err}
+
+
+def prompt_token_ids(body: dict[str, Any], *, vocab_check: int | None = None) -> list[int]:
+    """The request's prompt as token ids (text must have been tokenized before)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of one token-id prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("prompt must be a non-empty list of token ids (or text with "
+                         "--tokenizer); batches of several prompts are not supported")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        raise BadRequest("prompt token ids must be non-negative integers")
+    if vocab_check is not None and max(prompt) >= vocab_check:
+        raise BadRequest(f"token id {max(prompt)} >= vocabulary size {vocab_check}")
+    return [int(t) for t in prompt]
+
+
+def max_tokens(body: dict[str, Any]) -> int:
+    v = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if v is None:
+        return DEFAULT_MAX_TOKENS
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {v!r}")
+    return v
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadRequest("n > 1 is not supported by the Conductor")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("stream must be true or false")
+
+
+def _upstream_message(inst: VllmInstance, r: httpx.Response) -> str:
+    try:
+        msg = r.json().get("error", {}).get("message") or r.text
+    except Exception:
+        msg = r.text
+    return f"{inst.role} instance {inst.url} answered HTTP {r.status_code}: {msg[:500]}"
+
+
+@contextmanager
+def upstream_errors(inst: VllmInstance) -> Iterator[None]:
+    """An instance that cannot be reached or answers too late: 502, 504 on timeout."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise UpstreamError(f"{inst.role} instance {inst.url} timed out "
+                            f"({type(exc).__name__})", status=504) from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"{inst.role} instance {inst.url} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+
+async def post_json(inst: VllmInstance, path: str, body: dict[str, Any],
+                    timeout: httpx.Timeout) -> dict[str, Any]:
+    """One non-streamed call; an instance's own 4xx keeps its status (the client's
+    request was bad), anything else is a 502 (504 on timeout)."""
+    with upstream_errors(inst):
+        r = await inst.http.post(inst.url + path, json=body, timeout=timeout)
+    if r.status_code != 200:
+        status = r.status_code if 400 <= r.status_code < 500 else 502
+        raise UpstreamError(_upstream_message(inst, r), status=status)
+    return r.json()
+
+
+@dataclass(slots=True, kw_only=True)
+class OpenStream:
+    """An instance's SSE answer whose headers arrived; ``chunks`` yields its bytes as they
+    come (no buffering); the owner closes ``response``."""
+
+    inst: VllmInstance
+    response: httpx.Response
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self.response.aiter_raw():
+            yield chunk
+
+
+async def open_stream(inst: VllmInstance, path: str, body: dict[str, Any],
+                      timeout: httpx.Timeout) -> OpenStream:
+    req = inst.http.build_request("POST", inst.url + path, json=body, timeout=timeout)
+    with upstream_errors(inst):
+        r = await inst.http.send(req, stream=True)
+    if r.status_code != 200:
+        await r.aread()
+        await r.aclose()
+        status = r.status_code if 400 <= r.status_code < 500 else 502
+        raise UpstreamError(_upstream_message(inst, r), status=status)
+    return OpenStream(inst=inst, response=r)
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """An in-stream error event (headers are already sent), then the end marker."""
+    import json
+
+    return (b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"
+            + b"data: [DONE]\n\n")

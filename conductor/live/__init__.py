@@ -1,0 +1,1 @@
+"""The Conductor in front of kvstore's own prefill and decode workers."""

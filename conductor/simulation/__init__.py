@@ -1,0 +1,1 @@
+"""The discrete-event simulator over Mooncake traces, its metrics and the capacity search."""

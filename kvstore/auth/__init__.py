@@ -1,0 +1,1 @@
+"""Who may call a node and what they see: tenants, TLS and tokens, quotas."""

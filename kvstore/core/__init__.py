@@ -1,0 +1,1 @@
+"""The vocabulary every layer shares: keys, errors, sizes, checks, logs."""

@@ -1,0 +1,1 @@
+"""kvstore as an LMCache remote storage plugin (``kvstore.integrations.lmcache_connector``)."""

@@ -1,0 +1,1 @@
+"""kvstore as SGLang's HiCache storage backend (``kvstore.integrations.sglang_hicache``)."""

@@ -1,0 +1,3 @@
+"""kvstore as vLLM's KV connector (``kvstore.integrations.vllm_connector`` is the path configs
+name).
+"""

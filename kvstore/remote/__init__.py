@@ -1,0 +1,3 @@
+"""The client side of one node: the gRPC client, the transfer channel's client, the KV-event
+subscriber.
+"""

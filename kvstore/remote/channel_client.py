@@ -1,0 +1,355 @@
+"""Client side of the transfer channel (format in ``kvstore.protocol.wire``).
+
+A ``ChannelConnection`` is one stream serving one request at a time; the
+``Client`` keeps a pool of them for concurrent callers. Values land directly
+in the caller's buffer (``recv_into`` over TCP, one memcpy from the mapped
+region over shared memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvstore.core.checks import byte_view
+from kvstore.core.errors import InvalidArgument, error_for_code
+from kvstore.protocol import wire
+from kvstore.protocol.wire import HEADER, Mode, Op
+
+SHM_PUT_MIN_BYTES = 64 << 10
+"""Puts at least this large (per batch) go through reserve/commit in shared memory."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ChannelSession:
+    """What ``OpenChannel`` told the client; shared by all its connections."""
+
+    tcp_host: str
+    tcp_port: int
+    unix_path: str
+    token: bytes
+    region_bytes: int
+    region: mmap.mmap | None = field(default=None)
+    tls: ssl.SSLContext | None = None  # wraps TCP connections (the node serves TLS)
+
+    def close(self) -> None:
+        if self.region is not None:
+            # A caller may still hold a view; the mapping then goes with it.
+            with contextlib.suppress(BufferError):
+                self.region.close()
+            self.region = None
+
+
+def _as_bytes_view(value: object) -> memoryview:
+    try:
+        return byte_view(value)
+    except TypeError:
+        numpy = getattr(value, "numpy", None)  # a torch CPU tensor
+        if numpy is not None:
+            return byte_view(numpy())
+        raise InvalidArgument(f"value must be a bytes-like object, got {type(value).__name__}"
+                              ) from None
+
+
+def as_readable(value: object) -> memoryview:
+    """A flat byte view of a bytes-like value, numpy array or torch CPU tensor."""
+    view = _as_bytes_view(value)
+    if not view.contiguous:
+        raise InvalidArgument("value must be contiguous")
+    return view
+
+
+def as_writable(buf: object) -> memoryview:
+    view = _as_bytes_view(buf)
+    if view.readonly or not view.contiguous:
+        raise InvalidArgument("buffer must be writable and contiguous")
+    return view
+
+
+class ChannelConnection:
+    """One transfer-channel stream."""
+
+    def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None,
+                 io_timeout: float | None = None) -> None:
+        """``timeout``: connecting and the hello; ``io_timeout``: how long any one read or
+        write may then stall before the call fails (None: block, as a local engine wants;
+        a node calling its peers sets it, so a stalled peer cannot hold its thread)."""
+        self.session = session
+        self.mode = mode
+        if mode is Mode.SHM:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            path = session.unix_path
+            sock.settimeout(timeout)
+            sock.connect("\0" + path[1:] if path.startswith("@") else path)
+        else:
+            sock = socket.create_connection((session.tcp_host, session.tcp_port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if session.tls is not None:
+                try:
+                    sock = session.tls.wrap_socket(sock, server_hostname=session.tcp_host)
+                except BaseException:
+                    sock.close()
+                    raise
+        self.sock = sock
+        try:
+            self._hello(timeout)
+        except BaseException:
+            sock.close()
+            raise
+        # Blocking from here on: a transfer takes as long as its size needs; only a stall
+        # is bounded, by the kernel (no poll before every call).
+        sock.settimeout(None)
+        if io_timeout is not None:
+            wire.set_stall_timeout(sock, io_timeout)
+        self._header = memoryview(bytearray(HEADER.size))
+
+    def _hello(self, timeout: float | None) -> None:
+        self.sock.sendall(wire.HELLO.pack(wire.MAGIC, self.session.token, self.mode))
+        if self.mode is Mode.SHM:
+            msg, fds, _, _ = socket.recv_fds(self.sock, wire.HELLO_REPLY.size, 1)
+            try:
+                status, _region = wire.HELLO_REPLY.unpack(msg)
+                self._check_hello(status)
+                if self.session.region is None:
+                    self.session.region = mmap.mmap(fds[0], self.session.region_bytes,
+                                                    flags=mmap.MAP_SHARED)
+            finally:
+                for fd in fds:
+                    socket.close(fd)
+        else:
+            status, _region = wire.HELLO_REPLY.unpack(wire.recv_exact(self.sock,
+                                                                      wire.HELLO_REPLY.size))
+            self._check_hello(status)
+
+    @staticmethod
+    def _check_hello(status: int) -> None:
+        if status:
+            raise wire.error_of(status, f"transfer channel refused (status {status})")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ---- framing -------------------------------------------------------------------------
+
+    def _send(self, op: Op, count: int, meta: bytes,
+              values: Sequence[memoryview] = ()) -> None:
+        head = HEADER.pack(op, count, len(meta)) + meta
+        if values:
+            wire.send_buffers(self.sock, [head, *values])
+        else:
+            self.sock.sendall(head)
+
+    def _response(self) -> tuple[int, bytes]:
+        wire.recv_exact_into(self.sock, self._header)
+        status, count, meta_len = HEADER.unpack(self._header)
+        meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
+        if status:
+            raise wire.error_of(status, meta.decode("utf-8", "replace"))
+        return count, meta
+
+    def _call(self, op: Op, count: int, meta: bytes,
+              values: Sequence[memoryview] = ()) -> tuple[int, bytes]:
+        self._send(op, count, meta, values)
+        return self._response()
+
+    # ---- ops -----------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+            ) -> list[bytes | int | None]:
+        """Values of ``keys``: into ``outs[i]`` (returns nbytes) or as new bytes."""
+        if self.mode is Mode.SHM:
+            return self._get_shm(keys, outs)
+        return self._get_stream(keys, outs)
+
+    def _get_stream(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+                    ) -> list[bytes | int | None]:
+        count, meta = self._call(Op.GET, len(keys), wire.pack_keys(keys))
+        lengths = wire.unpack_ids(meta, count)
+        results: list[bytes | int | None] = []
+        too_small: str | None = None
+        for i, n in enumerate(lengths):
+            if n == wire.MISS:
+                results.append(None)
+                continue
+            out = outs[i] if outs is not None else None
+            if out is None:
+                results.append(wire.recv_bytes(self.sock, n))
+            elif len(out) < n:
+                wire.discard(self.sock, n, memoryview(bytearray(min(n, 1 << 20))))
+                too_small = too_small or f"buffer of {len(out)} bytes for a {n}-byte value"
+                results.append(None)
+            else:
+                wire.recv_exact_into(self.sock, out[:n])
+                results.append(n)
+        if too_small:
+            raise InvalidArgument(too_small)
+        return results
+
+    def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
+                 ) -> list[bytes | int | None]:
+        started = time.monotonic()
+        _, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
+        region = self.session.region
+        assert region is not None
+        results: list[bytes | int | None] = []
+        items = list(wire.LEASE_ITEM.iter_unpack(meta))
+        # Every lease is released whatever happens below, not only those reached.
+        leases = [lease for lease, _, _ in items if lease]
+        unmapped: list[int] = []
+        try:
+            for i, (lease, offset, n) in enumerate(items):
+                if lease == 0:
+                    results.append(None)
+                    if n:
+                        unmapped.append(i)
+                    continue
+                out = outs[i] if outs is not None else None
+                if out is None:
+                    results.append(region[offset : offset + n])
+                elif len(out) < n:
+                    raise InvalidArgument(f"buffer of {len(out)} bytes for a {n}-byte value")
+                else:
+                    with memoryview(region) as rv:
+                        out[:n] = rv[offset : offset + n]
+                    results.append(n)
+        except BaseException:
+            if leases:
+                self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            raise
+        if leases:
+            if time.monotonic() - started < wire.MIN_LEASE_TIMEOUT / 2:
+                # Granted after ``started`` and held at least MIN_LEASE_TIMEOUT: every
+                # lease held throughout the copy, no need to ask.
+                self._send(Op.RELEASE, len(leases), wire.pack_ids(leases))
+            else:
+                # Slow copy (a stall, a stop): the node may have expired a lease and reused
+                # its space. Bytes copied under a void lease are fetched again by stream.
+                _, held = self._call(Op.RELEASE_CHECK, len(leases), wire.pack_ids(leases))
+                void = {lease for lease, ok in zip(leases, held, strict=True) if not ok}
+                if void:
+                    unmapped += [i for i, (lease, _, _) in enumerate(items) if lease in void]
+                    unmapped.sort()
+                    for i in unmapped:
+                        results[i] = None
+        if unmapped:
+            # Blocks in HBM or on SSD come through the stream instead.
+            fetched = self._get_stream([keys[i] for i in unmapped],
+                                       None if outs is None else [outs[i] for i in unmapped])
+            for i, r in zip(unmapped, fetched, strict=True):
+                results[i] = r
+        return results
+
+    def _sizes(self, values: Sequence[memoryview]) -> list[int]:
+        sizes = [len(v) for v in values]
+        limit = self.session.region_bytes
+        for n in sizes:
+            if n == 0:
+                raise InvalidArgument("a block value must not be empty")
+            if n > limit:
+                raise error_for_code(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"value of {n} bytes exceeds the node's capacity of "
+                                     f"{limit} bytes")
+        return sizes
+
+    def put(self, keys: Sequence[bytes], values: Sequence[memoryview],
+            parents: Sequence[bytes | None], pin: bool, retain_s: float = 0.0) -> list[bool]:
+        sizes = self._sizes(values)
+        meta = wire.pack_put_items(keys, sizes, parents, pin, retain_s)
+        if self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES:
+            return self._put_shm(keys, values, meta)
+        _, reply = self._call(Op.PUT, len(keys), meta, values)
+        return [bool(b) for b in reply]
+
+    def _put_shm(self, keys: Sequence[bytes], values: Sequence[memoryview], meta: bytes
+                 ) -> list[bool]:
+        rids, slots = self._reserve_and_fill(keys, values, meta)
+        if not rids:
+            return [False] * len(keys)
+        _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
+        done = iter(committed)
+        return [False if offset is None else bool(next(done)) for offset in slots]
+
+    def _reserve_and_fill(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                          meta: bytes) -> tuple[list[int], list[int | None]]:
+        """Reserves room for the values in the mapped region and copies them there; the
+        reservation ids, and each value's offset (None: the key was already stored)."""
+        _, reply = self._call(Op.RESERVE, len(keys), meta)
+        region = self.session.region
+        assert region is not None
+        rids: list[int] = []
+        slots: list[int | None] = []
+        for rid, offset, state in wire.RESERVE_ITEM.iter_unpack(reply):
+            if state == wire.RESERVE_OK:
+                rids.append(rid)
+                slots.append(offset)
+            else:
+                slots.append(None)
+        if not rids:
+            return rids, slots
+        try:
+            with memoryview(region) as rv:
+                for offset, value in zip(slots, values, strict=True):
+                    if offset is not None:
+                        rv[offset : offset + len(value)] = value
+        except BaseException:
+            self._send(Op.ABORT, len(rids), wire.pack_ids(rids))
+            raise
+        return rids, slots
+
+    def put_replicated(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                       parents: Sequence[bytes | None], pin: bool, copies: int,
+                       write_quorum: int, retain_s: float = 0.0
+                       ) -> tuple[list[bool], int, str]:
+        """A replicated put to the keys' master (RPUT, or RESERVE + RCOMMIT over shared
+        memory): (stored flags, copies holding every key, text of failed forwards)."""
+        sizes = self._sizes(values)
+        if not (self.mode is Mode.SHM and sum(sizes) >= SHM_PUT_MIN_BYTES):
+            return self._rput(keys, values, sizes, parents, pin, copies, write_quorum, retain_s)
+        rids, slots = self._reserve_and_fill(
+            keys, values, wire.pack_put_items(keys, sizes, parents, pin, retain_s))
+        stored = [False] * len(keys)
+        made, failures = 255, []
+        if rids:
+            meta = b"".join(wire.RCOMMIT_ITEM.pack(rid, copies, write_quorum) for rid in rids)
+            _, reply = self._call(Op.RCOMMIT, len(rids), meta)
+            flags, made, text = wire.unpack_repl_reply(reply, len(rids))
+            failures.append(text)
+            done = iter(flags)
+            stored = [False if offset is None else next(done) for offset in slots]
+        existed = [i for i, offset in enumerate(slots) if offset is None]
+        if existed:
+            # Already on the master; its other owners may lack them: forward from the stream.
+            _, more, text = self._rput([keys[i] for i in existed], [values[i] for i in existed],
+                                       [sizes[i] for i in existed],
+                                       [parents[i] for i in existed], pin, copies, write_quorum,
+                                       retain_s)
+            made = min(made, more)
+            failures.append(text)
+        return stored, made, "; ".join(f for f in failures if f)
+
+    def _rput(self, keys: Sequence[bytes], values: Sequence[memoryview], sizes: Sequence[int],
+              parents: Sequence[bytes | None], pin: bool, copies: int, write_quorum: int,
+              retain_s: float = 0.0) -> tuple[list[bool], int, str]:
+        meta = wire.pack_rput_items(keys, sizes, parents, pin, copies, write_quorum, retain_s)
+        _, reply = self._call(Op.RPUT, len(keys), meta, values)
+        return wire.unpack_repl_reply(reply, len(keys))
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        _, meta = self._call(Op.EXISTS, len(keys), wire.pack_keys(keys))
+        return [bool(b) for b in meta]
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        count, _ = self._call(Op.PREFIX, len(keys), wire.pack_keys(keys))
+        return count
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        _, meta = self._call(Op.REMOVE, len(keys), wire.pack_keys(keys))
+        return [bool(b) for b in meta]
+

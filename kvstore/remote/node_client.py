@@ -1,0 +1,468 @@
+"""The client of one kvstore node, ``NodeClient``: what ``kvstore.client.Client(addr)``
+is, and what the cluster client and a node's peers build on.
+
+Transports (``transport=``):
+
+* ``"grpc"``: every call is a gRPC call; portable, ~1 GB/s at best.
+* ``"tcp"``: a transfer channel negotiated over gRPC; values stream over raw TCP.
+* ``"shm"``: same host only; the node's DRAM region is mapped into this process
+  and values are copied straight from/into it under read leases/reservations.
+* ``"auto"`` (default): ``shm`` if the node is on this host, else ``tcp``, else ``grpc``.
+
+Errors: every failure reaches the caller as a ``kvstore.core.errors`` exception,
+mapped at one choke point (``_errors``): gRPC status codes by code, socket
+failures as ``Unavailable``. A gRPC failure the node reported ends with
+``(request id ID)``: the id under which the node logged it.
+
+Retry policy: none for errors the node reports. A call that fails with a
+transport error is retried once on a fresh connection (every kvstore operation
+is idempotent: puts are content-addressed); a second failure is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from kvstore.auth.security import ClientTls
+from kvstore.core.checks import MAX_BATCH, check_key, check_parent
+from kvstore.core.errors import (
+    REPLY_BOUND,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    ResourceExhausted,
+    Unavailable,
+    error_for_code,
+)
+from kvstore.core.keys import BlockKey
+from kvstore.core.logs import REQUEST_ID_HEADER
+from kvstore.core.retention import retain_seconds
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.protocol.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
+from kvstore.protocol.wire import Mode
+from kvstore.remote.channel_client import (
+    ChannelConnection,
+    ChannelSession,
+    as_readable,
+    as_writable,
+)
+
+TRANSPORTS = ("auto", "grpc", "tcp", "shm")
+T = TypeVar("T")
+_GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
+
+
+class BatchCalls(Protocol):
+    """The batch calls ``SingleKeyCalls`` is written on (its classes' ``self``)."""
+
+    def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
+                  parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                  retain_s: float | None = None) -> list[bool]: ...
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]
+                       ) -> list[int | None]: ...
+
+
+class SingleKeyCalls:
+    """``put``, ``get`` and ``get_into`` of one key, as the batch calls of one item: the
+    single-node ``NodeClient`` and the ``ClusterClient`` share these."""
+
+    def put(self: BatchCalls, key: bytes, value: object, *, parent: bytes | None = None,
+            pin: bool = False, retain_s: float | None = None) -> bool:
+        """Stores ``value`` under ``key``: True if stored, False if the key already existed
+        (cluster-wide: on its master). ``retain_s``: keep the block that many seconds after
+        its last put or read (README "Retention"); None asks for nothing."""
+        return self.put_batch([key], [value], parents=[parent], pin=pin,
+                              retain_s=retain_s)[0]
+
+    def get(self: BatchCalls, key: bytes) -> bytes | None:
+        """The value of ``key``, or None on a miss."""
+        return self.get_batch([key])[0]
+
+    def get_into(self: BatchCalls, key: bytes, buf: object) -> int | None:
+        """Writes the value of ``key`` into ``buf``; its length, or None on a miss."""
+        return self.get_batch_into([key], [buf])[0]
+
+
+class NodeClient(SingleKeyCalls):
+    """A connection to one kvstore node. Thread-safe; use as a context manager. Users name
+    it ``kvstore.client.Client``; the cluster client and the node's peers use it directly."""
+
+    def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
+                 token: str | None = None, tls: ClientTls | None = None,
+                 io_timeout: float | None = None) -> None:
+        """``token``: the bearer token a node with tenants requires (see
+        ``kvstore.auth.security``); ``tls``: connect over TLS (gRPC and the TCP channel);
+        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound)."""
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.addr = addr
+        self.timeout = timeout
+        self._io_timeout = io_timeout
+        self._requested = transport
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls = tls
+        self._grpc_channel = (
+            grpc.secure_channel(addr, tls.grpc_credentials(), options=GRPC_OPTIONS) if tls
+            else grpc.insecure_channel(addr, options=GRPC_OPTIONS))
+        self._stub = pb_grpc.KVStoreStub(self._grpc_channel)
+        self._lock = threading.Lock()
+        # guarded by _lock:
+        self._mode: Mode | None = None  # None: plain gRPC
+        self._resolved = False
+        self._session: ChannelSession | None = None
+        self._idle: list[ChannelConnection] = []
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            session, self._session = self._session, None
+        for conn in idle:
+            conn.close()
+        if session is not None:
+            session.close()
+        self._grpc_channel.close()
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``"grpc"``, ``"tcp"`` or ``"shm"``."""
+        self._resolve()
+        return "grpc" if self._mode is None else self._mode.name.lower()
+
+    # ---- error choke point ---------------------------------------------------------------
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except KVStoreError:
+            raise
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            # The cause stays chained: its gRPC debug string tells a log reader what failed.
+            raise error_for_code(code, f"{self.addr}: {details}{_request_id_note(exc)}"
+                                 ) from exc
+        except OSError as exc:
+            raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from exc
+
+    def _grpc(self, method: str, request: Any) -> Any:
+        with self._errors():
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
+
+    # ---- transfer channel ----------------------------------------------------------------
+
+    def _resolve(self) -> None:
+        with self._lock:
+            if self._resolved:
+                return
+            if self._closed:
+                raise Unavailable("client is closed")
+            if self._requested == "grpc":
+                self._resolved = True
+                return
+        info = self._grpc("OpenChannel", pb.OpenChannelRequest(client_host_id=host_id()))
+        host = info.tcp_host or self.addr.rpartition(":")[0].strip("[]")
+        session = ChannelSession(tcp_host=host, tcp_port=info.tcp_port,
+                                 unix_path=info.unix_path, token=info.token,
+                                 region_bytes=info.region_bytes,
+                                 tls=self._tls.ssl_context() if self._tls else None)
+        candidates = {"auto": [Mode.SHM, Mode.TCP, None], "tcp": [Mode.TCP],
+                      "shm": [Mode.SHM]}[self._requested]
+        if not (info.same_host and info.unix_path):
+            if self._requested == "shm":
+                raise Unavailable(f"{self.addr}: shared memory needs a node on this host")
+            candidates = [m for m in candidates if m is not Mode.SHM]
+        last: Exception | None = None
+        for mode in candidates:
+            if mode is None:
+                break
+            try:
+                conn = ChannelConnection(session, mode, timeout=self.timeout,
+                                         io_timeout=self._io_timeout)
+            except (OSError, KVStoreError) as exc:
+                last = exc
+                continue
+            with self._lock:
+                self._session, self._mode, self._resolved = session, mode, True
+                self._idle.append(conn)
+            return
+        if None in candidates:
+            with self._lock:
+                self._mode, self._resolved = None, True
+            return
+        raise Unavailable(f"{self.addr}: cannot open a {self._requested} channel: {last}")
+
+    def _channel_call(self, fn: Any) -> Any:
+        """Runs ``fn(conn)`` on a pooled connection, retrying once after a transport error."""
+        for attempt in (1, 2):
+            self._resolve()
+            conn = self._checkout()
+            try:
+                result = fn(conn)
+            except KVStoreError:
+                self._checkin(conn)  # the node answered: the stream is in step
+                raise
+            except OSError as exc:
+                conn.close()
+                self._invalidate()  # the node may have restarted: negotiate afresh
+                if attempt == 2:
+                    raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from exc
+                continue
+            except BaseException:
+                conn.close()  # the stream's state is unknown
+                raise
+            self._checkin(conn)
+            return result
+        raise AssertionError("unreachable")
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            self._resolved = False
+            idle, self._idle = self._idle, []
+            # The old session's mapping is left to the garbage collector: another
+            # thread may still be copying from it.
+            self._session = None
+        for conn in idle:
+            conn.close()
+
+    def _checkout(self) -> ChannelConnection:
+        with self._lock:
+            if self._closed:
+                raise Unavailable("client is closed")
+            if self._idle:
+                return self._idle.pop()
+            session, mode = self._session, self._mode
+        if session is None or mode is None:
+            raise Unavailable(f"{self.addr}: transfer channel was reset; retry")
+        with self._errors():
+            return ChannelConnection(session, mode, timeout=self.timeout,
+                                     io_timeout=self._io_timeout)
+
+    def _checkin(self, conn: ChannelConnection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    @property
+    def maps_node_memory(self) -> bool:
+        """True once this client moves values through the node's shared memory: its
+        copies then hold the GIL, so calls to several such nodes gain nothing from
+        threads (the cluster client runs them one after another). Never connects."""
+        with self._lock:
+            return self._resolved and self._mode is Mode.SHM
+
+    def _uses_channel(self) -> bool:
+        self._resolve()
+        return self._mode is not None
+
+    # ---- API -----------------------------------------------------------------------------
+
+    def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
+                  parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                  retain_s: float | None = None) -> list[bool]:
+        """Stores each value under its key; per key as ``put``."""
+        ks, views, ps = check_put_batch(keys, values, parents)
+        keep = retain_seconds(retain_s)
+        if self._uses_channel():
+            out: list[bool] = []
+            for lo in range(0, len(ks), MAX_BATCH):
+                hi = lo + MAX_BATCH
+                out += self._channel_call(lambda c, lo=lo, hi=hi: c.put(ks[lo:hi], views[lo:hi],
+                                                                        ps[lo:hi], pin, keep))
+            return out
+        stored: list[bool] = []
+        for lo, hi in _chunks([len(v) for v in views], _GRPC_BATCH_BYTES):
+            items = [pb.PutRequest(key=k, value=bytes(v), parent=p or b"", pin=pin,
+                                   retain_s=keep)
+                     for k, v, p in zip(ks[lo:hi], views[lo:hi], ps[lo:hi], strict=True)]
+            stored.extend(self._grpc("BatchPut", pb.BatchPutRequest(items=items)).stored)
+        return stored
+
+    def put_batch_replicated(self, keys: Sequence[bytes], values: Sequence[object], *,
+                             parents: Sequence[bytes | None] | None = None, pin: bool = False,
+                             copies: int, write_quorum: int, retain_s: float | None = None
+                             ) -> tuple[list[bool], int, list[str]]:
+        """For the cluster client: a put this node, the keys' master, forwards to
+        ``copies - 1`` other owners of its own choosing before it answers (one trip from
+        here). Returns (stored flags, copies holding every key, failed forwards).
+        FailedPrecondition: the node is not an etcd cluster member, or no transfer channel."""
+        ks, views, ps = check_put_batch(keys, values, parents)
+        keep = retain_seconds(retain_s)
+        if not self._uses_channel():
+            raise FailedPrecondition(f"{self.addr}: a replicated put needs the transfer channel")
+        stored: list[bool] = []
+        made, failed = copies, []
+        for lo in range(0, len(ks), MAX_BATCH):
+            hi = lo + MAX_BATCH
+            flags, n, text = self._channel_call(
+                lambda c, lo=lo, hi=hi: c.put_replicated(ks[lo:hi], views[lo:hi], ps[lo:hi],
+                                                         pin, copies, write_quorum, keep))
+            stored += flags
+            made = min(made, n)
+            if text:
+                failed.append(text)
+        return stored, made, failed
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        ks = [check_key(k) for k in keys]
+        if self._uses_channel():
+            return self._batched(ks, lambda c, part, lo: c.get(part, None))
+        def batch_get(part: list[BlockKey], lo: int) -> list[bytes | None]:
+            reply = self._grpc("BatchGet", pb.BatchGetRequest(keys=part))
+            return [i.value if i.found else None for i in reply.items]
+
+        out: list[bytes | None] = []
+        for lo in range(0, len(ks), MAX_BATCH):
+            out += _split_on_bound(batch_get, ks[lo : lo + MAX_BATCH], lo)
+        return out
+
+    def _batched(self, ks: list[BlockKey], fn: Any) -> list[Any]:
+        """``fn(conn, part, offset)`` over slices of at most MAX_BATCH keys, results joined."""
+        out: list[Any] = []
+        for lo in range(0, len(ks), MAX_BATCH):
+            out += _split_on_bound(
+                lambda part, lo: self._channel_call(lambda c: fn(c, part, lo)),
+                ks[lo : lo + MAX_BATCH], lo)
+        return out
+
+    def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
+        """Writes each value into its buffer; per key its length, or None on a miss."""
+        ks = [check_key(k) for k in keys]
+        if len(bufs) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(bufs)} buffers")
+        outs = [as_writable(b) for b in bufs]
+        if self._uses_channel():
+            return self._batched(ks, lambda c, part, lo: c.get(part, outs[lo : lo + len(part)]))
+        results: list[int | None] = []
+        for key, value, out in zip(ks, self.get_batch(ks), outs, strict=True):
+            if value is None:
+                results.append(None)
+                continue
+            if len(out) < len(value):
+                raise InvalidArgument(f"buffer of {len(out)} bytes for a {len(value)}-byte "
+                                      f"value of {key.hex()}")
+            out[: len(value)] = value
+            results.append(len(value))
+        return results
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = [check_key(k) for k in keys]
+        if self._uses_channel():
+            return self._batched(ks, lambda c, part, lo: c.exists(part))
+        out: list[bool] = []
+        for lo in range(0, len(ks), MAX_BATCH):
+            out += self._grpc("Exists", pb.ExistsRequest(keys=ks[lo : lo + MAX_BATCH])).exists
+        return out
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of ``keys`` are stored."""
+        ks = [check_key(k) for k in keys]
+        matched = 0
+        for lo in range(0, max(len(ks), 1), MAX_BATCH):
+            part = ks[lo : lo + MAX_BATCH]
+            if self._uses_channel():
+                n = self._channel_call(lambda c, part=part: c.prefix_match(part))
+            else:
+                n = self._grpc("PrefixMatch", pb.PrefixMatchRequest(keys=part)).matched
+            matched += n
+            if n < len(part):
+                break
+        return matched
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier holding each key (``"hbm"``, ``"dram"``, ``"ssd"``), None if absent."""
+        ks = [check_key(k) for k in keys]
+        out: list[str | None] = []
+        for lo in range(0, len(ks), MAX_BATCH):
+            reply = self._grpc("Locate", pb.LocateRequest(keys=ks[lo : lo + MAX_BATCH]))
+            out += [t or None for t in reply.tiers]
+        return out
+
+    def remove(self, key: bytes) -> bool:
+        """Removes ``key``: True if it was stored."""
+        k = check_key(key)
+        if self._uses_channel():
+            return self._channel_call(lambda c: c.remove([k]))[0]
+        return self._grpc("Remove", pb.RemoveRequest(key=k)).removed
+
+    def stats(self) -> dict:
+        """``{"node": {...}, "tiers": {name: {capacity, used, blocks, hits, misses, evictions,
+        ...}}}``."""
+        reply = self._grpc("Stats", pb.StatsRequest())
+        return {
+            "node": {k: json.loads(v) for k, v in reply.node.items()},
+            "tiers": {t.name: {"name": t.name, **dict(t.counters)} for t in reply.tiers},
+        }
+
+
+def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
+                    parents: Sequence[bytes | None] | None
+                    ) -> tuple[list[BlockKey], list[memoryview], list[BlockKey | None]]:
+    """The checked keys, readable views of the values, and checked parents of a batch put."""
+    ks = [check_key(k) for k in keys]
+    if len(values) != len(ks):
+        raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
+    ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
+    if len(ps) != len(ks):
+        raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
+    return ks, [as_readable(v) for v in values], ps
+
+
+def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
+    """``fn(part, lo)``; a read the node refuses as past its reply bound (``REPLY_BOUND``)
+    is asked for again in halves, down to one key (a single block always fits)."""
+    try:
+        return fn(part, lo)
+    except ResourceExhausted as exc:
+        if REPLY_BOUND not in str(exc) or len(part) < 2:
+            raise
+    mid = len(part) // 2
+    return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
+
+
+def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:
+    """Index ranges of at most MAX_BATCH items and about ``max_bytes`` each (at least one item)."""
+    lo, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > lo and (total + n > max_bytes or i - lo >= MAX_BATCH):
+            yield lo, i
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes) or not sizes:
+        yield lo, len(sizes)
+
+
+
+def _request_id_note(exc: grpc.RpcError) -> str:
+    """`` (request id ID)`` if the node sent the call's id back, for grepping its log."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == REQUEST_ID_HEADER:
+            return f" (request id {value})"
+    return ""
+
+
+__all__ = ["TRANSPORTS", "NodeClient", "SingleKeyCalls", "check_put_batch"]

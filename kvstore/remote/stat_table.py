@@ -1,0 +1,39 @@
+"""The per-tier table of ``kvstore stat`` (and of the demo): one row per tier, sizes
+readable, then the node's counters. Apart from the CLI so the demos share it."""
+
+from __future__ import annotations
+
+from kvstore.core.sizes import format_size
+
+STAT_COLUMNS = ("capacity", "used", "blocks", "hits", "misses", "evictions", "demotions",
+                "promotions", "checksum_failures")
+
+
+def format_stat_table(stats: dict) -> str:
+    extra = sorted({k for t in stats["tiers"].values() for k in t}
+                   - set(STAT_COLUMNS) - {"name"})
+    cols = ["tier", *STAT_COLUMNS, *extra]
+    rows = []
+    for name, t in stats["tiers"].items():
+        row = [name]
+        for col in cols[1:]:
+            v = t.get(col)  # a tenant's view has fewer columns (kvstore.auth.tenancy)
+            row.append("" if v is None else format_size(v) if col in ("capacity", "used")
+                       else str(v))
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    node = ", ".join(f"{k}={v}" for k, v in sorted(stats["node"].items()))
+    return "\n".join([*lines, *_retained_line(stats["node"]), f"node: {node}"])
+
+
+def _retained_line(node: dict) -> list[str]:
+    """``retained: N blocks, SIZE of CAP`` when the node reports retention."""
+    if "retained_blocks" not in node:
+        return []
+    cap = node.get("retained_cap_bytes")
+    of = f" of {format_size(int(cap))} allowed" if cap is not None else ""
+    return [f"retained: {node['retained_blocks']} blocks, "
+            f"{format_size(int(node['retained_bytes']))}{of}, "
+            f"{node.get('retention_denied', 0)} refused"]

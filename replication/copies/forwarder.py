@@ -1,0 +1,112 @@
+"""The master's side of a one-trip replicated put: forward what a writer just sent.
+
+The channel server (``kvstore/node/channel_replicated.py``) hands ``forward`` the
+blocks it received, as frozen ``BlockCopy`` values. The targets come from this
+node's own membership and placement, never from the writer: each block's
+candidates are its owners for ``copies`` copies, then every other live node in
+ranking order, this node left out. Blocks with equal candidate orders travel
+together; each group goes to its first ``copies - 1`` candidates in parallel
+over node-to-node transfer channels (``PeerPool`` clients, which present the
+node's peer token), and a failed target is replaced by the next candidate
+(``replication/copies/quorum.py``). ``forward`` returns once every push it started has
+settled: the values are borrowed from the put's slots, which commit after.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore.core.forwarding import BlockCopy, ForwardOutcome
+from kvstore.core.keys import BlockKey
+from replication.copies import quorum
+from replication.copies.peers import PeerPool
+from replication.copies.replicator import send_copies
+from replication.membership import Membership
+from replication.placement.rendezvous import Member, NodeId, Placement
+
+_CACHE_KEYS = 1 << 16
+
+
+class Forwarder:
+    """Implements ``kvstore.core.forwarding.Forwarding``; thread-safe. Inert until ``attach``.
+
+    Owns ``peers`` (``close`` closes it)."""
+
+    def __init__(self, peers: PeerPool, *, max_workers: int = 32) -> None:
+        self.peers = peers
+        self._pool = ThreadPoolExecutor(max_workers=max_workers,
+                                        thread_name_prefix="kvstore-forward")
+        self._lock = threading.Lock()
+        # guarded by _lock:
+        self._self_id: NodeId | None = None
+        self._placement: Placement | None = None
+        self._addrs: dict[NodeId, str] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+        # Each block's targets under the current view (keys repeat: re-puts, fan-out).
+        self._cache: dict[tuple[BlockKey, int], tuple[str, ...]] = {}
+
+    def attach(self, membership: Membership, self_id: str) -> None:
+        """Forward by ``membership``'s live view from now on, as node ``self_id``."""
+        with self._lock:
+            self._self_id = NodeId(self_id)
+        self._on_members(membership.members())
+        unsubscribe = membership.subscribe(self._on_members)
+        with self._lock:
+            self._unsubscribe = unsubscribe
+
+    def detach(self) -> None:
+        with self._lock:
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
+            self._placement, self._addrs = None, {}
+        if unsubscribe is not None:
+            unsubscribe()
+
+    def _on_members(self, view: Sequence[Member]) -> None:
+        members = tuple(view)
+        placement = Placement(members)
+        with self._lock:
+            self._placement = placement
+            self._addrs = {m.node_id: m.addr for m in members}
+            self._cache = {}  # a new dict: forwards in flight keep the old view's
+
+    @property
+    def available(self) -> bool:
+        with self._lock:
+            return self._placement is not None and bool(self._addrs)
+
+    def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int
+                ) -> ForwardOutcome:
+        with self._lock:
+            placement, addrs, me, cache = (self._placement, self._addrs, self._self_id,
+                                           self._cache)
+        if placement is None or copies == 1 or not blocks:
+            return ForwardOutcome(copies=1)
+        groups: dict[tuple[str, ...], list[BlockCopy]] = {}
+        r = min(copies, len(addrs))
+        for b in blocks:
+            cands = cache.get((b.place, r))
+            if cands is None:
+                owners, rest = placement.candidates(b.place, r)
+                cands = tuple(addrs[n] for n in owners + rest if n != me)
+                if len(cache) >= _CACHE_KEYS:
+                    cache.clear()  # bounded; recomputing is cheap, only not free
+                cache[(b.place, r)] = cands
+            groups.setdefault(cands, []).append(b)
+        out = quorum.run(
+            self._pool,
+            [(cands, lambda addr, bs=bs: self._push(addr, bs)) for cands, bs in groups.items()],
+            copies=copies, write_quorum=write_quorum, wait_all=True)
+        return ForwardOutcome(copies=out.copies, stored_on=tuple(out.stored_on),
+                              failed=tuple(out.failed))
+
+    def _push(self, addr: str, blocks: list[BlockCopy]) -> None:
+        send_copies(self.peers.get(addr), blocks)
+
+    def close(self) -> None:
+        self.detach()
+        self.peers.close()
+        # Queued pushes still run (each ends within the peer timeout): a handler waits
+        # for every push it started.
+        self._pool.shutdown(wait=False)

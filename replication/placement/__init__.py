@@ -1,0 +1,1 @@
+"""Where blocks go: weighted rendezvous placement and hot-block read counters."""

@@ -1,0 +1,99 @@
+"""``conductor.front.vllm_front``: the routing decisions, without instances (the engine tests run
+the whole flow against real vLLM servers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conductor.front.store_view import StoreView
+from conductor.front.vllm_front import FrontConfig, VllmConductor, VllmFront
+from conductor.front.vllm_instances import Calibration, InstanceLoad
+from conductor.scheduling.state import LocalPrefixCache, PrefillInstance
+from conductor.scheduling.types import InstanceId, Request, RequestId, Slo
+from kvstore import block_keys
+
+BT = 32
+A, B = "http://a:1", "http://b:2"
+
+
+def front(*colocated: str) -> VllmFront:
+    cfg = FrontConfig(namespace="ns", block_tokens=BT, slo=Slo(ttft_s=5, tbt_s=1))
+    return VllmFront(config=cfg, store=StoreView(None), colocated=colocated)
+
+
+def keys(n_tokens: int, seed: int = 0) -> list[bytes]:
+    return block_keys([(seed + i) % 500 for i in range(n_tokens)], BT, "ns")
+
+
+def calibrated(s_per_token: float) -> Calibration:
+    c = Calibration()
+    c.observe_prefill(computed_tokens=1000, seconds=1000 * s_per_token)
+    return c
+
+
+def test_colocated_prefers_the_instance_holding_the_prefix() -> None:
+    f = front(A, B)
+    ks = keys(320)  # 10 blocks
+    f._local[InstanceId(B)].use(ks[:8])
+    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    assert iid == B
+    # B computes 330 - 256 tokens at the default 1 ms/token
+    assert est == pytest.approx(0.074)
+
+
+def test_the_store_prefix_counts_for_every_instance_and_ties_go_first() -> None:
+    f = front(A, B)
+    ks = keys(320)
+    f._local[InstanceId(B)].use(ks[:4])
+    est, iid = f.choose_colocated(ks, stored=8, prompt_tokens=330)
+    assert (iid, est) == (A, pytest.approx(0.074))
+
+
+def test_queue_and_calibrated_speed_outweigh_a_cached_prefix() -> None:
+    f = front(A, B)
+    ks = keys(320)
+    f._local[InstanceId(B)].use(ks)
+    inst_b = f.colocated[InstanceId(B)]
+    inst_b.load = InstanceLoad(running=4, waiting=3, kv_usage=0.5, external_hits=0)
+    f._prompt_tokens_seen, f._requests_seen = 1000, 1  # mean prompt 1000 tokens
+    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    # B: 3 waiting x 1000 tokens x 1 ms + 10 tokens = 3.01 s; A: 330 tokens = 0.33 s
+    assert (iid, est) == (A, pytest.approx(0.33))
+    f.colocated[InstanceId(A)].calibration = calibrated(0.02)  # A is 20x slower
+    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    assert (iid, est) == (B, pytest.approx(3.01))
+
+
+def test_the_disaggregated_scheduler_uses_each_instances_own_speed() -> None:
+    from conductor.scheduling.state import DecodeInstance
+
+    fast, slow = InstanceId("p-fast"), InstanceId("p-slow")
+    c = VllmConductor(
+        costs={fast: calibrated(0.001).cost(), slow: calibrated(0.01).cost()},
+        prefill=[PrefillInstance(id=i, cache=LocalPrefixCache(64)) for i in (slow, fast)],
+        decode=[DecodeInstance(id=InstanceId("d"), kv_capacity_tokens=1 << 20)],
+        cost=Calibration().cost(), policy="global-cache-aware", rejection="none",
+        slo=Slo(ttft_s=10, tbt_s=1))
+    ks = tuple(keys(640))
+    d = c.schedule(Request(id=RequestId(1), arrival_s=0, prompt_tokens=650, output_tokens=4,
+                           block_keys=ks, block_tokens=BT), 0.0)
+    assert d.prefill == fast
+    assert d.est_ttft_s == pytest.approx(0.65)
+
+
+def test_mode_arguments_are_checked() -> None:
+    cfg = FrontConfig(namespace="ns", block_tokens=BT, slo=Slo())
+    with pytest.raises(ValueError, match="cannot be combined"):
+        VllmFront(config=cfg, store=StoreView(None), colocated=[A], prefill=[B])
+    with pytest.raises(ValueError, match="need --vllm-prefill and --vllm-decode"):
+        VllmFront(config=cfg, store=StoreView(None), prefill=[A])
+
+
+def test_an_empty_prompt_is_a_400_before_any_instance_is_asked() -> None:
+    f = front(A)
+    reply = asyncio.run(f.complete({"prompt": [], "max_tokens": 3}, route="completions"))
+    assert reply.status == 400
+    assert "non-empty list of token ids" in reply.body["error"]["message"]
+    asyncio.run(f.close())

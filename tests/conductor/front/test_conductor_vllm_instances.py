@@ -1,0 +1,56 @@
+"""``conductor.front.vllm_instances``: reading vLLM's /metrics and calibrating from observations."""
+
+from __future__ import annotations
+
+import pytest
+
+from conductor.front.vllm_instances import (
+    DEFAULT_DECODE_STEP_S,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    Calibration,
+    metric_sum,
+    parse_metrics,
+)
+
+TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="/m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="/m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="/m"} 0.25
+vllm:external_prefix_cache_hits_total{engine="0",model_name="/m"} 192.0
+vllm:cache_config_info{block_size="32",engine="0",name="a \\"q\\" b",num_gpu_blocks="2048"} 1.0
+not a metric line
+"""
+
+
+def test_parse_metrics_reads_labels_and_sums_label_sets() -> None:
+    m = parse_metrics(TEXT)
+    assert metric_sum(m, "vllm:num_requests_running") == 3.0
+    assert metric_sum(m, "vllm:num_requests_waiting") == 3.0
+    assert metric_sum(m, "vllm:kv_cache_usage_perc") == 0.25
+    assert metric_sum(m, "vllm:absent") == 0
+    [(labels, value)] = m["vllm:cache_config_info"]
+    assert labels["block_size"] == "32" and labels["num_gpu_blocks"] == "2048"
+    assert labels["name"] == 'a \\"q\\" b'
+    assert value == 1.0
+
+
+def test_calibration_starts_from_defaults_and_follows_observations() -> None:
+    cal = Calibration()
+    cost = cal.cost()
+    assert cost.prefill_s(1000, 0) == pytest.approx(1000 * DEFAULT_PREFILL_S_PER_TOKEN)
+    assert cost.decode_step_s(1, 100) == DEFAULT_DECODE_STEP_S
+    cal.observe_prefill(computed_tokens=4, seconds=0.02)  # tiny: the fixed overhead
+    assert cal.prefill_fixed_s.value == 0.02
+    cal.observe_prefill(computed_tokens=200, seconds=0.22)  # (0.22 - 0.02) / 200
+    assert cal.prefill_s_per_token.value == pytest.approx(0.001)
+    cal.observe_prefill(computed_tokens=200, seconds=0.42)  # 0.002/token, EMA alpha 0.3
+    assert cal.prefill_s_per_token.value == pytest.approx(0.7 * 0.001 + 0.3 * 0.002)
+    cal.observe_decode(tokens=10, seconds=0.2)
+    assert cal.cost().decode_step_s(4, 1000) == pytest.approx(0.02)
+    cal.observe_decode(tokens=0, seconds=1.0)  # nothing to learn
+    cal.observe_prefill(computed_tokens=100, seconds=float("nan"))
+    assert cal.decode_step_s.samples == 1
+    assert cal.prefill_s_per_token.samples == 2
+    assert cal.cost().prefill_s(100, 0) == pytest.approx(0.02 + 100 * (0.7e-3 + 0.6e-3))

@@ -1,0 +1,137 @@
+"""Sized to fit: a node refuses tiers larger than its cgroup's limit or available memory."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port
+
+from kvstore.core.errors import ResourceExhausted
+from kvstore.node.semantics import fit
+
+GiB = 1 << 30
+
+
+def _serve(*args: str, cgroup: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def enter() -> None:
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text("0")  # this process, before exec
+
+    return subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen",
+                           f"127.0.0.1:{free_port()}", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, preexec_fn=enter)
+
+
+def _own_memory_cgroup() -> tuple[Path, bool] | None:
+    """The directory of this process's memory cgroup and whether it is v2."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if v2 or "memory" in controllers.split(","):
+            dirs = fit._cgroup_dirs(mounts, path, v2)
+            if dirs and (not v2 or (dirs[0] / "memory.max").exists()
+                         or (dirs[0] / "cgroup.controllers").exists()):
+                return dirs[0], v2
+    return None
+
+
+@pytest.fixture
+def limited_cgroup() -> Iterator[Path]:
+    """A child of this process's memory cgroup limited to 2 GiB (skips where none can be
+    made: no memory controller, or no permission to create cgroups here)."""
+    own = _own_memory_cgroup()
+    if own is None:
+        pytest.skip("no memory cgroup controller is mounted here")
+    parent, v2 = own
+    child = parent / f"kvstore-fit-{secrets.token_hex(4)}"
+    try:
+        child.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup under {parent}: {exc.strerror}")
+    try:
+        try:
+            (child / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(2 * GiB))
+        except OSError as exc:
+            pytest.skip(f"cannot set a memory limit on {child}: {exc.strerror} (v2 needs the "
+                        f"memory controller enabled in the parent's cgroup.subtree_control)")
+        try:  # a process must be able to join it (v2: no processes in inner cgroups)
+            subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60,
+                           preexec_fn=lambda: (child / "cgroup.procs").write_text("0"))
+        except (OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"cannot move a process into {child}: {exc}")
+        yield child
+    finally:
+        child.rmdir()
+
+
+def test_a_node_bigger_than_its_cgroup_refuses_to_start_naming_both(
+        limited_cgroup: Path) -> None:
+    out = _serve("--dram-bytes", "4GiB", cgroup=limited_cgroup)
+    assert out.returncode == 1, out.stderr
+    assert "need 4.0 GiB (4294967296 bytes)" in out.stderr
+    assert "may use 2.0 GiB (2147483648 bytes), the memory limit of cgroup" in out.stderr
+    assert limited_cgroup.name in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_node_that_fits_its_cgroup_starts(limited_cgroup: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--listen",
+                             f"127.0.0.1:{free_port()}", "--dram-bytes", "64MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, preexec_fn=lambda: (limited_cgroup / "cgroup.procs")
+                            .write_text("0"))
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.startswith("kvstore: serving on") for line in lines)
+        assert str(proc.pid) in (limited_cgroup / "cgroup.procs").read_text().split()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_tiers_past_the_allowance_are_refused_even_without_prefaulting() -> None:
+    allowed = fit.allowance()  # the cgroup's limit or MemAvailable, whichever is smaller
+    assert allowed is not None and allowed.nbytes < 1 << 40
+    out = _serve("--dram-bytes", "1TiB", "--no-prefault")
+    assert out.returncode == 1
+    assert "need 1.0 TiB (1099511627776 bytes)" in out.stderr
+    assert allowed.source in out.stderr and "Traceback" not in out.stderr
+
+
+def test_limits_are_read_from_v1_and_v2_files(tmp_path: Path) -> None:
+    # A fake /proc and cgroup tree: the smallest limit on the way up wins.
+    (tmp_path / "cg" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "cg" / "memory.max").write_text("max\n")
+    (tmp_path / "cg" / "a" / "memory.max").write_text(f"{3 * GiB}\n")
+    (tmp_path / "cg" / "a" / "b" / "memory.max").write_text(f"{5 * GiB}\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/a/b\n")
+    (proc / "mountinfo").write_text(
+        f"30 1 0:26 / {tmp_path / 'cg'} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
+    assert fit.cgroup_memory_limit(str(proc)) == (3 * GiB, "/a/b")
+    v1 = tmp_path / "v1"
+    (v1 / "k8s" / "pod").mkdir(parents=True)
+    (v1 / "k8s" / "pod" / "memory.limit_in_bytes").write_text(f"{GiB}\n")
+    (v1 / "k8s" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (proc / "cgroup").write_text("4:memory:/k8s/pod\n1:cpu:/k8s/pod\n")
+    (proc / "mountinfo").write_text(
+        f"40 1 0:30 / {v1} rw - cgroup cgroup rw,memory\n"
+        f"41 1 0:31 / /nonexistent rw - cgroup cgroup rw,cpu\n")
+    assert fit.cgroup_memory_limit(str(proc)) == (GiB, "/k8s/pod")
+    (proc / "cgroup").write_text("4:memory:/\n")
+    assert fit.cgroup_memory_limit(str(proc)) is None
+
+
+def test_check_fits_counts_an_hbm_tier_on_the_cpu() -> None:
+    allowed = fit.allowance()
+    assert allowed is not None
+    fit.check_fits(allowed.nbytes // 4, 1 << 50, "cuda:0")  # on a device: not host memory
+    with pytest.raises(ResourceExhausted, match="DRAM and HBM on the CPU"):
+        fit.check_fits(allowed.nbytes // 4, allowed.nbytes, "cpu")

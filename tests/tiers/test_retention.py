@@ -1,0 +1,262 @@
+"""Retention (tiers.retention): eligibility, demotion, caps, owners, expiry on a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstore.core.keys import BlockKey
+from tiers.manager import TierManager, Watermarks
+from tiers.metadata import MetadataTier
+from tiers.policy import make_policy
+from tiers.retention import MAX_RETAIN_S, RetainAsk, RetentionBook, check_retain_s
+
+B = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def k(name: str) -> BlockKey:
+    return BlockKey(name.encode().ljust(16, b"."))
+
+
+def name(key: BlockKey) -> str:
+    return key.rstrip(b".").decode()
+
+
+def one_level(clock: Clock, blocks: int = 4, policy: str = "lru",
+              max_bytes: int | None = None) -> TierManager:
+    tier = MetadataTier(blocks * B, alignment=B)
+    return TierManager(tier, make_policy(policy), landing=0,
+                       watermarks=Watermarks(high=1.0, low=1.0),
+                       retention=RetentionBook(clock=clock, max_bytes=max_bytes))
+
+
+def two_levels(clock: Clock, top: int = 4, below: int = 4) -> TierManager:
+    upper = MetadataTier(top * B, alignment=B)
+    upper.name = "dram"
+    lower = MetadataTier(below * B, alignment=B)
+    lower.name = "ssd"
+    return TierManager([upper, lower], make_policy("lru"), durable=[False, True],
+                       watermarks=Watermarks(high=1.0, low=0.5),
+                       retention=RetentionBook(clock=clock))
+
+
+def put(m: TierManager, key: str, retain_s: float = 0.0, owner: str | None = None,
+        owner_cap: int | None = None) -> list[str]:
+    ask = RetainAsk(seconds=retain_s, owner=owner, owner_cap=owner_cap) if retain_s else None
+    r = m.reserve(k(key), B, retain=ask)
+    if r is not None:
+        m.commit(r)
+    return [name(x) for x in m.drain_evicted()]
+
+
+def touch(m: TierManager, key: str) -> None:
+    e = m.acquire_read(k(key))
+    assert e is not None
+    m.release_read(e)
+
+
+def test_a_retained_block_survives_pressure_until_the_clock_passes() -> None:
+    clock = Clock()
+    m = one_level(clock)
+    put(m, "a", retain_s=10)
+    for n in "bcd":
+        put(m, n)
+    # LRU would take "a" first; it is retained, so the others go in policy order.
+    assert put(m, "e") == ["b"]
+    assert put(m, "f") == ["c"]
+    clock.now += 9.999
+    assert put(m, "g") == ["d"]
+    clock.now += 0.001  # exactly S seconds after the put: ordinary again
+    assert put(m, "h") == ["a"]
+    assert m.retention.stats()["retained_blocks"] == 0
+
+
+def test_a_read_restarts_the_retention() -> None:
+    clock = Clock()
+    m = one_level(clock)
+    put(m, "a", retain_s=10)
+    for n in "bcd":
+        put(m, n)
+    clock.now += 8
+    touch(m, "a")  # kept until 1018 now
+    clock.now += 9  # 1017
+    assert put(m, "e") == ["b"]
+    clock.now += 1  # 1018
+    assert put(m, "f") == ["c"]  # "a" was read after "c": LRU order again
+    assert put(m, "g") == ["d"]
+    assert put(m, "h") == ["a"]
+
+
+def test_a_later_put_refreshes_and_never_shortens() -> None:
+    clock = Clock()
+    m = one_level(clock)
+    put(m, "a", retain_s=100)
+    clock.now += 50
+    assert m.reserve(k("a"), B, retain=RetainAsk(seconds=10)) is None  # stored: no-op put
+    assert m.retention.held[k("a")].until == 1100.0  # not shortened to 1060
+    clock.now += 60  # 1110: past 1100
+    assert not m.retention.retains(k("a"))
+    put(m, "b", retain_s=5)
+    assert m.reserve(k("b"), B, retain=RetainAsk(seconds=20)) is None
+    assert m.retention.held[k("b")].until == 1130.0
+
+
+def test_when_every_block_is_retained_a_put_is_out_of_space() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=2)
+    put(m, "a", retain_s=1)
+    put(m, "b", retain_s=1)
+    from tiers.errors import OutOfSpace
+
+    with pytest.raises(OutOfSpace, match="retained"):
+        m.reserve(k("c"), B)
+    assert len(m) == 2
+    clock.now += 1
+    assert put(m, "c") == ["a"]
+
+
+def test_retained_blocks_are_demoted_but_not_dropped_from_the_last_tier() -> None:
+    clock = Clock()
+    m = two_levels(clock, top=2, below=2)
+    put(m, "a", retain_s=30)
+    put(m, "b")
+    moves = m.plan_moves(0, 2 * B)
+    assert [name(mv.entry.key) for mv in moves] == ["a", "b"]  # demotion in LRU order
+    for mv in moves:
+        mv.copied, mv.dst_location = True, ("loc", name(mv.entry.key))
+    m.finish_moves(moves)
+    assert [m.entry(k(n)).level for n in "ab"] == [1, 1]
+    drops = m.plan_moves(1, 2 * B)
+    assert [name(mv.entry.key) for mv in drops] == ["b"]  # "a" is retained: it stays
+    m.finish_moves(drops)
+    assert m.drain_evicted() == [k("b")]
+    clock.now += 30
+    drops = m.plan_moves(1, B)
+    assert [name(mv.entry.key) for mv in drops] == ["a"]
+    m.finish_moves(drops)
+    assert len(m) == 0
+
+
+def test_a_drop_planned_before_a_retaining_put_does_not_happen() -> None:
+    clock = Clock()
+    m = two_levels(clock, top=1, below=1)
+    put(m, "a")
+    m.finish_moves([setattr(mv, "copied", True) or setattr(mv, "dst_location", 1) or mv
+                    for mv in m.plan_moves(0, B)])
+    drops = m.plan_moves(1, B)
+    assert [name(mv.entry.key) for mv in drops] == ["a"]
+    assert m.reserve(k("a"), B, retain=RetainAsk(seconds=5)) is None
+    m.finish_moves(drops)
+    assert k("a") in m and m.drain_evicted() == []
+
+
+def test_node_cap_stores_without_retention_and_counts_the_refusal() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=4, max_bytes=2 * B)
+    put(m, "a", retain_s=10)
+    put(m, "b", retain_s=10)
+    put(m, "c", retain_s=10)  # over the cap: stored, not retained
+    assert k("c") in m
+    assert m.retention.stats() == {"retained_blocks": 2, "retained_bytes": 2 * B,
+                                   "retention_denied": 1, "retained_cap_bytes": 2 * B}
+    put(m, "a", retain_s=10)  # a refresh of a retained block is not new bytes
+    assert m.retention.denied == 1
+    m.remove(k("a"))
+    put(m, "d", retain_s=10)  # the removed block's bytes came back
+    assert m.retention.retains(k("d"))
+
+
+def test_owner_cap_and_per_owner_bytes() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=8)
+    put(m, "a", retain_s=10, owner="t1", owner_cap=2 * B)
+    put(m, "b", retain_s=10, owner="t1", owner_cap=2 * B)
+    put(m, "c", retain_s=10, owner="t1", owner_cap=2 * B)  # t1's cap
+    put(m, "d", retain_s=10, owner="t2", owner_cap=2 * B)  # another owner is not affected
+    st = m.retention.stats()
+    assert st["namespace_retained_bytes"] == {"t1": 2 * B, "t2": B}
+    assert (st["retained_blocks"], st["retention_denied"]) == (3, 1)
+    clock.now += 10
+    assert m.retention.stats() == {"retained_blocks": 0, "retained_bytes": 0,
+                                   "retention_denied": 1}
+
+
+def test_expiry_requeues_refreshed_items_without_growing_the_heap() -> None:
+    clock = Clock()
+    book = RetentionBook(clock=clock)
+    assert book.grant(k("a"), B, RetainAsk(seconds=5))
+    for _ in range(100):
+        clock.now += 1
+        book.touch(k("a"))
+    assert len(book._heap) == 1
+    assert book.expire() == 0 and book.retains(k("a"))
+    clock.now += 5
+    assert book.expire() == 1 and not book.held
+    assert book.grant(k("a"), B, RetainAsk(seconds=0)) is False  # 0 asks for nothing
+
+
+@pytest.mark.parametrize("bad", [-1, math.inf, math.nan, MAX_RETAIN_S + 1, "5", True])
+def test_check_retain_s_refuses_bad_values(bad: object) -> None:
+    with pytest.raises(ValueError, match="retain_s"):
+        check_retain_s(bad)  # type: ignore[arg-type]
+
+
+def test_check_retain_s_accepts() -> None:
+    assert check_retain_s(None) == 0.0
+    assert check_retain_s(0) == 0.0
+    assert check_retain_s(600) == 600.0
+    assert check_retain_s(MAX_RETAIN_S) == MAX_RETAIN_S
+
+
+class CountingBook(RetentionBook):
+    __slots__ = ("asked",)
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock=clock)
+        self.asked = 0
+
+    def retains(self, key: BlockKey) -> bool:
+        self.asked += 1
+        return super().retains(key)
+
+
+def test_retained_blocks_leave_the_queue_so_evictions_do_not_rescan_them() -> None:
+    clock = Clock()
+    book = CountingBook(clock)
+    tier = MetadataTier(100 * B, alignment=B)
+    m = TierManager(tier, make_policy("lru"), landing=0, retention=book,
+                    watermarks=Watermarks(high=1.0, low=1.0))
+    for i in range(50):  # the 50 least recently used blocks are retained
+        put(m, f"r{i}", retain_s=100)
+    for i in range(50):
+        put(m, f"p{i}")
+    evicted = []
+    for i in range(50):
+        evicted += put(m, f"n{i}")
+    assert evicted == [f"p{i}" for i in range(50)]
+    assert book.asked == 50 + 50  # each retained block once, then each victim once
+    clock.now += 100  # expired: back in the queue at their old LRU priority
+    assert put(m, "late") == ["r0"]
+    assert put(m, "later") == ["r1"]
+
+
+def test_hard_pins_are_unchanged_by_retention() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=3)
+    r = m.reserve(k("p"), B, pin=True, retain=RetainAsk(seconds=5))
+    assert r is not None and m.commit(r)
+    put(m, "a")
+    put(m, "b")
+    clock.now += 5  # its retention ended: still pinned, never a victim
+    assert put(m, "c") == ["a"]
+    assert put(m, "d") == ["b"]
+    assert k("p") in m and m.entry(k("p")).pinned
