@@ -28,7 +28,8 @@ from kvstore.core.sizes import parse_size
 def _serve(port: int, region: int, ops: int, ready: Connection) -> None:
     """The child: a node's channel server; sends its HELLO token over ``ready`` once up."""
     from kvstore.auth.tenancy import OPEN
-    from kvstore.node.semantics import Node, NodeSettings, channel_server
+    from kvstore.node import channel_server
+    from kvstore.node.semantics import Node, NodeSettings
 
     class ProfiledServer(channel_server.ChannelServer):
         """Profiles each connection's thread (its HELLO, then every request it serves)."""

@@ -30,9 +30,9 @@ from kvstore.core.errors import (
     Unauthenticated,
 )
 from kvstore.core.keys import BlockKey
+from kvstore.node import channel_replicated as replicated
 from kvstore.node.client_holds import LeaseSet, ReservationSet
 from kvstore.node.semantics import MAX_BATCH, Node
-from kvstore.node.semantics import channel_replicated as replicated
 from kvstore.protocol import wire
 from kvstore.protocol.wire import HEADER, Mode, Op, ProtocolError
 

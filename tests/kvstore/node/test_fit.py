@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, free_port
 
 from kvstore.core.errors import ResourceExhausted
-from kvstore.node.semantics import fit
+from kvstore.node import fit
 
 GiB = 1 << 30
 

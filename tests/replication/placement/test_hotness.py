@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replication.placement import hotness
 from replication.placement.hotness import HotnessTracker
-from replication.placement.rendezvous import hotness
 
 LN2 = math.log(2.0)
 
