@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from replication.checks import positive_finite
+from kvstore.core.tunables import positive_finite
 
 # Float slack when comparing balances that went through different roundings: a
 # relative 1e-12 of the magnitudes involved (real rounding error is ~1e-16), so a

@@ -67,7 +67,7 @@ from itertools import chain
 
 import numpy as np
 
-from replication.checks import positive_finite
+from kvstore.core.tunables import positive_finite
 
 LN2 = math.log(2.0)
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by the cluster's tunables (rates, half-lives, weights)."""
+"""Argument checks shared by tunables across layers (the cluster's rates, half-lives, weights)."""
 
 from __future__ import annotations
 
