@@ -40,11 +40,10 @@ def test_every_broken_link_is_a_warning() -> None:
     """What --strict fails on: a missing page, a missing anchor, a link to a file outside
     the docs, an absolute link, a page left out of the navigation."""
     cfg = load_config(str(REPO / "mkdocs.yml"))
-    levels = {**cfg.validation.links, **cfg.validation.nav}
-    assert levels == {"not_found": logging.WARNING, "anchors": logging.WARNING,
-                      "absolute_links": logging.WARNING,
-                      "unrecognized_links": logging.WARNING,
-                      "omitted_files": logging.WARNING}
+    assert dict(cfg.validation.links) == dict.fromkeys(
+        ("not_found", "anchors", "absolute_links", "unrecognized_links"), logging.WARNING)
+    assert dict(cfg.validation.nav) == dict.fromkeys(
+        ("omitted_files", "not_found", "absolute_links"), logging.WARNING)
     assert cfg.strict
 
 
