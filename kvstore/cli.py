@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pin", action="store_true", help="never evict this block")
     s.add_argument("--retain", type=_retain, metavar="S",
                    help="keep the block in the cache S seconds after its last put or read "
-                        "(0 < S <= 604800; see README Retention)")
+                        "(0 < S <= 604800; see docs/node.md, Retention)")
 
     s = sub.add_parser("get", help="fetch a key's bytes")
     client_args(s)

@@ -3,7 +3,7 @@
 ``Client(addr)`` is a connection to one node (``kvstore.remote.node_client.NodeClient``);
 ``Client(etcd="HOST:PORT", replicas=2, write_quorum=2)`` (or ``members=[Member(...)]``)
 returns a ``replication.cluster_client.ClusterClient`` with the same API, cluster-wide.
-This module sits above both (README "How it works"), so neither imports it.
+This module sits above both (docs/architecture.md, "How it works"), so neither imports it.
 
 Transports, errors and the retry policy: ``kvstore.remote.node_client`` (the cluster client
 uses node clients, so they hold there too).

@@ -241,7 +241,7 @@ class ClusterClient(SingleKeyCalls):
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
                   parents: Sequence[bytes | None] | None = None, pin: bool = False,
                   retain_s: float | None = None) -> list[bool]:
-        """``retain_s``: every copy keeps the blocks (README "Retention")."""
+        """``retain_s``: every copy keeps the blocks (docs/node.md, "Retention")."""
         ks, views, ps = check_put_batch(keys, values, parents)
         keep = retain_seconds(retain_s)
         view = self._current()

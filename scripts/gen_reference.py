@@ -1,14 +1,16 @@
-"""Writes the configuration and metrics references into README.md (``make docs``).
+"""Writes the configuration and metrics references into the docs site (``make docs``).
 
 Why generated: a hand-written table drifts from the code. The configuration
 table is read from the ``kvstore serve`` argument parser and the ``NodeConfig``
 dataclass, the metrics table from the exporter's own declaration
 (``kvstore.node.metrics.METRICS``), and ``tests/test_reference_docs.py`` fails when
-README.md differs from what this script writes.
+a page differs from what this script writes.
 
 Each table replaces what lies between ``<!-- BEGIN GENERATED: NAME -->`` and
-``<!-- END GENERATED: NAME -->`` (NAME ``config`` or ``metrics``); nothing else
-in the file changes. ``--check`` writes nothing and exits 1 if README.md is stale.
+``<!-- END GENERATED: NAME -->`` in its page (``config`` in ``docs/configuration.md``,
+``metrics`` in ``docs/metrics.md``); nothing else in the pages changes, so their prose
+stays hand-written beside the tables. ``--check`` writes nothing and exits 1 if a page
+is stale.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvstore.cli import build_parser  # noqa: E402
 from kvstore.node.config import _SIZE_FIELDS, NodeConfig  # noqa: E402
 from kvstore.node.metrics import METRICS  # noqa: E402
 
-README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 BEGIN = "<!-- BEGIN GENERATED: {} -->"
 END = "<!-- END GENERATED: {} -->"
 
@@ -105,38 +107,58 @@ def metrics_table() -> str:
     return "\n".join(rows)
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"config": config_table, "metrics": metrics_table}
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Section:
+    page: str
+    """The page holding the section's markers, relative to the docs folder."""
+    make: Callable[[], str]
 
 
-def render(text: str) -> str:
-    """``text`` (README.md) with every generated section rewritten."""
-    for name, make in SECTIONS.items():
+SECTIONS: dict[str, Section] = {
+    "config": Section(page="configuration.md", make=config_table),
+    "metrics": Section(page="metrics.md", make=metrics_table),
+}
+
+
+def render(text: str, names: Sequence[str]) -> str:
+    """``text`` (a page) with the generated sections ``names`` rewritten."""
+    for name in names:
         begin, end = BEGIN.format(name), END.format(name)
         head, found, rest = text.partition(begin)
         _, found_end, tail = rest.partition(end)
         if not found or not found_end:
-            raise ValueError(f"README.md lacks the markers {begin} ... {end}")
-        text = f"{head}{begin}\n{make()}\n{end}{tail}"
+            raise ValueError(f"{SECTIONS[name].page} lacks the markers {begin} ... {end}")
+        text = f"{head}{begin}\n{SECTIONS[name].make()}\n{end}{tail}"
     return text
 
 
+def pages(docs: Path) -> dict[Path, list[str]]:
+    """Each page under ``docs`` that holds generated sections, and their names."""
+    found: dict[Path, list[str]] = {}
+    for name, section in SECTIONS.items():
+        found.setdefault(docs / section.page, []).append(name)
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Regenerate the reference tables in README.md.")
+    p = argparse.ArgumentParser(description="Regenerate the reference tables in docs/.")
     p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 if README.md is out of date")
-    p.add_argument("--readme", type=Path, default=README)
+                   help="write nothing; exit 1 if a page is out of date")
+    p.add_argument("--docs", type=Path, default=DOCS, help="the docs folder (default: docs/)")
     args = p.parse_args(argv)
-    current = args.readme.read_text()
-    wanted = render(current)
-    if args.check:
-        if wanted != current:
-            print(f"{args.readme} is out of date: run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    if wanted != current:
-        args.readme.write_text(wanted)
-        print(f"updated {args.readme}")
-    return 0
+    stale = 0
+    for path, names in pages(args.docs).items():
+        current = path.read_text()
+        wanted = render(current, names)
+        if wanted == current:
+            continue
+        if args.check:
+            print(f"{path} is out of date: run `make docs`", file=sys.stderr)
+            stale = 1
+        else:
+            path.write_text(wanted)
+            print(f"updated {path}")
+    return stale
 
 
 if __name__ == "__main__":

@@ -131,9 +131,9 @@ EXPECTED: dict[str, Any] = {
     "t_unregister": 0,
 }
 
-# Where kvstore answers otherwise on purpose (README, "What differs from Mooncake"):
-# a range outside registered memory is refused (-600) instead of read through a raw
-# pointer; multi-buffer gets accept buffers larger in total than the value and report the
+# Where kvstore answers otherwise on purpose (docs/engines/mooncake.md, "What differs from
+# Mooncake"): a range outside registered memory is refused (-600) instead of read through a
+# raw pointer; multi-buffer gets accept buffers larger in total than the value and report the
 # bytes read, where the wheel fails the transfer (-800).
 KVSTORE_DIFFERS: dict[str, Any] = {
     "b_put_from_unregistered": -600,

@@ -1,7 +1,8 @@
 """The project's import graph: no cycles, and no import from a lower layer to a higher one.
 
-``LAYERS`` is the one statement of the layer order (README "How it works" mirrors it, and
-``test_the_readme_mirrors_the_layer_table`` keeps the two the same). A module may import
+``LAYERS`` is the one statement of the layer order (the architecture page,
+``docs/architecture.md`` "How it works", mirrors it, and
+``test_the_architecture_page_mirrors_the_layer_table`` keeps the two the same). A module may import
 modules of its own layer and of lower ones. The graph is read from the source with
 ``ast``: every ``import`` and ``from ... import`` that names a module of the project's
 packages, at module level, inside a function (a deferred import is still a dependency) or
@@ -336,9 +337,9 @@ def test_the_conductor_loads_no_torch() -> None:
         assert seen & torch_users == set(), start
 
 
-def test_the_readme_mirrors_the_layer_table() -> None:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## How it works", 1)[1].split("\n## ", 1)[0]
+def test_the_architecture_page_mirrors_the_layer_table() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^(\d+)\. \*\*([\w-]+)\*\* \(([^)]*)\)", section, re.M)
     assert [(int(n), name) for n, name, _ in rows] == [
         (i + 1, layer.name) for i, layer in enumerate(LAYERS)]

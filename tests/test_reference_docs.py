@@ -1,4 +1,5 @@
-"""README.md's generated references (``make docs``) must match the code they describe."""
+"""The docs' generated references (``make docs``: ``docs/configuration.md``,
+``docs/metrics.md``) must match the code they describe."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from conftest import REPO
 
 from kvstore.node.config import NodeConfig
@@ -21,29 +23,43 @@ def gen_reference() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gen_reference", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def test_readme_is_what_the_script_generates() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert gen_reference().render(readme) == readme, (
-        "README.md is out of date: run `make docs` (scripts/gen_reference.py)")
+def test_the_pages_are_what_the_script_generates() -> None:
+    g = gen_reference()
+    pages = g.pages(REPO / "docs")
+    assert sorted(p.name for p in pages) == ["configuration.md", "metrics.md"]
+    for page, names in pages.items():
+        text = page.read_text()
+        assert g.render(text, names) == text, (
+            f"{page} is out of date: run `make docs` (scripts/gen_reference.py)")
 
 
 def test_check_mode_exit_codes(tmp_path: Path) -> None:
-    stale = tmp_path / "README.md"
-    stale.write_text("intro\n<!-- BEGIN GENERATED: config -->\nSTALE-ROW\n"
-                     "<!-- END GENERATED: config -->\nmiddle\n"
-                     "<!-- BEGIN GENERATED: metrics -->\n<!-- END GENERATED: metrics -->\nend\n")
-    run = [sys.executable, str(SCRIPT), "--readme", str(stale)]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for page, name in (("configuration.md", "config"), ("metrics.md", "metrics")):
+        (docs / page).write_text(f"intro\n<!-- BEGIN GENERATED: {name} -->\nSTALE-ROW\n"
+                                 f"<!-- END GENERATED: {name} -->\nend\n")
+    run = [sys.executable, str(SCRIPT), "--docs", str(docs)]
     check = subprocess.run([*run, "--check"], capture_output=True, text=True, cwd=tmp_path)
     assert check.returncode == 1 and "run `make docs`" in check.stderr
+    assert "configuration.md" in check.stderr and "metrics.md" in check.stderr
     assert subprocess.run(run, capture_output=True, cwd=tmp_path).returncode == 0
-    text = stale.read_text()
-    assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("\nend\n")
-    assert "STALE-ROW" not in text
+    for page, header in (("configuration.md", "| flag |"), ("metrics.md", "| metric |")):
+        text = (docs / page).read_text()
+        assert text.startswith("intro\n") and text.endswith("\nend\n")
+        assert "STALE-ROW" not in text and header in text
     assert subprocess.run([*run, "--check"], capture_output=True, cwd=tmp_path).returncode == 0
+
+
+def test_a_page_without_its_markers_is_an_error(tmp_path: Path) -> None:
+    g = gen_reference()
+    with pytest.raises(ValueError, match="BEGIN GENERATED: metrics"):
+        g.render("no markers here\n", ["metrics"])
 
 
 def test_tables_cover_every_flag_key_and_metric() -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics of a node (``kvstore serve --metrics-listen HOST:PORT``).
 
 Two kinds, both declared once in ``METRICS`` (the exporter, the reference in
-README.md and the Grafana dashboard's test all read that table):
+docs/metrics.md and the Grafana dashboard's test all read that table):
 
 * Store counters and gauges (tiers, node, cluster repair) are read from
   ``Node.stats()`` at scrape time by ``NodeCollector``: the node's counters are

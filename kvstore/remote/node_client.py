@@ -80,7 +80,7 @@ class SingleKeyCalls:
             pin: bool = False, retain_s: float | None = None) -> bool:
         """Stores ``value`` under ``key``: True if stored, False if the key already existed
         (cluster-wide: on its master). ``retain_s``: keep the block that many seconds after
-        its last put or read (README "Retention"); None asks for nothing."""
+        its last put or read (docs/node.md, "Retention"); None asks for nothing."""
         return self.put_batch([key], [value], parents=[parent], pin=pin,
                               retain_s=retain_s)[0]
 

@@ -340,21 +340,20 @@ class TestSGLangHiCache:
             StorageBackendFactory.create_backend("dynamic", sf.storage_config(extra), None)
 
 
-def readme_launch_command() -> list[str]:
-    """The SGLang command line of README's "### SGLang HiCache" section."""
+def documented_launch_command() -> list[str]:
+    """The SGLang command line of docs/engines/sglang.md."""
     import shlex
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### SGLang HiCache", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    page = Path(__file__).resolve().parents[2] / "docs" / "engines" / "sglang.md"
+    block = page.read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     return shlex.split(block.replace("\\\n", " "))
 
 
-class TestSGLangReadmeConfig:
+class TestSGLangDocumentedConfig:
     __test__ = sf.HAVE_SGLANG
 
-    def test_readme_command_parses_and_works(self, node, kv):
-        """SGLang's own argument parser takes the README's flags; the extra config it
+    def test_documented_command_parses_and_works(self, node, kv):
+        """SGLang's own argument parser takes the documented flags; the extra config it
         yields (address pointed at the test node) builds a working backend."""
         import argparse
         import json
@@ -362,7 +361,7 @@ class TestSGLangReadmeConfig:
         import torch
         from sglang.srt.server_args import ServerArgs
 
-        argv = readme_launch_command()
+        argv = documented_launch_command()
         assert argv[:3] == ["python", "-m", "sglang.launch_server"]
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)

@@ -1,7 +1,7 @@
 """The methods of Mooncake 0.3.13's ``MooncakeDistributedStore`` that kvstore does not
 provide, each with the reason. ``install`` adds them to the class so that a call fails at
 once with ``NotImplementedError`` naming the method and the reason (not an AttributeError,
-and never a silent success); the README's table lists the same reasons.
+and never a silent success); docs/engines/mooncake.md's table lists the same reasons.
 """
 
 from __future__ import annotations

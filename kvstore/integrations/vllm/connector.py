@@ -57,7 +57,7 @@ failed lookup is a miss, a failed load is recomputed, a failed save is logged.
 *Retention.* A request asks the store to keep its blocks with
 ``kv_transfer_params={"kvstore_retain_s": S}`` (the OpenAI server's ``kv_transfer_params``
 field, or ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` offline): every
-full block of the request is saved with ``retain_s=S`` (README "Retention"). Its first
+full block of the request is saved with ``retain_s=S`` (docs/node.md, "Retention"). Its first
 save also re-puts the blocks the store or vLLM's prefix cache already had, so the whole
 prefix is kept: the node keeps its copy, discards the bytes and only refreshes the
 retention (those bytes cross the wire once more, for retained requests only). A bad

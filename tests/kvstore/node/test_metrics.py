@@ -159,7 +159,7 @@ def test_channel_errors_are_counted_by_code(tmp_path: Path) -> None:
 
 
 def test_exported_families_are_exactly_the_declared_ones(mnode: MetricsNode) -> None:
-    """The reference in README.md is generated from METRICS: the exporter must match it."""
+    """The reference in docs/metrics.md is generated from METRICS: the exporter must match it."""
     with Client(mnode.node.addr, transport="tcp") as c:
         c.put(os.urandom(16), b"v")
     wait_until(lambda: "kvstore_channel_request_duration_seconds_count" in mnode.scrape_text(),
