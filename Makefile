@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_bui
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,torch,serve,events]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs,bench,torch,serve,events]'
 	$(PY) -m cffi_build.uring_build
 	touch $(STAMP)
 
