@@ -30,7 +30,7 @@ from kvstore.auth.security import (
     bearer_token,
     is_loopback,
 )
-from kvstore.core.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.core.errors import REASON_HEADER, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.retention import retain_seconds
 from kvstore.node.channel_server import ChannelServer
 from kvstore.node.semantics import Node, check_key, check_keys, check_parent
@@ -65,6 +65,8 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
             with self.node.request():
                 return method(self, request, context, principal)
         except KVStoreError as exc:
+            if exc.reason:  # additive: a client before reasons reads code and message
+                context.set_trailing_metadata(((REASON_HEADER, exc.reason),))
             context.abort(exc.code, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvstore.core.errors import REPLY_BOUND, PermissionDenied, ResourceExhausted
+from kvstore.core.errors import REPLY_BOUND, PermissionDenied, ReplyTooLarge
 
 # The salting formula is kvstore.core.keys' (with every other stored-key derivation); its
 # names stay importable from here and from kvstore.auth.security.
@@ -124,7 +124,7 @@ def check_role(p: Principal, handler: Callable[..., Any], what: str) -> None:
 
 
 def check_reply_bytes(sizes: Sequence[int | None], limit: int, what: str) -> int:
-    """The reply's value bytes (misses count 0); RESOURCE_EXHAUSTED past ``limit``.
+    """The reply's value bytes (misses count 0); ``ReplyTooLarge`` past ``limit``.
 
     Called with the sizes of the blocks a read names, repeats included, before
     any buffer for the reply exists: a caller cannot make the node allocate more
@@ -132,7 +132,7 @@ def check_reply_bytes(sizes: Sequence[int | None], limit: int, what: str) -> int
     """
     total = sum(n for n in sizes if n is not None)
     if total > limit:
-        raise ResourceExhausted(
+        raise ReplyTooLarge(
             f"{what} reply would be {total} bytes ({format_size(total)}), over the "
             f"{limit}-byte ({format_size(limit)}) {REPLY_BOUND}: ask for fewer keys per "
             f"request")

@@ -185,7 +185,7 @@ class _Connection:
         wire.send_buffers(self.sock, frames)
 
     def reply_error(self, exc: KVStoreError) -> None:
-        self.sock.sendall(wire.error_frame(wire.status_of(exc), str(exc)))
+        self.sock.sendall(wire.error_frame(wire.status_of(exc), str(exc), exc.reason))
 
     # ---- ops -----------------------------------------------------------------------------
 

@@ -329,7 +329,9 @@ class RequestInterceptor(grpc.ServerInterceptor):
                     return behavior(request, context)
                 except BaseException:
                     code = context.code() or grpc.StatusCode.UNKNOWN
-                    context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
+                    # Beside what the handler set (an error's reason), not instead of it.
+                    context.set_trailing_metadata(
+                        (*(context.trailing_metadata() or ()), (REQUEST_ID_HEADER, rid)))
                     _log_failure(method, code, context, rid)
                     raise
                 finally:

@@ -31,7 +31,13 @@ from kvstore.core.checks import MAX_BATCH as MAX_BATCH
 from kvstore.core.checks import check_key as check_key
 from kvstore.core.checks import check_keys as check_keys
 from kvstore.core.checks import check_parent as check_parent
-from kvstore.core.errors import REPLY_BOUND, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.core.errors import (
+    REPLY_BOUND,
+    InvalidArgument,
+    ReplyTooLarge,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
 from kvstore.node.fit import check_fits
@@ -362,7 +368,7 @@ class Node:
         """Each block's entry (parent, pin) and bytes, None per miss, valid inside the scope.
 
         ``access=False`` for copies the cluster makes: not counted as reads.
-        ``max_bytes``: ResourceExhausted if the leased blocks (repeats included) sum past
+        ``max_bytes``: ReplyTooLarge if the leased blocks (repeats included) sum past
         it, checked on the leases themselves (no put can grow the total after the check)
         and before any block is read into a buffer."""
         entries = self.acquire_reads(keys, access=access)
@@ -370,7 +376,7 @@ class Node:
             if max_bytes is not None:
                 total = sum(e.nbytes for e in entries if e is not None)
                 if total > max_bytes:
-                    raise ResourceExhausted(
+                    raise ReplyTooLarge(
                         f"the reply would be {total} bytes, over the {max_bytes}-byte "
                         f"{REPLY_BOUND}: ask for fewer keys per request")
             views = self.block_views(entries)

@@ -20,8 +20,10 @@ Stream format (all integers little-endian)::
 
 One request is answered before the next is read; RELEASE and ABORT have no
 response. A non-zero status is a gRPC status code and its meta is a UTF-8
-message. A malformed frame gets an INVALID_ARGUMENT response and the server
-closes the stream, since it cannot find the next frame boundary.
+message; its count names the error's reason (``ERROR_REASONS``, 0: none). Nodes
+before reasons sent 0 there and clients before them ignore it. A malformed frame
+gets an INVALID_ARGUMENT response and the server closes the stream, since it
+cannot find the next frame boundary.
 
 Per-op meta:
 
@@ -75,7 +77,7 @@ from enum import IntEnum
 
 import grpc
 
-from kvstore.core.errors import KVStoreError, error_for_code
+from kvstore.core.errors import KVStoreError, ReplyTooLarge, error_for_code
 
 MAGIC = b"KVS1"
 PROTOCOL_VERSION = 1
@@ -337,9 +339,14 @@ def header(op_or_status: int, count: int, meta_len: int) -> bytes:
     return HEADER.pack(op_or_status, count, meta_len)
 
 
-def error_frame(status: int, message: str) -> bytes:
+ERROR_REASONS: tuple[str, ...] = ("", ReplyTooLarge.reason)
+"""The ``reason`` (``kvstore.core.errors``) an error frame's count names, by index.
+Append only: the indexes are on the wire."""
+
+
+def error_frame(status: int, message: str, reason: str = "") -> bytes:
     body = message.encode("utf-8", "replace")[:4096]
-    return HEADER.pack(status, 0, len(body)) + body
+    return HEADER.pack(status, ERROR_REASONS.index(reason), len(body)) + body
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -351,9 +358,12 @@ def status_of(error: KVStoreError | type[KVStoreError]) -> int:
     return error.code.value[0]
 
 
-def error_of(status: int, message: str) -> KVStoreError:
-    """The exception a non-zero status byte stands for (``status_of`` read back)."""
-    return error_for_code(_CODES.get(status, grpc.StatusCode.UNKNOWN), message)
+def error_of(status: int, message: str, reason: int = 0) -> KVStoreError:
+    """The exception a non-zero status byte (and an error frame's count, ``reason``)
+    stands for (``status_of`` and ``error_frame`` read back); a reason index this side
+    does not know stands for none."""
+    name = ERROR_REASONS[reason] if 0 <= reason < len(ERROR_REASONS) else ""
+    return error_for_code(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name)
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:

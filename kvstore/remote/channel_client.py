@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.core.checks import byte_view
-from kvstore.core.errors import InvalidArgument, error_for_code
+from kvstore.core.errors import BufferTooSmall, InvalidArgument, error_for_code
 from kvstore.protocol import wire
 from kvstore.protocol.wire import HEADER, Mode, Op
 
@@ -151,7 +151,7 @@ class ChannelConnection:
         status, count, meta_len = HEADER.unpack(self._header)
         meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
         if status:
-            raise wire.error_of(status, meta.decode("utf-8", "replace"))
+            raise wire.error_of(status, meta.decode("utf-8", "replace"), count)
         return count, meta
 
     def _call(self, op: Op, count: int, meta: bytes,
@@ -189,7 +189,7 @@ class ChannelConnection:
                 wire.recv_exact_into(self.sock, out[:n])
                 results.append(n)
         if too_small:
-            raise InvalidArgument(too_small)
+            raise BufferTooSmall(too_small)
         return results
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
@@ -214,7 +214,7 @@ class ChannelConnection:
                 if out is None:
                     results.append(region[offset : offset + n])
                 elif len(out) < n:
-                    raise InvalidArgument(f"buffer of {len(out)} bytes for a {n}-byte value")
+                    raise BufferTooSmall(f"buffer of {len(out)} bytes for a {n}-byte value")
                 else:
                     with memoryview(region) as rv:
                         out[:n] = rv[offset : offset + n]

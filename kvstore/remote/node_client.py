@@ -10,8 +10,9 @@ Transports (``transport=``):
 * ``"auto"`` (default): ``shm`` if the node is on this host, else ``tcp``, else ``grpc``.
 
 Errors: every failure reaches the caller as a ``kvstore.core.errors`` exception,
-mapped at one choke point (``_errors``): gRPC status codes by code, socket
-failures as ``Unavailable``. A gRPC failure the node reported ends with
+mapped at one choke point (``_errors``): gRPC status codes by code (refined by the
+reason the node sends beside it, such as ``ReplyTooLarge``), socket failures as
+``Unavailable``. A gRPC failure the node reported ends with
 ``(request id ID)``: the id under which the node logged it.
 
 Retry policy: none for errors the node reports. A call that fails with a
@@ -32,11 +33,12 @@ import grpc
 from kvstore.auth.security import ClientTls
 from kvstore.core.checks import MAX_BATCH, check_key, check_parent
 from kvstore.core.errors import (
-    REPLY_BOUND,
+    REASON_HEADER,
+    BufferTooSmall,
     FailedPrecondition,
     InvalidArgument,
     KVStoreError,
-    ResourceExhausted,
+    ReplyTooLarge,
     Unavailable,
     error_for_code,
 )
@@ -160,8 +162,8 @@ class NodeClient(SingleKeyCalls):
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
             # The cause stays chained: its gRPC debug string tells a log reader what failed.
-            raise error_for_code(code, f"{self.addr}: {details}{_request_id_note(exc)}"
-                                 ) from exc
+            raise error_for_code(code, f"{self.addr}: {details}{_request_id_note(exc)}",
+                                 _trailing(exc, REASON_HEADER) or "") from exc
         except OSError as exc:
             raise Unavailable(f"{self.addr}: transfer channel failed: {exc}") from exc
 
@@ -362,8 +364,8 @@ class NodeClient(SingleKeyCalls):
                 results.append(None)
                 continue
             if len(out) < len(value):
-                raise InvalidArgument(f"buffer of {len(out)} bytes for a {len(value)}-byte "
-                                      f"value of {key.hex()}")
+                raise BufferTooSmall(f"buffer of {len(out)} bytes for a {len(value)}-byte "
+                                     f"value of {key.hex()}")
             out[: len(value)] = value
             results.append(len(value))
         return results
@@ -432,12 +434,12 @@ def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
 
 
 def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
-    """``fn(part, lo)``; a read the node refuses as past its reply bound (``REPLY_BOUND``)
+    """``fn(part, lo)``; a read the node refuses as past its reply bound (``ReplyTooLarge``)
     is asked for again in halves, down to one key (a single block always fits)."""
     try:
         return fn(part, lo)
-    except ResourceExhausted as exc:
-        if REPLY_BOUND not in str(exc) or len(part) < 2:
+    except ReplyTooLarge:
+        if len(part) < 2:
             raise
     mid = len(part) // 2
     return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
@@ -458,11 +460,17 @@ def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:
 
 def _request_id_note(exc: grpc.RpcError) -> str:
     """`` (request id ID)`` if the node sent the call's id back, for grepping its log."""
+    rid = _trailing(exc, REQUEST_ID_HEADER)
+    return "" if rid is None else f" (request id {rid})"
+
+
+def _trailing(exc: grpc.RpcError, key: str) -> str | None:
+    """The failed call's trailing-metadata value under ``key``, None if absent."""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == REQUEST_ID_HEADER:
-            return f" (request id {value})"
-    return ""
+    for k, value in trailing or ():
+        if k == key:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return None
 
 
 __all__ = ["TRANSPORTS", "NodeClient", "SingleKeyCalls", "check_put_batch"]

@@ -157,6 +157,26 @@ def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason:
     assert client.exists(keys) == [True, False, True], "the bad value left the store"
 
 
+def test_a_value_larger_than_a_block_is_refused_and_removed(worker: Any, client: Client
+                                                            ) -> None:
+    keys = keys_for(worker, 3, 6)
+    save_blocks(worker, keys, [1, 2, 3])
+    good = client.get_batch(keys)
+    assert good[1] is not None
+    assert client.remove(keys[1]) and client.put_batch([keys[1]], [good[1] + bytes(64)]) == [True]
+    for kv in caches(worker):
+        kv[[50, 51, 52]] = 0
+    # Read into block-sized buffers the batch fails (BufferTooSmall): the load fetches it
+    # as bytes instead, keeps the block before and refuses the larger one.
+    refused = load_blocks(worker, keys, [50, 51, 52])
+    assert refused == {51, 52}
+    assert worker.stats["refused_blocks"] == 1
+    for kv in caches(worker):
+        assert torch.equal(kv[50], kv[1])
+        assert not kv[51].any()
+    assert client.exists(keys) == [True, False, True]
+
+
 def test_missing_blocks_are_reported_not_removed(worker: Any, client: Client) -> None:
     keys = keys_for(worker, 3, 5)
     save_blocks(worker, keys[:1], [1])

@@ -20,9 +20,18 @@ from conftest import REPO, NodeProcess, start_node, write_auth_file
 
 from kvstore.auth.security import salt_key
 from kvstore.client import Client
-from kvstore.core.errors import REPLY_BOUND, InvalidArgument, PermissionDenied, ResourceExhausted
+from kvstore.core.errors import (
+    REASON_HEADER,
+    REPLY_BOUND,
+    InvalidArgument,
+    PermissionDenied,
+    ReplyTooLarge,
+    ResourceExhausted,
+)
+from kvstore.core.logs import REQUEST_ID_HEADER
 from kvstore.node.semantics import MAX_BATCH
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server import MAX_REPLY_VALUE_BYTES
 
 MiB = 1 << 20
@@ -73,9 +82,25 @@ def intact(node: NodeProcess) -> Iterator[None]:
 
 def test_one_big_block_named_many_times_is_refused_before_any_allocation(a: Client) -> None:
     # ~1 MiB of request asking for 65536 x 4 MiB = 256 GiB of reply.
-    with pytest.raises(ResourceExhausted, match=REPLY_BOUND) as err:
+    with pytest.raises(ReplyTooLarge, match=REPLY_BOUND) as err:
         a._grpc("BatchGet", pb.BatchGetRequest(keys=[BIG_KEY] * MAX_BATCH))
     assert f"BatchGet reply would be {MAX_BATCH * BIG} bytes" in str(err.value)
+    assert "(request id " in str(err.value)  # the reason rides beside the id, not instead
+
+
+def test_the_refusal_an_old_client_reads_is_unchanged(node: NodeProcess) -> None:
+    # A client before reasons sees the code and the words it splits on; the reason is
+    # one more trailing-metadata entry beside the request id.
+    with grpc.insecure_channel(node.addr) as ch, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.KVStoreStub(ch).BatchGet(
+            pb.BatchGetRequest(keys=[BIG_KEY] * MAX_BATCH), timeout=30,
+            metadata=(("authorization", f"Bearer {TOKENS['a']}"),))
+    call = err.value
+    assert call.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert REPLY_BOUND in call.details()
+    trailing = dict(call.trailing_metadata())
+    assert trailing[REASON_HEADER] == ReplyTooLarge.reason
+    assert REQUEST_ID_HEADER in trailing
 
 
 def test_reply_bound_is_exact_in_bytes(a: Client) -> None:

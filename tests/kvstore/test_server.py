@@ -18,6 +18,7 @@ import pytest
 from conftest import TRANSPORTS, NodeProcess, free_port, wait_until
 
 from kvstore import Client, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.core.errors import BufferTooSmall
 from kvstore.node.semantics import MAX_BATCH, Node, NodeSettings
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -240,7 +241,7 @@ def test_invalid_arguments_and_the_connection_survives(client: Client) -> None:
         client.put_batch([key(), key()], [b"a", b""])
     with pytest.raises(InvalidArgument):
         client.put_batch([key()], [b"a", b"b"])
-    with pytest.raises(InvalidArgument, match="buffer"):
+    with pytest.raises(BufferTooSmall, match="buffer"):
         client.get_into(k, bytearray(4999))
     # the same connection still answers, byte-exact
     assert client.get(k) == v
@@ -253,7 +254,7 @@ def test_too_small_buffer_in_a_batch_leaves_no_read_lease_behind(client: Client)
     """A failed get_batch_into must not keep the other blocks of the batch leased."""
     k1, k2 = key(), key()
     assert client.put_batch([k1, k2], [os.urandom(100 << 10), os.urandom(100 << 10)])
-    with pytest.raises(InvalidArgument, match="buffer"):
+    with pytest.raises(BufferTooSmall, match="buffer"):
         client.get_batch_into([k1, k2], [bytearray(10), bytearray(100 << 10)])
     assert client.remove(k1) and client.remove(k2)
     # A block still leased by a reader keeps its space until the lease ends.

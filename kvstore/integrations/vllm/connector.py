@@ -81,6 +81,7 @@ import torch
 import vllm
 
 from kvstore import Client, block_keys
+from kvstore.core.errors import BufferTooSmall
 from kvstore.core.retention import check_retain_s
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
@@ -430,9 +431,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             try:
                 sizes = self._load_client.get_batch_into(
                     spec.keys, [staging[i].numpy() for i in range(n)])
-            except Exception as exc:
-                if "buffer of" not in str(exc):
-                    raise
+            except BufferTooSmall:
                 # A value larger than a block (not ours): fetch as bytes to see which.
                 values = self._load_client.get_batch(spec.keys)
                 sizes = []

@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO, NodeProcess, start_node, wait_until
 
 from kvstore.client import Client
+from kvstore.core.errors import ReplyTooLarge
 from kvstore.node.semantics import MAX_BATCH
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -99,10 +100,12 @@ def sock(node: NodeProcess) -> Iterator[socket.socket]:
 def test_get_of_one_block_many_times_is_refused_and_the_stream_goes_on(
         sock: socket.socket) -> None:
     sock.sendall(HEADER.pack(Op.GET, MAX_BATCH, 16 * MAX_BATCH) + BIG_KEY * MAX_BATCH)
-    status, _, meta = _reply(sock)
+    status, count, meta = _reply(sock)
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert f"GET reply would be {MAX_BATCH * BIG} bytes".encode() in meta
-    assert b"bound of one reply" in meta
+    assert b"bound of one reply" in meta  # what clients before the reason split on
+    assert count == wire.ERROR_REASONS.index(ReplyTooLarge.reason)
+    assert type(wire.error_of(status, meta.decode(), count)) is ReplyTooLarge
     assert _exists(sock, SMALL_KEY)  # the same stream, still in step
 
 

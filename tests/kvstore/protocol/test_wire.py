@@ -8,11 +8,13 @@ import threading
 import pytest
 
 from kvstore.core.errors import (
+    REPLY_BOUND,
     FailedPrecondition,
     InternalError,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
+    ReplyTooLarge,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -90,6 +92,24 @@ def test_status_bytes_are_the_error_classes_grpc_codes_and_read_back() -> None:
         assert type(back) is cls and str(back) == "why"
     unknown = wire.error_of(2, "odd")  # UNKNOWN: no class of its own
     assert type(unknown) is KVStoreError and str(unknown) == "odd"
+
+
+def test_an_error_frame_names_its_reason_in_the_count() -> None:
+    # Pinned: the index is on the wire; 0 is what nodes before reasons sent.
+    assert ("", ReplyTooLarge.reason) == wire.ERROR_REASONS
+    frame = wire.error_frame(8, f"over the {REPLY_BOUND}", ReplyTooLarge.reason)
+    status, count, _ = wire.HEADER.unpack(frame[: wire.HEADER.size])
+    assert (status, count) == (8, 1)
+    back = wire.error_of(status, frame[wire.HEADER.size :].decode(), count)
+    assert type(back) is ReplyTooLarge and str(back) == f"over the {REPLY_BOUND}"
+
+
+@pytest.mark.parametrize("count", [0, 2, 1 << 31])
+def test_an_error_frame_without_a_known_reason_is_the_codes_own_class(count: int) -> None:
+    # 0: a node before reasons, whose message still names the bound; else a reason
+    # from a newer node this side does not know.
+    back = wire.error_of(8, f"over the {REPLY_BOUND}", count)
+    assert type(back) is ResourceExhausted
 
 
 def test_meta_sizes() -> None:
