@@ -56,9 +56,8 @@ from kvstore.auth.security import ClientTls
 from kvstore.core.checks import check_key
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.keys import BlockKey, leading_run
-from kvstore.core.retention import retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.remote.node_client import NodeClient, SingleKeyCalls, check_put_batch
+from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
@@ -242,8 +241,8 @@ class ClusterClient(SingleKeyCalls):
                   parents: Sequence[bytes | None] | None = None, pin: bool = False,
                   retain_s: float | None = None) -> list[bool]:
         """``retain_s``: every copy keeps the blocks (docs/node.md, "Retention")."""
-        ks, views, ps = check_put_batch(keys, values, parents)
-        keep = retain_seconds(retain_s)
+        batch = PutBatch.check(keys, values, parents=parents, pin=pin, retain_s=retain_s)
+        ks = batch.keys
         view = self._current()
         live = len(view.by_id)
         if self.write_quorum > live:
@@ -266,12 +265,11 @@ class ClusterClient(SingleKeyCalls):
 
             def put_group(master: NodeId, idx: list[int], retry: list[int] = retry) -> None:
                 client = self._client(view, master)
-                keys = [ks[i] for i in idx]
-                vals, pars = [views[i] for i in idx], [ps[i] for i in idx]
+                part = batch.pick(idx)
                 try:
                     if self.replicas > 1 and master not in self._no_forward:
                         try:
-                            flags = self._put_forwarded(client, keys, vals, pars, pin, keep)
+                            flags = self._put_forwarded(client, part)
                         except FailedPrecondition:  # not an etcd member: the two-trip path
                             with self._lock:
                                 self._no_forward.add(master)
@@ -279,15 +277,14 @@ class ClusterClient(SingleKeyCalls):
                             for i, f in zip(idx, flags, strict=True):
                                 stored[i] = f
                             return
-                    flags = client.put_batch(keys, vals, parents=pars, pin=pin,
-                                             retain_s=keep)
+                    flags = client.put_checked(part)
                     if self.replicas > 1:
                         others = [n for n in view.by_id if n != master]
                         slot = {n: j for j, n in enumerate(others)}
                         orders = [[slot[n] for n in cands[i] if n != master and n not in down]
                                   for i in idx]
-                        self._replicate(client, keys, [view.by_id[n].addr for n in others],
-                                        orders, vals, pars, pin, keep)
+                        self._replicate(client, part, [view.by_id[n].addr for n in others],
+                                        orders)
                 except QuorumNotMet:
                     raise
                 except Unavailable as exc:  # the master is down (or died before replicating)
@@ -305,24 +302,21 @@ class ClusterClient(SingleKeyCalls):
             pending = retry
         return stored
 
-    def _put_forwarded(self, client: NodeClient, keys: list[BlockKey], values: list[memoryview],
-                       parents: list[BlockKey | None], pin: bool, keep: float
-                       ) -> list[bool]:
+    def _put_forwarded(self, client: NodeClient, batch: PutBatch) -> list[bool]:
         """One trip: the master stores the blocks and forwards them to the owners it
         ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
-        flags, copies, failed = client.put_batch_replicated(
-            keys, values, parents=parents, pin=pin, copies=self.replicas,
-            write_quorum=self.write_quorum, retain_s=keep)
+        flags, copies, failed = client.put_checked_replicated(
+            batch, copies=self.replicas, write_quorum=self.write_quorum)
         if copies < self.write_quorum:
             raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
                                f"({'; '.join(failed)})")
         return flags
 
-    def _replicate(self, client: NodeClient, keys: list[BlockKey], targets: list[str],
-                   orders: list[list[int]], values: list[memoryview],
-                   parents: list[BlockKey | None], pin: bool, keep: float) -> None:
-        """Asks the master ``client`` to copy ``keys`` to their replicas; QuorumNotMet if
-        fewer than ``write_quorum`` copies exist when it answers."""
+    def _replicate(self, client: NodeClient, batch: PutBatch, targets: list[str],
+                   orders: list[list[int]]) -> None:
+        """Asks the master ``client`` to copy the batch's keys to their replicas;
+        QuorumNotMet if fewer than ``write_quorum`` copies exist when it answers."""
+        keys = batch.keys
         for attempt in (1, 2):
             reply = client._grpc("Replicate", pb.ReplicateRequest(
                 keys=keys, targets=targets, copies=self.replicas,
@@ -331,9 +325,7 @@ class ClusterClient(SingleKeyCalls):
             if reply.missing and attempt == 1:
                 # Evicted on the master between put and replicate: store those again.
                 lost = set(reply.missing)
-                idx = [i for i, k in enumerate(keys) if k in lost]
-                client.put_batch([keys[i] for i in idx], [values[i] for i in idx],
-                                 parents=[parents[i] for i in idx], pin=pin, retain_s=keep)
+                client.put_checked(batch.pick([i for i, k in enumerate(keys) if k in lost]))
                 continue
             if reply.missing:
                 raise QuorumNotMet(f"{len(reply.missing)} blocks were evicted on "

@@ -26,6 +26,7 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -286,8 +287,13 @@ class NodeClient(SingleKeyCalls):
                   parents: Sequence[bytes | None] | None = None, pin: bool = False,
                   retain_s: float | None = None) -> list[bool]:
         """Stores each value under its key; per key as ``put``."""
-        ks, views, ps = check_put_batch(keys, values, parents)
-        keep = retain_seconds(retain_s)
+        return self.put_checked(PutBatch.check(keys, values, parents=parents, pin=pin,
+                                               retain_s=retain_s))
+
+    def put_checked(self, batch: PutBatch) -> list[bool]:
+        """``put_batch`` of a batch already checked (the cluster client checks once)."""
+        ks, views, ps, pin, keep = (batch.keys, batch.values, batch.parents, batch.pin,
+                                    batch.retain_s)
         if self._uses_channel():
             out: list[bool] = []
             for lo in range(0, len(ks), MAX_BATCH):
@@ -311,8 +317,15 @@ class NodeClient(SingleKeyCalls):
         ``copies - 1`` other owners of its own choosing before it answers (one trip from
         here). Returns (stored flags, copies holding every key, failed forwards).
         FailedPrecondition: the node is not an etcd cluster member, or no transfer channel."""
-        ks, views, ps = check_put_batch(keys, values, parents)
-        keep = retain_seconds(retain_s)
+        return self.put_checked_replicated(
+            PutBatch.check(keys, values, parents=parents, pin=pin, retain_s=retain_s),
+            copies=copies, write_quorum=write_quorum)
+
+    def put_checked_replicated(self, batch: PutBatch, *, copies: int, write_quorum: int
+                               ) -> tuple[list[bool], int, list[str]]:
+        """``put_batch_replicated`` of a batch already checked."""
+        ks, views, ps, pin, keep = (batch.keys, batch.values, batch.parents, batch.pin,
+                                    batch.retain_s)
         if not self._uses_channel():
             raise FailedPrecondition(f"{self.addr}: a replicated put needs the transfer channel")
         stored: list[bool] = []
@@ -420,10 +433,44 @@ class NodeClient(SingleKeyCalls):
         }
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PutBatch:
+    """A batch put, checked: made by ``PutBatch.check`` (or ``pick`` of a checked batch),
+    the one place a put's arguments are checked. Every put call of the node and cluster
+    clients makes one from its arguments, then passes it on (``put_checked``) unchecked."""
+
+    keys: list[BlockKey]
+    values: list[memoryview]
+    parents: list[BlockKey | None]
+    pin: bool = False
+    retain_s: float = 0.0
+
+    @classmethod
+    def check(cls, keys: Sequence[bytes], values: Sequence[object], *,
+              parents: Sequence[bytes | None] | None = None, pin: bool = False,
+              retain_s: float | None = None) -> PutBatch:
+        """InvalidArgument for a malformed key or parent, a value that is not a contiguous
+        bytes-like object, unequal lengths, or a ``retain_s`` out of range."""
+        ks, views, ps = check_put_batch(keys, values, parents)
+        return cls(keys=ks, values=views, parents=ps, pin=pin,
+                   retain_s=retain_seconds(retain_s))
+
+    def pick(self, indexes: Sequence[int]) -> PutBatch:
+        """The items at ``indexes``, in that order (still checked)."""
+        return PutBatch(keys=[self.keys[i] for i in indexes],
+                        values=[self.values[i] for i in indexes],
+                        parents=[self.parents[i] for i in indexes], pin=self.pin,
+                        retain_s=self.retain_s)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
                     parents: Sequence[bytes | None] | None
                     ) -> tuple[list[BlockKey], list[memoryview], list[BlockKey | None]]:
-    """The checked keys, readable views of the values, and checked parents of a batch put."""
+    """The checked keys, readable views of the values, and checked parents of a batch put
+    (``PutBatch.check`` without pin and retention)."""
     ks = [check_key(k) for k in keys]
     if len(values) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
@@ -473,4 +520,4 @@ def _trailing(exc: grpc.RpcError, key: str) -> str | None:
     return None
 
 
-__all__ = ["TRANSPORTS", "NodeClient", "SingleKeyCalls", "check_put_batch"]
+__all__ = ["TRANSPORTS", "NodeClient", "PutBatch", "SingleKeyCalls", "check_put_batch"]

@@ -1,5 +1,5 @@
-"""``NodeClient`` against nodes of another version: the typed errors it maps a node's
-refusals to, with and without the reason a node sends beside the status code.
+"""``NodeClient``: the typed errors it maps a node's refusals to, with and without the
+reason a node sends beside the status code; and the one check every put passes.
 
 A node before reasons cannot be started from this tree, so ``_ReplyBoundNode`` stands in
 for one: a real gRPC server that refuses every read of more than one key the way a node
@@ -10,16 +10,23 @@ node) the reason in the trailing metadata.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any, get_type_hints
 
 import grpc
 import pytest
 
-from kvstore.core.errors import REASON_HEADER, REPLY_BOUND, ReplyTooLarge, ResourceExhausted
+from kvstore.core.errors import (
+    REASON_HEADER,
+    REPLY_BOUND,
+    InvalidArgument,
+    ReplyTooLarge,
+    ResourceExhausted,
+)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.remote.node_client import NodeClient
+from kvstore.remote.node_client import NodeClient, PutBatch
 
 
 class _ReplyBoundNode(pb_grpc.KVStoreServicer):
@@ -72,3 +79,71 @@ def test_a_refusal_with_the_reason_is_split_and_one_without_is_raised_as_sent(
             c.get_batch(keys)
         assert type(err.value) is ResourceExhausted
         assert servicer.asked == [4]
+
+
+# ---- every put is checked, once ------------------------------------------------------------
+
+NOWHERE = "127.0.0.1:1"  # nothing listens: a put that reached the network would be Unavailable
+GOOD_KEY = b"k" * 16
+MALFORMED: dict[str, tuple[list[Any], list[Any], dict[str, Any]]] = {
+    "short key": ([b"k" * 15], [b"v"], {}),
+    "more values than keys": ([GOOD_KEY], [b"v", b"w"], {}),
+    "more parents than keys": ([GOOD_KEY], [b"v"], {"parents": [None, None]}),
+    "malformed parent": ([GOOD_KEY], [b"v"], {"parents": [b"p"]}),
+    "value not bytes-like": ([GOOD_KEY], [object()], {}),
+    "negative retention": ([GOOD_KEY], [b"v"], {"retain_s": -1.0}),
+}
+"""Arguments of a batch put that ``PutBatch.check`` refuses."""
+
+
+def _node_puts(c: NodeClient) -> dict[str, Callable[[list[Any], list[Any], dict[str, Any]],
+                                                     object]]:
+    """Every put of ``NodeClient`` that takes raw arguments, as one batch call."""
+    def one(keys: list[Any], values: list[Any], kw: dict[str, Any]) -> object:
+        parents = kw.get("parents")
+        return c.put(keys[0], values[0], parent=None if parents is None else parents[0],
+                     retain_s=kw.get("retain_s"))
+
+    return {
+        "put": one,
+        "put_batch": lambda keys, values, kw: c.put_batch(keys, values, **kw),
+        "put_batch_replicated": lambda keys, values, kw: c.put_batch_replicated(
+            keys, values, copies=2, write_quorum=1, **kw),
+    }
+
+
+CHECKED_PUTS = {"put_checked", "put_checked_replicated"}
+"""Puts that take a ``PutBatch``: checked by construction."""
+
+
+def test_every_put_of_the_node_client_is_known_here() -> None:
+    # A new put joins _node_puts (and is then tested below) or CHECKED_PUTS (its batch
+    # parameter is a PutBatch): no put path is left out of the check.
+    puts = {n for n in dir(NodeClient) if n.startswith("put") and callable(getattr(NodeClient, n))}
+    with NodeClient(NOWHERE, transport="tcp", timeout=1) as c:
+        assert puts == set(_node_puts(c)) | CHECKED_PUTS
+    for name in CHECKED_PUTS:
+        assert get_type_hints(getattr(NodeClient, name))["batch"] is PutBatch
+
+
+ONE_ITEM = {"put"}  # one key, value and parent by signature: no count to get wrong
+
+
+@pytest.mark.parametrize("call, case", [
+    (call, case) for call in ("put", "put_batch", "put_batch_replicated")
+    for case in sorted(MALFORMED) if call not in ONE_ITEM or "than keys" not in case])
+def test_every_put_checks_before_it_connects(call: str, case: str) -> None:
+    keys, values, kw = MALFORMED[case]
+    with NodeClient(NOWHERE, transport="tcp", timeout=1) as c, pytest.raises(InvalidArgument):
+        _node_puts(c)[call](keys, values, kw)
+
+
+def test_a_checked_batch_keeps_what_was_checked() -> None:
+    batch = PutBatch.check([b"a" * 16, b"b" * 16, b"c" * 16], [b"1", bytearray(b"22"), b"333"],
+                           parents=[None, b"a" * 16, b""], pin=True, retain_s=2.5)
+    assert (batch.pin, batch.retain_s, len(batch)) == (True, 2.5, 3)
+    assert batch.parents == [None, b"a" * 16, None]
+    part = batch.pick([2, 0])
+    assert part.keys == [b"c" * 16, b"a" * 16]
+    assert [bytes(v) for v in part.values] == [b"333", b"1"]
+    assert part.parents == [None, None] and (part.pin, part.retain_s) == (True, 2.5)
