@@ -56,7 +56,6 @@ from kvstore.auth.security import ClientTls
 from kvstore.core.checks import check_key
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.keys import BlockKey, leading_run
-from kvstore.proto import kvstore_pb2 as pb
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
@@ -318,10 +317,8 @@ class ClusterClient(SingleKeyCalls):
         QuorumNotMet if fewer than ``write_quorum`` copies exist when it answers."""
         keys = batch.keys
         for attempt in (1, 2):
-            reply = client._grpc("Replicate", pb.ReplicateRequest(
-                keys=keys, targets=targets, copies=self.replicas,
-                write_quorum=self.write_quorum,
-                orders=[pb.TargetOrder(index=o) for o in orders]))
+            reply = client.replicate(keys, targets, copies=self.replicas,
+                                     write_quorum=self.write_quorum, orders=orders)
             if reply.missing and attempt == 1:
                 # Evicted on the master between put and replicate: store those again.
                 lost = set(reply.missing)
@@ -496,9 +493,9 @@ class ClusterClient(SingleKeyCalls):
         if not extra:
             return
         try:
-            self._client(view, owners[0])._grpc("Replicate", pb.ReplicateRequest(
-                keys=[key], targets=[view.by_id[n].addr for n in extra],
-                copies=1 + len(extra), write_quorum=1 + len(extra)))
+            self._client(view, owners[0]).replicate(
+                [key], [view.by_id[n].addr for n in extra], copies=1 + len(extra),
+                write_quorum=1 + len(extra))
         except KVStoreError as exc:
             log.info("fan-out of %s failed: %s", key.hex(), exc)
             return

@@ -423,6 +423,22 @@ class NodeClient(SingleKeyCalls):
             return self._channel_call(lambda c: c.remove([k]))[0]
         return self._grpc("Remove", pb.RemoveRequest(key=k)).removed
 
+    def replicate(self, keys: Sequence[bytes], targets: Sequence[str], *, copies: int,
+                  write_quorum: int, orders: Sequence[Sequence[int]] | None = None
+                  ) -> ReplicateOutcome:
+        """Asks this node to copy ``keys``, which it holds, to other nodes (a cluster-role
+        call): ``copies`` wanted in all, its own included, answering once ``write_quorum``
+        hold every key or the targets ran out. ``targets``: the nodes it may copy to, in
+        the order to try; ``orders``: per key, that key's targets as indexes into
+        ``targets`` (None: every key tries ``targets`` in order)."""
+        ks = [check_key(k) for k in keys]
+        reply = self._grpc("Replicate", pb.ReplicateRequest(
+            keys=ks, targets=list(targets), copies=copies, write_quorum=write_quorum,
+            orders=[pb.TargetOrder(index=list(o)) for o in orders or ()]))
+        return ReplicateOutcome(copies=reply.copies,
+                                missing=[BlockKey(k) for k in reply.missing],
+                                stored_on=list(reply.stored_on), failed=list(reply.failed))
+
     def stats(self) -> dict:
         """``{"node": {...}, "tiers": {name: {capacity, used, blocks, hits, misses, evictions,
         ...}}}``."""
@@ -431,6 +447,20 @@ class NodeClient(SingleKeyCalls):
             "node": {k: json.loads(v) for k, v in reply.node.items()},
             "tiers": {t.name: {"name": t.name, **dict(t.counters)} for t in reply.tiers},
         }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicateOutcome:
+    """What a node answered to ``NodeClient.replicate``."""
+
+    copies: int
+    """Copies known to hold every key, the node's own included."""
+    missing: list[BlockKey]
+    """Keys the node does not hold (evicted, or never put): not copied."""
+    stored_on: list[str]
+    """Targets that hold every key when the node answered."""
+    failed: list[str]
+    """``"ADDR: reason"`` per target that failed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -520,4 +550,5 @@ def _trailing(exc: grpc.RpcError, key: str) -> str | None:
     return None
 
 
-__all__ = ["TRANSPORTS", "NodeClient", "PutBatch", "SingleKeyCalls", "check_put_batch"]
+__all__ = ["TRANSPORTS", "NodeClient", "PutBatch", "ReplicateOutcome", "SingleKeyCalls",
+           "check_put_batch"]

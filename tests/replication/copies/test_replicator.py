@@ -13,6 +13,7 @@ from conftest import NodeProcess, start_static_cluster, wait_until
 from kvstore.client import Client
 from kvstore.core.errors import InvalidArgument, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.remote.node_client import ReplicateOutcome
 from replication.cluster_client import ClusterClient
 from replication.placement.rendezvous import Member, NodeId, Placement
 
@@ -134,10 +135,9 @@ def test_replicate_rpc_rejects_bad_requests_and_reports_missing(trio: list[NodeP
     stub_client = Client(trio[0].addr, transport="grpc")
     with stub_client:
         stub_client.put(_key(1), b"x" * 10)
-        reply = stub_client._grpc("Replicate", pb.ReplicateRequest(
-            keys=[_key(1), _key(2)], targets=[trio[1].addr], copies=2, write_quorum=2))
-        assert reply.copies == 2 and list(reply.missing) == [_key(2)]
-        assert list(reply.stored_on) == [trio[1].addr]
+        assert stub_client.replicate([_key(1), _key(2)], [trio[1].addr], copies=2,
+                                     write_quorum=2) == ReplicateOutcome(
+            copies=2, missing=[_key(2)], stored_on=[trio[1].addr], failed=[])
         for bad in (pb.ReplicateRequest(keys=[_key(1)], targets=["nope"], copies=2,
                                         write_quorum=2),
                     pb.ReplicateRequest(keys=[_key(1)], targets=[trio[1].addr], copies=2,
@@ -150,19 +150,18 @@ def test_replicate_rpc_rejects_bad_requests_and_reports_missing(trio: list[NodeP
                                         orders=[pb.TargetOrder(index=[0])])):
             with pytest.raises(InvalidArgument):
                 stub_client._grpc("Replicate", bad)
-        reply = stub_client._grpc("Replicate", pb.ReplicateRequest(
-            keys=[_key(1)], targets=["127.0.0.1:1", trio[2].addr], copies=2, write_quorum=2))
-        assert reply.copies == 2 and list(reply.stored_on) == [trio[2].addr]
+        reply = stub_client.replicate([_key(1)], ["127.0.0.1:1", trio[2].addr], copies=2,
+                                      write_quorum=2)
+        assert reply.copies == 2 and reply.stored_on == [trio[2].addr]
         assert len(reply.failed) == 1 and reply.failed[0].startswith("127.0.0.1:1: ")
     with Client(trio[2].addr) as c:
         assert c.get(_key(1)) == b"x" * 10
     # per-key orders: key 3 goes to node 1 only, key 4 to node 2 only, in one call
     with Client(trio[0].addr, transport="grpc") as c:
         c.put_batch([_key(3), _key(4)], [b"3", b"4"])
-        reply = c._grpc("Replicate", pb.ReplicateRequest(
-            keys=[_key(3), _key(4)], targets=[trio[1].addr, trio[2].addr], copies=2,
-            write_quorum=2, orders=[pb.TargetOrder(index=[0]), pb.TargetOrder(index=[1])]))
-        assert reply.copies == 2 and list(reply.stored_on) == [] and not reply.failed
+        reply = c.replicate([_key(3), _key(4)], [trio[1].addr, trio[2].addr], copies=2,
+                            write_quorum=2, orders=[[0], [1]])
+        assert reply == ReplicateOutcome(copies=2, missing=[], stored_on=[], failed=[])
     with Client(trio[1].addr) as c1, Client(trio[2].addr) as c2:
         assert c1.exists([_key(3), _key(4)]) == [True, False]
         assert c2.exists([_key(3), _key(4)]) == [False, True]
