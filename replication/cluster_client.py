@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.auth.security import ClientTls
@@ -60,6 +60,7 @@ from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
+from replication.placement.candidates import CandidateCache
 from replication.placement.hotness import HotnessTracker
 from replication.placement.rendezvous import Member, NodeId, Placement
 
@@ -82,25 +83,30 @@ class Holder:
     tier: str
 
 
-_CANDIDATE_CACHE = 1 << 16
+def _owners_and_rest(owners: list[NodeId], rest: list[NodeId]
+                     ) -> tuple[list[NodeId], list[NodeId]]:
+    return owners, rest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _View:
     """One membership view; ``cache`` memoises (owners, rest) per key for this view only."""
 
-    placement: Placement
     by_id: dict[NodeId, Member]
     replicas: int
-    cache: dict[BlockKey, tuple[list[NodeId], list[NodeId]]] = field(default_factory=dict)
+    cache: CandidateCache[tuple[list[NodeId], list[NodeId]]]
+
+    @classmethod
+    def of(cls, members: tuple[Member, ...], replicas: int) -> _View:
+        return cls(by_id={m.node_id: m for m in members}, replicas=replicas,
+                   cache=CandidateCache(Placement(members), _owners_and_rest))
+
+    @property
+    def placement(self) -> Placement:
+        return self.cache.placement
 
     def candidates(self, key: BlockKey) -> tuple[list[NodeId], list[NodeId]]:
-        hit = self.cache.get(key)
-        if hit is None:
-            if len(self.cache) >= _CANDIDATE_CACHE:
-                self.cache.clear()  # bounded; recomputing is cheap, only not free
-            hit = self.cache[key] = self.placement.candidates(key, self.replicas)
-        return hit
+        return self.cache.get(key, self.replicas)
 
 
 class ClusterClient(SingleKeyCalls):
@@ -147,7 +153,7 @@ class ClusterClient(SingleKeyCalls):
         self._hot_lock = threading.Lock()  # guards _hot (not thread-safe itself)
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._view = _View(placement=Placement(()), by_id={}, replicas=replicas)
+        self._view = _View.of((), replicas)
         self._suspects: dict[NodeId, float] = {}  # node -> until (clock)
         self._fanned: dict[BlockKey, list[NodeId]] = {}  # hot key -> nodes given extra copies
         # Nodes that refused a replicated put (outside an etcd cluster): put + Replicate there.
@@ -176,8 +182,7 @@ class ClusterClient(SingleKeyCalls):
 
     def _on_members(self, view: Sequence[Member]) -> None:
         members = tuple(view)
-        new = _View(placement=Placement(members), by_id={m.node_id: m for m in members},
-                    replicas=self.replicas)
+        new = _View.of(members, self.replicas)
         with self._lock:
             self._view = new
         self._peers.retain(m.addr for m in members)

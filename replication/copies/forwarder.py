@@ -19,14 +19,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.core.forwarding import BlockCopy, ForwardOutcome
-from kvstore.core.keys import BlockKey
 from replication.copies import quorum
 from replication.copies.peers import PeerPool
 from replication.copies.replicator import send_copies
 from replication.membership import Membership
+from replication.placement.candidates import CandidateCache
 from replication.placement.rendezvous import Member, NodeId, Placement
-
-_CACHE_KEYS = 1 << 16
 
 
 class Forwarder:
@@ -41,11 +39,11 @@ class Forwarder:
         self._lock = threading.Lock()
         # guarded by _lock:
         self._self_id: NodeId | None = None
-        self._placement: Placement | None = None
+        # Each block's targets under the current view (keys repeat: re-puts, fan-out);
+        # None while detached.
+        self._targets: CandidateCache[tuple[str, ...]] | None = None
         self._addrs: dict[NodeId, str] = {}
         self._unsubscribe: Callable[[], None] | None = None
-        # Each block's targets under the current view (keys repeat: re-puts, fan-out).
-        self._cache: dict[tuple[BlockKey, int], tuple[str, ...]] = {}
 
     def attach(self, membership: Membership, self_id: str) -> None:
         """Forward by ``membership``'s live view from now on, as node ``self_id``."""
@@ -59,41 +57,38 @@ class Forwarder:
     def detach(self) -> None:
         with self._lock:
             unsubscribe, self._unsubscribe = self._unsubscribe, None
-            self._placement, self._addrs = None, {}
+            self._targets, self._addrs = None, {}
         if unsubscribe is not None:
             unsubscribe()
 
     def _on_members(self, view: Sequence[Member]) -> None:
         members = tuple(view)
-        placement = Placement(members)
+        addrs = {m.node_id: m.addr for m in members}
         with self._lock:
-            self._placement = placement
-            self._addrs = {m.node_id: m.addr for m in members}
-            self._cache = {}  # a new dict: forwards in flight keep the old view's
+            me = self._self_id
+
+            def targets(owners: list[NodeId], rest: list[NodeId]) -> tuple[str, ...]:
+                return tuple(addrs[n] for n in owners + rest if n != me)
+
+            # A new cache: forwards in flight keep the old view's.
+            self._targets = CandidateCache(Placement(members), targets)
+            self._addrs = addrs
 
     @property
     def available(self) -> bool:
         with self._lock:
-            return self._placement is not None and bool(self._addrs)
+            return self._targets is not None and bool(self._addrs)
 
     def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int
                 ) -> ForwardOutcome:
         with self._lock:
-            placement, addrs, me, cache = (self._placement, self._addrs, self._self_id,
-                                           self._cache)
-        if placement is None or copies == 1 or not blocks:
+            targets, nodes = self._targets, len(self._addrs)
+        if targets is None or copies == 1 or not blocks:
             return ForwardOutcome(copies=1)
         groups: dict[tuple[str, ...], list[BlockCopy]] = {}
-        r = min(copies, len(addrs))
+        r = min(copies, nodes)
         for b in blocks:
-            cands = cache.get((b.place, r))
-            if cands is None:
-                owners, rest = placement.candidates(b.place, r)
-                cands = tuple(addrs[n] for n in owners + rest if n != me)
-                if len(cache) >= _CACHE_KEYS:
-                    cache.clear()  # bounded; recomputing is cheap, only not free
-                cache[(b.place, r)] = cands
-            groups.setdefault(cands, []).append(b)
+            groups.setdefault(targets.get(b.place, r), []).append(b)
         out = quorum.run(
             self._pool,
             [(cands, lambda addr, bs=bs: self._push(addr, bs)) for cands, bs in groups.items()],
