@@ -284,7 +284,7 @@ class VllmFront:
         assert c is not None
         now = time.monotonic()
         for iid, inst in self.prefill.items():
-            p = c._prefill_by_id[iid]
+            p = c.prefill_instance(iid)
             p.report_queue(now, max(p.queue_s(now),
                                     inst.queue_s(mean_prompt_tokens=self._mean_prompt())))
             c.costs[iid] = inst.calibration.cost()

@@ -230,3 +230,8 @@ class Conductor:
 
     def decode_of(self, rid: RequestId) -> DecodeInstance:
         return self._decode_by_id[self._where[rid][1]]
+
+    def prefill_instance(self, iid: InstanceId) -> PrefillInstance:
+        """The prefill instance ``iid`` (KeyError if there is none): a live front feeds
+        it the queue it measures."""
+        return self._prefill_by_id[iid]

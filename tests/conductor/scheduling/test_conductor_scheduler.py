@@ -147,6 +147,17 @@ def test_a_request_is_scheduled_once() -> None:
         c.schedule(req(1, 100), now=0.0)
 
 
+def test_prefill_instance_names_the_instance_scheduled_onto() -> None:
+    c = cluster()
+    assert [c.prefill_instance(InstanceId(f"p{i}")) for i in range(2)] == c.prefill
+    decision = c.schedule(req(1, 100), now=0.0)
+    assert decision.plan is not None
+    inst = c.prefill_instance(decision.plan.instance)
+    assert inst.queue_s(0.0) > 0  # the request is queued there
+    with pytest.raises(KeyError):
+        c.prefill_instance(InstanceId("d0"))  # a decode instance is not a prefill one
+
+
 # ---- decode choice -------------------------------------------------------------------------
 
 def test_decode_choice_uses_the_load_predicted_at_arrival() -> None:
