@@ -34,12 +34,12 @@ def _serve(port: int, region: int, ops: int, ready: Connection) -> None:
     class ProfiledServer(channel_server.ChannelServer):
         """Profiles each connection's thread (its HELLO, then every request it serves)."""
 
-        def _handle(self, sock: socket.socket) -> None:
+        def serve_connection(self, sock: socket.socket) -> None:
             prof = cProfile.Profile()
             start = time.thread_time()
             prof.enable()
             try:
-                super()._handle(sock)
+                super().serve_connection(sock)
             finally:
                 prof.disable()
                 cpu = time.thread_time() - start

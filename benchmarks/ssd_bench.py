@@ -359,7 +359,7 @@ def run_ssd_bench(
         rand = _random_reads(tier, p, min(total_bytes, capacity - largest), random_ops, seed,
                              rounds)
         stats = tier.stats()
-        tier_backend = tier._backend
+        verify_in_c = tier.verifies_in_c
     finally:
         tier.close()
     _prepare(p)  # leave no large file behind
@@ -378,7 +378,7 @@ def run_ssd_bench(
             "cpus": os.cpu_count(),
             "raw_queue_depths": list(raw_qds),
             "rounds": rounds,
-            "verify_in_c": bool(getattr(tier_backend, "verifies", False)),
+            "verify_in_c": verify_in_c,
             "raw_uring": uring_lib() is not None,
             "note": ("tier latencies are per call (one batch); raw latencies per request "
                      "(the QD1 loop for sequential, the threads for random). Figures are "

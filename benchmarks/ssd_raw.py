@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tiers.ssd.io import _load_uring
+from tiers.ssd.io import load_uring
 
 GB = 1e9
 RAW_QDS = (1, 4, 32)
@@ -42,7 +42,7 @@ def aligned(n: int, fill: bool) -> mmap.mmap:
 
 def uring_lib() -> Any:
     """The native helper module, or None when it is not built."""
-    module, _ = _load_uring()
+    module, _ = load_uring()
     return module
 
 

@@ -534,12 +534,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    from kvstore.proto import kvstore_pb2 as pb
-
     if args.etcd:
         raise CliError("drain names one node: give --addr, not --etcd")
     with _client(args) as c:
-        reply = c._grpc("Drain", pb.DrainRequest())
+        reply = c.drain()
     print(f"drained {args.addr}: {reply.blocks} blocks; {reply.copies} copies made on their "
           f"owners ({format_size(reply.bytes_copied)}) in {reply.seconds:.1f}s; the node is "
           f"stopping")

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from kvstore.cli import build_parser  # noqa: E402
-from kvstore.node.config import _SIZE_FIELDS, NodeConfig  # noqa: E402
+from kvstore.node.config import SIZE_FIELDS, NodeConfig  # noqa: E402
 from kvstore.node.metrics import METRICS  # noqa: E402
 
 DOCS = ROOT / "docs"
@@ -49,7 +49,7 @@ def _size(n: int) -> str:
 
 def _toml(name: str, value: object) -> str:
     """A default as it would be written in the TOML config file."""
-    if name in _SIZE_FIELDS:
+    if name in SIZE_FIELDS:
         if not value:
             return "`0`"
         assert isinstance(value, int), f"{name}: a size field's default is an int (NodeConfig)"

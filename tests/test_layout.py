@@ -14,7 +14,8 @@ from conftest import REPO
 
 TESTS = REPO / "tests"
 PROJECT_WIDE = {"test_import_graph.py", "test_type_ignores.py", "test_reference_docs.py",
-                "test_documented_paths.py", "test_layout.py", "test_docs.py"}
+                "test_documented_paths.py", "test_layout.py", "test_docs.py",
+                "test_private_access.py"}
 """Tests of the whole tree, not of one package: they stay at the top of tests/."""
 OWN_FOLDERS = {"engines", "vectors", "__pycache__"}
 

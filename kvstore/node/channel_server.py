@@ -398,8 +398,8 @@ class ChannelServer:
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._handle, args=(sock,), name="kvstore-channel",
-                                 daemon=True).start()
+                threading.Thread(target=self.serve_connection, args=(sock,),
+                                 name="kvstore-channel", daemon=True).start()
             except RuntimeError:  # no thread to be had: refuse this one, keep accepting
                 log.warning("refused a channel connection: cannot start a thread")
                 self._ended()
@@ -409,7 +409,9 @@ class ChannelServer:
         with self._lock:
             self._live -= 1
 
-    def _handle(self, sock: socket.socket) -> None:
+    def serve_connection(self, sock: socket.socket) -> None:
+        """Serves one accepted connection, on the calling thread (each has its own), until
+        it ends. A subclass may wrap it (``benchmarks/put_profile.py`` profiles it)."""
         try:
             self._serve_socket(sock)
         finally:

@@ -120,12 +120,13 @@ class NodeConfig:
         return [m.strip() for m in self.members.split(",") if m.strip()]
 
 
-_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"}
+SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"})
+"""Keys whose value is a size: ``"64MiB"`` or a number of bytes (the reference says so)."""
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 
 def _coerce(name: str, value: Any) -> Any:
-    if name in _SIZE_FIELDS:
+    if name in SIZE_FIELDS:
         return parse_size(value)
     kind = _FIELDS[name].type
     expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[kind]

@@ -439,6 +439,13 @@ class NodeClient(SingleKeyCalls):
                                 missing=[BlockKey(k) for k in reply.missing],
                                 stored_on=list(reply.stored_on), failed=list(reply.failed))
 
+    def drain(self) -> DrainOutcome:
+        """Asks this node (a cluster member; a cluster-role call) to leave placement, copy
+        every block no remaining owner holds to its owners, answer, then stop."""
+        reply = self._grpc("Drain", pb.DrainRequest())
+        return DrainOutcome(blocks=reply.blocks, copies=reply.copies,
+                            bytes_copied=reply.bytes_copied, seconds=reply.seconds)
+
     def stats(self) -> dict:
         """``{"node": {...}, "tiers": {name: {capacity, used, blocks, hits, misses, evictions,
         ...}}}``."""
@@ -461,6 +468,18 @@ class ReplicateOutcome:
     """Targets that hold every key when the node answered."""
     failed: list[str]
     """``"ADDR: reason"`` per target that failed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrainOutcome:
+    """What a node answered to ``NodeClient.drain`` (it stops after answering)."""
+
+    blocks: int
+    """Blocks the node held."""
+    copies: int
+    """Copies made on owners, of the blocks no remaining owner held."""
+    bytes_copied: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -550,5 +569,5 @@ def _trailing(exc: grpc.RpcError, key: str) -> str | None:
     return None
 
 
-__all__ = ["TRANSPORTS", "NodeClient", "PutBatch", "ReplicateOutcome", "SingleKeyCalls",
-           "check_put_batch"]
+__all__ = ["TRANSPORTS", "DrainOutcome", "NodeClient", "PutBatch", "ReplicateOutcome",
+           "SingleKeyCalls", "check_put_batch"]

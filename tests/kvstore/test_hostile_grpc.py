@@ -156,10 +156,9 @@ def test_a_value_larger_than_the_node_is_refused(a: Client) -> None:
 def test_cluster_calls_are_refused_to_tenants(node: NodeProcess, tenant: str) -> None:
     with Client(node.addr, transport="grpc", token=TOKENS[tenant]) as t:
         with pytest.raises(PermissionDenied, match="Replicate needs a cluster-role token"):
-            t._grpc("Replicate", pb.ReplicateRequest(keys=[SMALL_KEY], targets=[node.addr],
-                                                     copies=2, write_quorum=1))
+            t.replicate([SMALL_KEY], [node.addr], copies=2, write_quorum=1)
         with pytest.raises(PermissionDenied, match="Drain needs a cluster-role token"):
-            t._grpc("Drain", pb.DrainRequest())
+            t.drain()
 
 
 def test_stats_show_a_tenant_only_its_own_usage(node: NodeProcess, a: Client) -> None:

@@ -242,7 +242,7 @@ class _PythonBackend:
         self._pool.shutdown(wait=True)
 
 
-def _load_uring() -> tuple[ModuleType | None, str | None]:
+def load_uring() -> tuple[ModuleType | None, str | None]:
     """The native module, or None and why not."""
     try:
         # import_module honours sys.modules (a None entry there disables the backend).
@@ -455,7 +455,7 @@ class _UringBackend:
 
 def uring_available() -> tuple[bool, str | None]:
     """Whether the io_uring backend can run here, and if not why (for tests and stats)."""
-    module, reason = _load_uring()
+    module, reason = load_uring()
     if module is None:
         return False, reason
     out = module.ffi.new("struct kv_queue **")
@@ -479,7 +479,7 @@ def open_backend(fd: int, io: str, depth: int) -> tuple[Backend, str, str | None
     """
     reason: str | None = None
     if io in ("auto", "uring"):
-        module, reason = _load_uring()
+        module, reason = load_uring()
         if module is not None:
             try:
                 return _UringBackend(fd, depth, module), "uring", None

@@ -441,6 +441,12 @@ class SsdTier:
             self._needs_recover = False
             return records
 
+    @property
+    def verifies_in_c(self) -> bool:
+        """True if the io backend checks each read's checksum in C, without the GIL, as it
+        lands (io_uring built with xxHash); else reads are checked in Python."""
+        return self._backend is not None and self._backend.verifies
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tiers.ssd.io import load_uring
 from tiers.ssd.tier import SsdTier, uring_available
 
 MiB = 1 << 20
@@ -154,8 +155,10 @@ def test_stale_native_module_is_not_used(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setitem(sys.modules, "tiers._uring", fake)
     ok, reason = uring_available()
     assert not ok and "stale" in (reason or "")
+    module, why = load_uring()  # what the raw benchmark loads: nothing, and why
+    assert module is None and why == reason
     tier = SsdTier(tmp_path / "a.img", MiB, io="auto")
-    assert tier.io_backend == "python"
+    assert tier.io_backend == "python" and not tier.verifies_in_c
     assert "rebuild" in (tier.stats()["io_backend_reason"] or "")
     tier.close()
 

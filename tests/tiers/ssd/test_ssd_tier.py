@@ -67,6 +67,8 @@ def open_tier(path: Path, capacity: int, mode: dict, **kw: object) -> SsdTier:
     if mode.get("py_verify"):
         tier._backend.verifies = False  # type: ignore[union-attr]  # as a build without xxHash
     assert tier.io_backend == mode["io"]
+    if mode["io"] == "python" or mode.get("py_verify"):
+        assert not tier.verifies_in_c  # reads are checked in Python
     if mode["direct"]:
         # tmp_path may sit on a filesystem without O_DIRECT: then the tier must say why.
         assert tier.o_direct or "EINVAL" in (tier.o_direct_fallback or "")
