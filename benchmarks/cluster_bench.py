@@ -133,6 +133,7 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
                             c.remove(k)
                 base_p, base_g = puts["single node"], gets["single node"]
                 for name in clients:
+                    row: dict[str, Any]
                     row = {"transport": transport, "size": size, "client": name, "blocks": n,
                            "rounds": rounds,
                            "put_gbps": n * size / median(puts[name]) / 1e9,

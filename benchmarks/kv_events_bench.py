@@ -35,6 +35,7 @@ from benchmarks.stats import (
     write_json,
 )
 from kvstore import Client
+from kvstore.core.keys import BlockKey
 from kvstore.node.kv_events import KVEventPublisher, KVEventSettings
 from kvstore.node.semantics import Node, NodeSettings
 from kvstore.remote.kv_event_subscriber import KVEventSubscriber, decode
@@ -73,14 +74,14 @@ def one_round(blocks: int, events: bool) -> dict[str, Any]:
     node = Node(NodeSettings(dram_bytes=max(64 << 20, blocks * 4096 * 2), prefault=False))
     pub = counter = None
     base = 0
-    keys = [i.to_bytes(16, "big") for i in range(1, blocks + 1)]
+    keys = [BlockKey(i.to_bytes(16, "big")) for i in range(1, blocks + 1)]
     try:
         if events:
             pub = KVEventPublisher(node, KVEventSettings(endpoint="tcp://127.0.0.1:0",
                                                          replay_endpoint="tcp://127.0.0.1:0"))
             counter = _Counter(KVEventSubscriber(pub.endpoint, pub.replay_endpoint))
             assert pub.ready.wait(10.0)
-            probe = b"\xff" * 16
+            probe = BlockKey(b"\xff" * 16)
             while counter.events == 0:  # until the subscription reached the publisher
                 node.put(probe, VALUE)
                 node.remove(probe)
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def med(kind: str, field: str) -> float:
         return median([r[field] for r in runs[kind]])
 
-    summary = {
+    summary: dict[str, Any] = {
         "blocks": blocks, "block_bytes": len(VALUE), "rounds": rounds,
         "puts_per_s": {k: med(k, "puts_per_s") for k in runs},
         "removes_per_s": {k: med(k, "removes_per_s") for k in runs},

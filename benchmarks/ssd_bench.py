@@ -249,7 +249,7 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int, seed: int,
     raw_variants = {k: statistics.median(v) for k, v in raw_runs.items()}
     raw_best = max(raw_variants, key=raw_variants.__getitem__)
     raw_gbps = raw_variants[raw_best]
-    cases = {}
+    cases: dict[str, dict[str, Any]] = {}
     for name, callers in RANDOM_CALLERS:
         g = statistics.median(tier_runs[name])
         cases[name] = {

@@ -71,7 +71,8 @@ def raw_uring(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: boo
     """
     module = uring_lib()
     ffi, lib, n = module.ffi, module.lib, len(offsets)
-    bufs = [src] if write else _read_buffers(size, n, qd, dests)
+    reads = [] if write else _read_buffers(size, n, qd, dests)
+    bufs = [src] if write else reads
     pins = [ffi.from_buffer(b) for b in bufs]
     iovs = ffi.new("struct iovec[]", n)
     for i in range(n):
@@ -100,9 +101,8 @@ def raw_uring(fd: int, size: int, offsets: Sequence[int], qd: int, *, write: boo
     if rc < 0 or any(r != size for r in results):
         raise RuntimeError("raw io_uring transfer failed")
     del pins
-    if not write:
-        for b in bufs:
-            b.close()
+    for b in reads:
+        b.close()
     return n * size / dt / GB
 
 

@@ -57,10 +57,12 @@ def bench_mapped_tier(size: int, rounds: int, ops: int) -> dict[str, Any]:
     manager = TierManager(tier, make_policy("lru"), watermarks=Watermarks(high=1.0, low=1.0))
     src = np.frombuffer(np.random.default_rng(0).bytes(size), dtype=np.uint8)
     dst = np.empty(size, dtype=np.uint8)
-    srcv, dstv = memoryview(src), memoryview(dst)
+    # .data, an array's buffer: numpy's stub declares the buffer protocol for Python 3.12+
+    # only.
+    srcv, dstv = src.data, dst.data
     # The limit copies into and out of as many distinct slots as the tier uses, so
     # both see the same cache misses; copying between two hot buffers would not.
-    slots = memoryview(np.zeros(size * count, dtype=np.uint8))
+    slots = np.zeros(size * count, dtype=np.uint8).data
     puts: list[float] = []
     gets: list[float] = []
     memcpy_in: list[float] = []

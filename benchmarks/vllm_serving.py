@@ -143,7 +143,7 @@ def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
               logdir: Path) -> dict[str, Any]:
     logdir.mkdir(parents=True, exist_ok=True)
     ns = f"bench-{name}-{time.time_ns()}"
-    common = {"max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": 256 << 20}
+    common: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": 256 << 20}
     if name == "disaggregated":
         insts = [start_vllm(vllm_py, model, logdir, name="prefill", store=node.url,
                             namespace=ns, role="kv_both", **common),

@@ -518,7 +518,7 @@ def cmd_health(args: argparse.Namespace) -> int:
                else grpc.insecure_channel(args.addr))
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]  # the stub omits the generated method
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as exc:
             call: Any = exc  # a failed unary call is also a grpc.Call

@@ -212,7 +212,7 @@ def decoding_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
     runs and the client sees INTERNAL; here it is INVALID_ARGUMENT, as promised.
     """
     service = pb.DESCRIPTOR.services_by_name["KVStore"]
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)

@@ -22,7 +22,7 @@ STATUS_COLUMNS = ("node", "addr", "zone", "health", "capacity", "used", "blocks"
                   "repair_backlog")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cluster", help="start, stop or inspect a cluster")
     csub = p.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     up = csub.add_parser("up", help="start etcd and N nodes on loopback")
@@ -96,7 +96,7 @@ def credentials(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cluster_status(etcd: str, *, token: str | None = None, tls: Any = None,
-                   etcd_tls: Any = None) -> list[dict]:
+                   etcd_tls: Any = None) -> list[dict[str, Any]]:
     """One row per live member: its registration and what its Stats RPC says."""
     from replication.cluster_client import ClusterClient
     from replication.membership.etcd import EtcdMembership
@@ -111,7 +111,8 @@ def cluster_status(etcd: str, *, token: str | None = None, tls: Any = None,
     rows = []
     for m in members:
         s = stats.get(m.node_id, {"error": "no answer"})
-        row: dict = {"node": m.node_id, "addr": m.addr, "zone": m.zone, "weight": m.weight}
+        row: dict[str, Any] = {"node": m.node_id, "addr": m.addr, "zone": m.zone,
+                               "weight": m.weight}
         if "error" in s:
             row |= {"health": "unreachable", "error": s["error"]}
         else:
@@ -190,7 +191,7 @@ def _progress_bar(total: int) -> Any:
     return tqdm(total=total, desc="repair backlog", unit="block", file=sys.stderr, disable=None)
 
 
-def _cell(row: dict, col: str) -> str:
+def _cell(row: dict[str, Any], col: str) -> str:
     v = row.get(col, "")
     if col in ("capacity", "used") and isinstance(v, int):
         return format_size(v)

@@ -50,6 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvstore.auth.security import ClientTls
@@ -301,7 +302,7 @@ class ClusterClient(SingleKeyCalls):
                     stored[i] = f
 
             # Replicated puts wait on their masters' forwards (no GIL): those overlap.
-            self._parallel([lambda m=m, idx=idx: put_group(m, idx) for m, idx in groups.items()],
+            self._parallel([partial(put_group, m, idx) for m, idx in groups.items()],
                            serial=self.replicas == 1 and self._all_mapped(view, groups))
             pending = retry
         return stored
@@ -369,7 +370,7 @@ class ClusterClient(SingleKeyCalls):
                     results[i] = a
                     answered[i] = True
 
-            self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in groups.items()],
+            self._parallel([partial(ask, n, idx) for n, idx in groups.items()],
                            serial=self._all_mapped(view, groups))
             nxt = []
             for node, idx in groups.items():
@@ -439,7 +440,7 @@ class ClusterClient(SingleKeyCalls):
                     if t is not None:
                         out[i].append(Holder(node_id=m.node_id, addr=m.addr, tier=t))
 
-        self._parallel([lambda n=n, idx=idx: ask(n, idx) for n, idx in asks.items()])
+        self._parallel([partial(ask, n, idx) for n, idx in asks.items()])
         return out
 
     def remove(self, key: bytes) -> bool:
@@ -454,15 +455,15 @@ class ClusterClient(SingleKeyCalls):
             except Unavailable:
                 self._suspect(node)
 
-        self._parallel([lambda n=n: rm(n) for n in view.by_id])
+        self._parallel([partial(rm, n) for n in view.by_id])
         with self._lock:
             self._fanned.pop(k, None)
         return any(removed)
 
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         """Each live node's ``stats()`` by node id (an ``{"error": ...}`` for one that fails)."""
         view = self._current()
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
 
         def st(node: NodeId) -> None:
             try:
@@ -470,7 +471,7 @@ class ClusterClient(SingleKeyCalls):
             except KVStoreError as exc:
                 out[node] = {"error": str(exc)}
 
-        self._parallel([lambda n=n: st(n) for n in view.by_id])
+        self._parallel([partial(st, n) for n in view.by_id])
         return dict(sorted(out.items()))
 
     # ---- hot blocks ----------------------------------------------------------------------
@@ -489,8 +490,8 @@ class ClusterClient(SingleKeyCalls):
         if due:
             with self._hot_lock:
                 cooled = self._hot.cooled()
-            for k in cooled:
-                self._pool.submit(self._drop_fan_out, view, k)
+            for raw in cooled:  # the tracker keeps the keys it was given as plain bytes
+                self._pool.submit(self._drop_fan_out, view, BlockKey(raw))
 
     def _fan_out(self, view: _View, key: BlockKey) -> None:
         owners, rest = view.candidates(key)

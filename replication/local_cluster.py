@@ -52,7 +52,7 @@ class LocalCluster:
     etcd_pid: int
     nodes: list[NodeRecord] = field(default_factory=list)
     node_args: list[str] = field(default_factory=list)  # extra ``serve`` flags for every node
-    _procs: dict[int, subprocess.Popen] = field(default_factory=dict, repr=False)
+    _procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
     _etcd: EtcdServer | None = field(default=None, repr=False)
 
     # ---- starting ------------------------------------------------------------------------
@@ -215,7 +215,7 @@ class LocalCluster:
         return True
 
 
-def _alive(pid: int, procs: dict[int, subprocess.Popen]) -> bool:
+def _alive(pid: int, procs: dict[int, subprocess.Popen[bytes]]) -> bool:
     if pid in procs:
         return procs[pid].poll() is None
     try:

@@ -124,12 +124,12 @@ class ExtentAllocator:
             return None
         recent = self._recent.get(need)
         if recent:
-            start = recent.pop()
+            at = recent.pop()
             self._recent_count -= 1
             need = self._lengths.get(need, need)
-            self._live[start] = need
+            self._live[at] = need
             self._used += need
-            return Extent(start, need)
+            return Extent(at, need)
         start = self._find_fit(need)
         if start is None:
             if not self._recent_count:

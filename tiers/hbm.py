@@ -45,12 +45,13 @@ class HbmTier(AllocatorBacked):
     name = "hbm"
 
     def __init__(self, capacity: int, *, device: str | None = None, alignment: int = 256) -> None:
-        torch = _torch()
+        # The module is kept as an attribute, not a local named ``torch``: that name is
+        # the module-level (type-checking only) import the annotations refer to.
+        self._torch = _torch()
         self.device = pick_device(device)
         self._allocator = ExtentAllocator(capacity, alignment=alignment)
-        self._region: torch.Tensor = torch.empty(self._allocator.capacity, dtype=torch.uint8,
-                                                 device=self.device)
-        self._torch = torch
+        self._region: torch.Tensor = self._torch.empty(
+            self._allocator.capacity, dtype=self._torch.uint8, device=self.device)
 
     @property
     def on_gpu(self) -> bool:
@@ -66,7 +67,8 @@ class HbmTier(AllocatorBacked):
         with warnings.catch_warnings():
             # A read-only source is only ever read from; torch warns regardless.
             warnings.simplefilter("ignore", UserWarning)
-            return self._torch.frombuffer(buf, dtype=self._torch.uint8)
+            host: torch.Tensor = self._torch.frombuffer(buf, dtype=self._torch.uint8)
+            return host
 
     def write(self, extent: Extent, data: memoryview) -> None:
         n = len(data)

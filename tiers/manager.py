@@ -424,7 +424,7 @@ class TierManager:
         leaves_only = self.policy.leaves_only
         retains = self.retention.retains
         self._requeue_expired()
-        deferred: list = []
+        deferred: list[tuple[float, int, BlockKey]] = []
 
         def eligibility(entry: BlockEntry) -> Eligibility:
             # ``_eligibility`` inlined, after the protection of the put's parent.
@@ -478,7 +478,7 @@ class TierManager:
         dst_tier = self.levels[dst].tier if dst is not None else None
         dst_memory = dst is not None and not self.levels[dst].durable
         moves: list[Move] = []
-        deferred: list = []
+        deferred: list[tuple[float, int, BlockKey]] = []
         planned = 0
         self._requeue_expired()
         try:

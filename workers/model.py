@@ -306,7 +306,9 @@ class LlamaModel:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{root}: {name} has shape {tuple(t.shape)}, expected {shape}")
             hasher.update(name.encode())
-            hasher.update(t.contiguous().view(torch.uint8).numpy())
+            # .data, the array's buffer: numpy's stub declares the buffer protocol for
+            # Python 3.12+ only.
+            hasher.update(t.contiguous().view(torch.uint8).numpy().data)
             return t.to(device=device, dtype=config.torch_dtype).contiguous()
 
         c = config

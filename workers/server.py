@@ -201,7 +201,9 @@ def serve(service: Service, listen: str, *, on_stop: Any = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code. Prints the ready line."""
     host, port = parse_listen(listen)
     server = WorkerHTTPServer((host, port), service)
-    bound_host, bound_port = server.server_address[:2]
+    address = server.server_address
+    # The host is a str for an IP socket; the stub allows bytes too.
+    bound_host, bound_port = str(address[0]), address[1]
 
     def stop(signum: int, _frame: object) -> None:
         if not server.stopping.is_set():

@@ -51,7 +51,7 @@ from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.scheduling.types import InstanceId, PrefillPlan, Request, RequestId, Slo
-from kvstore.core.keys import block_keys
+from kvstore.core.keys import BlockKey, block_keys
 
 LOCAL_CACHE_BLOCKS = 4096
 
@@ -278,7 +278,7 @@ class VllmFront:
         return self._prompt_tokens_seen / max(1, self._requests_seen)
 
     async def _disaggregated(self, body: dict[str, Any], route: str, tokens: list[int],
-                             keys: list[bytes], stored: int, out_tokens: int, t0: float
+                             keys: list[BlockKey], stored: int, out_tokens: int, t0: float
                              ) -> Reply:
         c = self._conductor
         assert c is not None
@@ -344,7 +344,7 @@ class VllmFront:
         return await self._forward(dinst, body, route, t0, done, out_tokens)
 
     async def _colocated(self, body: dict[str, Any], route: str, tokens: list[int],
-                         keys: list[bytes], stored: int, out_tokens: int, t0: float
+                         keys: list[BlockKey], stored: int, out_tokens: int, t0: float
                          ) -> Reply:
         est, iid = self.choose_colocated(keys, stored, len(tokens))
         if self.config.rejection != "none" and est > self.config.slo.ttft_s:

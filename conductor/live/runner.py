@@ -29,12 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
-from conductor.scheduling.types import InstanceId, Request, RequestId, Slo
+from conductor.scheduling.types import CacheKey, InstanceId, Request, RequestId, Slo
 from kvstore.core.keys import BlockKey, block_keys, layer_key
 from workers.client import WorkerClient
 
@@ -53,10 +53,13 @@ class StorePool:
         self.store = store
         self.last = n_layers - 1
 
-    def prefix_len(self, keys: Sequence[BlockKey]) -> int:
+    def prefix_len(self, keys: Sequence[CacheKey]) -> int:
         if not keys:
             return 0
-        return self.store.prefix_match([layer_key(k, self.last) for k in keys])
+        # The protocol speaks of any hashable key; a live request carries the store's block
+        # keys (``submit``).
+        blocks = cast("Sequence[BlockKey]", keys)
+        return self.store.prefix_match([layer_key(k, self.last) for k in blocks])
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,14 +129,14 @@ class LiveConductor:
         with self._lock:
             rid = RequestId(next(self._ids))
             req = Request(id=rid, arrival_s=t0, prompt_tokens=len(tokens),
-                          output_tokens=max_new_tokens, block_keys=keys,
+                          output_tokens=max_new_tokens, block_keys=tuple(keys),
                           block_tokens=self.block_tokens)
             decision = self.conductor.schedule(req, t0)
         base = {"request_id": int(rid), "est_ttft_s": decision.est_ttft_s,
                 "est_tbt_s": decision.est_tbt_s}
         if not decision.accepted:
             return {**base, "rejected": True, "reason": decision.reason}
-        assert decision.prefill is not None
+        assert decision.prefill is not None and decision.decode is not None
         try:
             return self._run(rid, req, tokens, decision.prefill, decision.decode, use_cache,
                              base, t0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from conductor.scheduling.costs import LLAMA2_70B_LAYERS, CostModel, a800_kv_capacity_tokens
@@ -175,13 +176,15 @@ def measure_capacity(trace: Sequence[TraceRequest], cost: CostModel,
         COLOCATED_CHUNKED: lambda s: simulate_colocated(
             requests_from_trace(trace, speed=s), chunk_tokens=st.chunk_tokens, **colo_kw),
     }
+
+    def disaggregated(speed: float, spec: ClusterSpec) -> SimResult:
+        return simulate_disaggregated(requests_from_trace(trace, speed=speed), spec=spec,
+                                      cost=cost, kv_stream_layers=st.kv_stream_layers)
+
     for p in splits:
         spec = ClusterSpec(prefill=p, decode=st.instances - p, cache_blocks=st.cache_blocks,
                            kv_capacity_tokens=st.kv_capacity_tokens)
-        systems[split_name(p, st.instances)] = (
-            lambda s, spec=spec: simulate_disaggregated(
-                requests_from_trace(trace, speed=s), spec=spec, cost=cost,
-                kv_stream_layers=st.kv_stream_layers))
+        systems[split_name(p, st.instances)] = partial(disaggregated, spec=spec)
     speeds: dict[str, dict[str, float]] = {}
     for name, run in systems.items():
         attained: dict[float, dict[float, float]] = {}  # speed -> TBT SLO -> attainment
@@ -197,7 +200,7 @@ def measure_capacity(trace: Sequence[TraceRequest], cost: CostModel,
             return attained[speed][tbt]
 
         speeds[name] = {threshold_key(t): bisect_speed(
-            lambda s, t=t: attain(s, t), st.attainment, st.speed_lo, st.speed_hi, st.tol)
+            partial(attain, tbt=t), st.attainment, st.speed_lo, st.speed_hi, st.tol)
             for t in st.tbt_slos_s}
         if progress is not None:
             progress(name, speeds[name])

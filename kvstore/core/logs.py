@@ -166,9 +166,12 @@ def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
     if args.exc_type is SystemExit:
         return
     name = args.thread.name if args.thread is not None else "?"
-    logging.getLogger("kvstore").error(
-        "uncaught exception in thread %s", name,
-        exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+    # threading hands the hook the exception object itself; ExceptHookArgs types it as
+    # optional, and logging takes no (type, None, traceback) triple.
+    exc_info = ((args.exc_type, args.exc_value, args.exc_traceback)
+                if args.exc_value is not None else None)
+    logging.getLogger("kvstore").error("uncaught exception in thread %s", name,
+                                       exc_info=exc_info)
 
 
 def announce(text: str, *, fmt: str, logger: str = "kvstore.serve") -> None:

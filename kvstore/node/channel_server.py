@@ -265,7 +265,9 @@ class _Connection:
             else:
                 lease_id, entry = got
                 if self.node.is_mapped(entry):
-                    out += wire.LEASE_ITEM.pack(lease_id, entry.extent.offset, entry.nbytes)
+                    extent = entry.extent
+                    assert extent is not None  # a leased block in a mapped tier has one
+                    out += wire.LEASE_ITEM.pack(lease_id, extent.offset, entry.nbytes)
                 else:
                     # Not in shared memory (HBM or SSD): the client fetches it with GET.
                     self.leases.release(lease_id)

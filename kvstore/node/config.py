@@ -123,13 +123,18 @@ class NodeConfig:
 SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"})
 """Keys whose value is a size: ``"64MiB"`` or a number of bytes (the reference says so)."""
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+# A field's type as written ("int", "float", ...): annotations are postponed here, so the
+# field holds their text, which str() returns as it is.
+_KINDS = {name: str(f.type) for name, f in _FIELDS.items()}
+_EXPECTED: dict[str, type[Any] | tuple[type[Any], ...]] = {
+    "int": int, "float": (int, float), "bool": bool, "str": str}
 
 
 def _coerce(name: str, value: Any) -> Any:
     if name in SIZE_FIELDS:
         return parse_size(value)
-    kind = _FIELDS[name].type
-    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[kind]
+    kind = _KINDS[name]
+    expected = _EXPECTED[kind]
     if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
         spelled = {"int": "an integer", "float": "a number", "bool": "true or false",
                    "str": "a string"}[kind]

@@ -328,7 +328,7 @@ class RequestInterceptor(grpc.ServerInterceptor):
                 try:
                     return behavior(request, context)
                 except BaseException:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]  # grpc has code() since 1.38; its stub lacks it
                     # Beside what the handler set (an error's reason), not instead of it.
                     context.set_trailing_metadata(
                         (*(context.trailing_metadata() or ()), (REQUEST_ID_HEADER, rid)))
@@ -344,10 +344,10 @@ class RequestInterceptor(grpc.ServerInterceptor):
 def _log_failure(method: str, code: grpc.StatusCode, context: grpc.ServicerContext,
                  rid: str) -> None:
     extra = {"request_id": rid, "method": method, "code": code.name}
-    if context.code() is None:
+    if context.code() is None:  # type: ignore[attr-defined]  # grpc has code() since 1.38; its stub lacks it
         log.exception("%s failed outside the error mapping", method, extra=extra)
     elif code is not grpc.StatusCode.INTERNAL:  # _rpc logged it with its traceback
-        details = context.details() or b""
+        details = context.details() or b""  # type: ignore[attr-defined]  # as code(): the stub lacks details()
         text = details.decode("utf-8", "replace") if isinstance(details, bytes) else details
         log.info("%s failed: %s: %s", method, code.name, text, extra=extra)
 
@@ -367,7 +367,8 @@ class MetricsExporter:
             raise OSError(exc.errno, f"cannot serve metrics on {listen}: "
                                      f"{exc.strerror or exc}") from None
         bound = self._server.server_address
-        shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
+        host_bound = str(bound[0])  # a str for an IP socket; the stub allows bytes too
+        shown = f"[{host_bound}]" if ":" in host_bound else host_bound
         self.address = f"{shown}:{bound[1]}"
         """``HOST:PORT`` actually bound."""
         self._stopped = threading.Event()

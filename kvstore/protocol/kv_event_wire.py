@@ -63,7 +63,7 @@ class Cleared(NamedTuple):
 
 # Events are told apart by length (3, 2, 0), so plain tuples of the same shapes are events
 # too: the publisher queues those, the cheapest thing to build under the node's lock.
-Event = Stored | Removed | Cleared
+Event = Stored | Removed | Cleared | tuple[bytes, bytes | None, str] | tuple[bytes, str]
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -123,22 +123,22 @@ def encoder(*, int_hashes: bool = False, clock: Callable[[], float] = time.time
     block_stored, block_removed, all_cleared, batch = _structs()
     enc = msgspec.msgpack.Encoder()
 
-    # Positional struct arguments and no per-event calls: this runs once per event.
+    # Positional struct arguments and no per-event calls: this runs once per event. The
+    # length is tested in the condition itself (not kept in a local) so that the type
+    # checker narrows the tuple to its shape.
     def one(e: Event) -> Any:
-        n = len(e)
-        if n == 3:
+        if len(e) == 3:
             return block_stored([e[0]], e[1], [], 0, None, e[2], None)
-        if n == 2:
+        if len(e) == 2:
             return block_removed([e[0]], e[1])
         return all_cleared()
 
     def one_int(e: Event) -> Any:
-        n = len(e)
-        if n == 3:
+        if len(e) == 3:
             parent = None if e[1] is None else int.from_bytes(e[1], "big") & _LOW64
             return block_stored([int.from_bytes(e[0], "big") & _LOW64], parent, [], 0, None,
                                 e[2], None)
-        if n == 2:
+        if len(e) == 2:
             return block_removed([int.from_bytes(e[0], "big") & _LOW64], e[1])
         return all_cleared()
 

@@ -74,10 +74,12 @@ import ssl
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import cast
 
 import grpc
 
 from kvstore.core.errors import KVStoreError, ReplyTooLarge, error_for_code
+from kvstore.core.keys import BlockKey
 
 MAGIC = b"KVS1"
 PROTOCOL_VERSION = 1
@@ -370,8 +372,11 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
 
-def unpack_keys(meta: bytes, count: int) -> list[bytes]:
-    return [meta[i * 16 : i * 16 + 16] for i in range(count)]
+def unpack_keys(meta: bytes, count: int) -> list[BlockKey]:
+    # Block keys by construction: 16-byte slices of a meta whose length the channel server
+    # checked against ``count``. A cast, not BlockKey() per key: the GET path makes no call
+    # per key.
+    return cast("list[BlockKey]", [meta[i * 16 : i * 16 + 16] for i in range(count)])
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
@@ -392,7 +397,8 @@ def retain_ms(retain_s: float) -> int:
 
 def item_retain_s(meta: bytes, index: int, item_size: int) -> float:
     """The ``retain_s`` of item ``index`` of a PUT/RESERVE/RPUT request's meta."""
-    return RETAIN_MS.unpack_from(meta, index * item_size + RETAIN_AT)[0] / 1000.0
+    ms: int = RETAIN_MS.unpack_from(meta, index * item_size + RETAIN_AT)[0]
+    return ms / 1000.0
 
 
 def pack_put_items(

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
@@ -190,8 +190,9 @@ class NodeClient(SingleKeyCalls):
                                  unix_path=info.unix_path, token=info.token,
                                  region_bytes=info.region_bytes,
                                  tls=self._tls.ssl_context() if self._tls else None)
-        candidates = {"auto": [Mode.SHM, Mode.TCP, None], "tcp": [Mode.TCP],
-                      "shm": [Mode.SHM]}[self._requested]
+        modes: dict[str, list[Mode | None]] = {"auto": [Mode.SHM, Mode.TCP, None],
+                                               "tcp": [Mode.TCP], "shm": [Mode.SHM]}
+        candidates = modes[self._requested]
         if not (info.same_host and info.unix_path):
             if self._requested == "shm":
                 raise Unavailable(f"{self.addr}: shared memory needs a node on this host")
@@ -523,7 +524,8 @@ def check_put_batch(keys: Sequence[bytes], values: Sequence[object],
     ks = [check_key(k) for k in keys]
     if len(values) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(values)} values")
-    ps = [check_parent(p) for p in parents] if parents is not None else [None] * len(ks)
+    ps: list[BlockKey | None] = ([check_parent(p) for p in parents] if parents is not None
+                                 else [None] * len(ks))
     if len(ps) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(ps)} parents")
     return ks, [as_readable(v) for v in values], ps
@@ -562,7 +564,10 @@ def _request_id_note(exc: grpc.RpcError) -> str:
 
 def _trailing(exc: grpc.RpcError, key: str) -> str | None:
     """The failed call's trailing-metadata value under ``key``, None if absent."""
-    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    # grpc's stub types the items as objects with .key and .value; grpc hands (key, value)
+    # tuples, the value str for a key without the "-bin" suffix.
+    trailing = cast("tuple[tuple[str, str | bytes], ...] | None",
+                    exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None)
     for k, value in trailing or ():
         if k == key:
             return value if isinstance(value, str) else value.decode("utf-8", "replace")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from kvstore.core.forwarding import BlockCopy, ForwardOutcome
 from replication.copies import quorum
@@ -91,7 +92,7 @@ class Forwarder:
             groups.setdefault(targets.get(b.place, r), []).append(b)
         out = quorum.run(
             self._pool,
-            [(cands, lambda addr, bs=bs: self._push(addr, bs)) for cands, bs in groups.items()],
+            [(cands, partial(self._push, blocks=bs)) for cands, bs in groups.items()],
             copies=copies, write_quorum=write_quorum, wait_all=True)
         return ForwardOutcome(copies=out.copies, stored_on=tuple(out.stored_on),
                               failed=tuple(out.failed))

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvstore.core.errors import InvalidArgument, ResourceExhausted
 from kvstore.core.forwarding import BlockCopy
@@ -140,7 +141,7 @@ class Replicator:
                 groups.setdefault(cands, []).append(k)
         out = quorum.run(
             self._pool,
-            [(cands, lambda addr, ks=ks: self._push(addr, ks)) for cands, ks in groups.items()],
+            [(cands, partial(self._push, keys=ks)) for cands, ks in groups.items()],
             copies=copies, write_quorum=write_quorum, wait_s=self.wait_s, cancel=self._cancel)
         return ReplicateOutcome(copies=out.copies, missing=missing, stored_on=out.stored_on,
                                 failed=out.failed)

@@ -147,8 +147,8 @@ class EtcdServer:
                 self._auto_ports = False  # from now on these are the ports, restarts included
                 return
             except EtcdServerError as e:
-                taken = "address already in use" in str(e)
-                if not (taken and self._auto_ports and attempt + 1 < _BIND_ATTEMPTS):
+                lost_race = "address already in use" in str(e)
+                if not (lost_race and self._auto_ports and attempt + 1 < _BIND_ATTEMPTS):
                     raise
 
     def stop(self, timeout: float = 10.0) -> int | None:

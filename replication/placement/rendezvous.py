@@ -353,7 +353,8 @@ class Placement:
     def _owner_block(self, s: npt.NDArray[np.float64], r: int) -> npt.NDArray[np.intp]:
         k, n = s.shape
         if r == 1:
-            return np.argmax(s, axis=1)[:, None]  # first maximum: smallest id on ties
+            first: npt.NDArray[np.intp] = np.argmax(s, axis=1)[:, None]
+            return first  # first maximum: smallest id on ties
         top = _top_ranked(s, r)  # (k, r) best first
         nz = self._n_zones
         if nz == 1:

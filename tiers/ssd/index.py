@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import rocksdict
 
@@ -98,8 +99,17 @@ class SsdIndex:
                 "did not exist; refusing to serve from an empty file")
         return raw is None, has_blocks
 
+    def _raw_keys(self, from_key: bytes) -> Iterator[bytes]:
+        # raw_mode: every key the database holds is bytes; rocksdict's stub types a key as
+        # any kind of key it accepts (str, int, float, bytes, bool).
+        return cast("Iterator[bytes]", self._db.keys(from_key=from_key))
+
+    def _raw_items(self, from_key: bytes) -> Iterator[tuple[bytes, Any]]:
+        # raw_mode, as in _raw_keys.
+        return cast("Iterator[tuple[bytes, Any]]", self._db.items(from_key=from_key))
+
     def _first_block_key(self) -> bytes | None:
-        for k in self._db.keys(from_key=_BLOCK_PREFIX):
+        for k in self._raw_keys(_BLOCK_PREFIX):
             return k if k.startswith(_BLOCK_PREFIX) else None
         return None
 
@@ -120,8 +130,13 @@ class SsdIndex:
     def delete(self, keys_and_locations: Sequence[tuple[BlockKey, SsdLocation]]) -> None:
         """Removes, in one synced batch, each entry that still names its location (a key
         written twice keeps its newer entry when the older copy is deleted)."""
-        db_keys = [_BLOCK_PREFIX + bytes(k) for k, _ in keys_and_locations]
-        stored = self._db.get(db_keys)
+        # Typed as the stub's key union: a list of bytes is no list of that union (a list
+        # is invariant).
+        db_keys: list[str | int | float | bytes | bool] = [
+            _BLOCK_PREFIX + bytes(k) for k, _ in keys_and_locations]
+        # A list of keys gets a list of values (None where a key is missing); the stub
+        # returns Any | None whatever the key.
+        stored = cast("list[Any]", self._db.get(db_keys))
         batch = rocksdict.WriteBatch(raw_mode=True)
         for dbk, raw, (_, loc) in zip(db_keys, stored, keys_and_locations, strict=True):
             if raw is not None and _decode_entry(bytes(raw))[1] == loc:
@@ -131,7 +146,7 @@ class SsdIndex:
     def records(self) -> list[SsdRecord]:
         """Every entry, in key order."""
         records: list[SsdRecord] = []
-        for k, v in self._db.items(from_key=_BLOCK_PREFIX):
+        for k, v in self._raw_items(_BLOCK_PREFIX):
             if not k.startswith(_BLOCK_PREFIX):
                 break
             key = bytes(k[len(_BLOCK_PREFIX):])

@@ -282,7 +282,7 @@ class _UringBatch:
                                                self._left if all_left else min_new, ms)
         if got < 0:
             return None  # -ETIMEDOUT
-        out = self._backend._ffi.unpack(self._idx, got)
+        out: list[int] = self._backend._ffi.unpack(self._idx, got)
         self._left -= got
         cops, ops, results, finish = self._cops, self._ops, self.results, self._backend._finish
         for i in out:

@@ -87,7 +87,9 @@ class CudaTensorReads(StoreHost):
             if n is None:
                 codes[i] = OBJECT_NOT_FOUND
                 continue
-            meta = parse_header(memoryview(host.numpy())[:n])
+            # .data, the array's buffer: numpy's stub declares the buffer protocol for
+            # Python 3.12+ only.
+            meta = parse_header(host.numpy().data[:n])
             dst = tensors_list[i]
             if meta is None or meta[0] != str(dst.dtype).removeprefix("torch.") \
                     or (meta[1] or (1,)) != tuple(dst.shape):

@@ -128,8 +128,7 @@ class TensorObjects(StoreHost):
             return [None] * len(keys)
         out: list[Any] = []
         for value in values:
-            meta = None if value is None else parse_header(value)
-            if meta is None:
+            if value is None or (meta := parse_header(value)) is None:
                 out.append(None)
                 continue
             dtype, shape, offset, nbytes = meta
@@ -155,8 +154,7 @@ class TensorObjects(StoreHost):
         got = self._get_into(base_keys, outs)
         result: list[Any] = []
         for out, n in zip(outs, got, strict=True):
-            meta = None if out is None or n < 0 else parse_header(out[:n])
-            if meta is None:
+            if out is None or n < 0 or (meta := parse_header(out[:n])) is None:
                 result.append(None)
                 continue
             dtype, shape, offset, nbytes = meta

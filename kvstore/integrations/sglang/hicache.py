@@ -479,8 +479,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 values = self.client.get_batch(hkeys)
                 return [None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
                         for v in values]
-            outs = [self._bytes_of(t) if t.is_contiguous() else None for t in target_locations]
-            if any(o is None for o in outs):
+            outs = [self._bytes_of(t) for t in target_locations if t.is_contiguous()]
+            if len(outs) < len(target_locations):
                 raise ValueError("target locations must be contiguous CPU tensors")
             got = self.client.get_batch_into(hkeys, outs)
         except KVStoreError as e:

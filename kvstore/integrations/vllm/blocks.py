@@ -127,7 +127,9 @@ class BlockLayout:
         """Writes every row's header (checksum over its payload, its key)."""
         rows = staging.numpy()
         for i, key in enumerate(keys):
-            payload = rows[i, HEADER_BYTES:]
+            # .data: the payload's buffer as a memoryview (numpy's stub declares the buffer
+            # protocol of an array for Python 3.12+ only).
+            payload = rows[i, HEADER_BYTES:].data
             header = _HEADER.pack(MAGIC, VERSION, self.num_layers, self.layer_bytes,
                                   self.fingerprint, xxhash.xxh3_64_intdigest(payload), key)
             rows[i, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
@@ -141,7 +143,7 @@ class BlockLayout:
             return "missing"
         if length != self.value_bytes:
             return f"size {length}, expected {self.value_bytes}"
-        buf = row.numpy() if isinstance(row, torch.Tensor) else row
+        buf = row.numpy().data if isinstance(row, torch.Tensor) else row  # .data: see seal()
         magic, version, layers, layer_bytes, fp, checksum, stored_key = _HEADER.unpack_from(
             buf, 0)
         if magic != MAGIC or version != VERSION:
