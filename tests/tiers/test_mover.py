@@ -159,3 +159,32 @@ def test_room_is_never_made_on_a_full_ssd(tmp_path: Path) -> None:
         t.mover.stop()
         for lv in t.manager.levels:
             lv.tier.close()
+
+
+def test_ssd_to_hbm_in_one_move(tmp_path: Path) -> None:
+    """HBM is not addressable memory (a torch device; the CPU one here): the block is read
+    off the SSD into a buffer, then copied onto the device."""
+    pytest.importorskip("torch")
+    from tiers.hbm import HbmTier
+
+    hbm = HbmTier(4 * BLOCK, device="cpu")
+    dram = DramTier(4 * BLOCK, prefault=False)
+    ssd = SsdTier(tmp_path / "kv.img", 16 * BLOCK, io="python")
+    manager = TierManager([hbm, dram, ssd], make_policy("lru"),
+                          watermarks=Watermarks(high=1.0, low=0.5))
+    lock = threading.Lock()
+    t = Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
+    try:
+        s = t.put("s")
+        assert t.mover.make_room(1, BLOCK)
+        assert t.where(s) == ["ssd"]
+        with lock:
+            plan = manager.plan_prefetch([s], manager.memory_level("hbm"), max_bytes=BLOCK)
+        assert [(m.src, m.dst) for m in plan.moves] == [(2, 0)]
+        t.mover.prefetch(plan)
+        assert plan.answer() == [PrefetchOutcome.PROMOTED]
+        assert t.where(s) == ["hbm"] and t.read(s) == t.values[s]
+    finally:
+        t.mover.stop()
+        for tier in (hbm, dram, ssd):
+            tier.close()
