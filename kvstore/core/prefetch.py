@@ -23,6 +23,8 @@ MAX_PREFETCH_KEYS = 4096
 million tokens, past any model's window."""
 
 DEFAULT_PREFETCH_TIER = "dram"
+MAX_TIER_NAME = 32
+"""Longest tier name a prefetch may send (tiers are named "hbm", "dram", "ssd")."""
 
 DEFAULT_MAX_PREFETCH_BYTES = 256 << 20
 """Bytes of blocks a node's prefetches may have planned and not yet finished
@@ -55,13 +57,18 @@ class PrefetchOutcome(StrEnum):
 
 def check_prefetch(keys: Sequence[object], tier: str | None) -> tuple[list[BlockKey], str]:
     """The checked keys and tier name (None or "": ``"dram"``); InvalidArgument for a
-    malformed key, more than ``MAX_PREFETCH_KEYS`` keys, or a tier that is not a string.
+    malformed key, more than ``MAX_PREFETCH_KEYS`` keys, or a tier that is not a string of
+    at most ``MAX_TIER_NAME`` characters.
     Whether the node has that tier is the node's to say."""
     if len(keys) > MAX_PREFETCH_KEYS:
         raise InvalidArgument(f"at most {MAX_PREFETCH_KEYS} keys per prefetch, got "
                               f"{len(keys)}")
     if tier is not None and not isinstance(tier, str):
         raise InvalidArgument(f"tier must be a tier name such as 'dram', got {tier!r}")
+    if tier is not None and len(tier) > MAX_TIER_NAME:
+        # Not echoed: an error's text travels in a header, which gRPC bounds.
+        raise InvalidArgument(f"a tier name of {len(tier)} characters: tiers are named "
+                              f"'dram' or 'hbm'")
     return [check_key(k) for k in keys], tier or DEFAULT_PREFETCH_TIER
 
 
