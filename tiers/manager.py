@@ -86,6 +86,15 @@ from tiers.retention import RetainAsk, RetentionBook
 
 PROMOTE_AFTER_HITS = 2
 
+SPARE_SCAN = 8192
+"""Most spared blocks (retained, or named by the call) one prefetch's room looks past for
+its victims. Under the node's lock, on every prefetch: a DRAM full of retained blocks
+must not cost a scan of all of them each time. Past it the prefetch reports no room."""
+
+
+class _ScanBound(Exception):
+    """A prefetch's room looked past ``SPARE_SCAN`` spared blocks (``plan_moves``)."""
+
 __all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "PrefetchPlan", "Reservation",
            "TierCounters", "TierManager", "Watermarks"]
 
@@ -499,7 +508,8 @@ class TierManager:
         With ``spare``, the room a prefetch makes (``plan_prefetch``): never a retained
         block nor a key of ``spare``, never a drop, and only as much as the tier below has
         room for under its high watermark (its moves are ``no_drops``), so nothing leaves
-        the node for it. Fewer bytes than asked, or none, when that is all there is."""
+        the node for it. Fewer bytes than asked, or none, when that is all there is or
+        when ``SPARE_SCAN`` spared blocks were looked past."""
         s = self._s
         lv = self.levels[level]
         dst = level + 1 if self._has_lower(level) else None
@@ -510,6 +520,7 @@ class TierManager:
         eligibility: Callable[[BlockEntry], Eligibility] = (
             self._eligibility if dst is not None else self._drop_eligibility)
         below = None  # bytes the tier below may take (None: no bound but its space)
+        passed: list[BlockEntry] = []  # spared blocks looked at (the last one: not queued)
         if spare is not None:
             assert dst is not None
             below = self._headroom(dst)
@@ -519,6 +530,9 @@ class TierManager:
                 verdict = self._eligibility(entry)
                 if verdict is Eligibility.EVICT and (entry.key in spare
                                                      or retains(entry.key)):
+                    passed.append(entry)
+                    if len(passed) > SPARE_SCAN:
+                        raise _ScanBound
                     return Eligibility.DEFER  # stays queued for ordinary rounds
                 return verdict
 
@@ -529,7 +543,12 @@ class TierManager:
         self._requeue_expired()
         try:
             while planned < nbytes:
-                key = lv.queue.pop_victim(s.blocks, eligibility, deferred)
+                try:
+                    key = lv.queue.pop_victim(s.blocks, eligibility, deferred)
+                except _ScanBound:
+                    last = passed[-1]  # popped, neither deferred nor a victim: queue it again
+                    lv.queue.push(last.key, last)
+                    break
                 if key is None:
                     break
                 entry = s.blocks[key]

@@ -318,3 +318,21 @@ def test_only_memory_tiers_the_node_has() -> None:
         m.memory_level("hbm")
     with pytest.raises(ValueError, match="memory tier"):
         m.plan_prefetch([k("a")], 1, max_bytes=NO_BOUND)
+
+
+def test_the_room_looks_past_a_bounded_number_of_spared_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiers(top=4)
+    put(m, "s")
+    demote(m, 0, "s")
+    for r in ("r1", "r2", "r3"):
+        put(m, r, retain_s=60)
+    put(m, "c")  # the one ordinary block, behind three retained ones
+    monkeypatch.setattr("tiers.manager.SPARE_SCAN", 2)
+    assert run(m, prefetch(m, "s")) == [NO_ROOM]  # gave up at r3
+    monkeypatch.setattr("tiers.manager.SPARE_SCAN", 3)
+    plan = prefetch(m, "s")
+    assert [name(mv.entry.key) for mv in plan.room] == ["c"]
+    assert run(m, plan) == [PROMOTED]
+    # Every block looked past is still queued, in policy order, for ordinary demotion.
+    assert [name(mv.entry.key) for mv in m.plan_moves(0, 4 * B)] == ["r1", "r2", "r3", "s"]
