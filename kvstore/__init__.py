@@ -13,11 +13,13 @@ from kvstore.core.keys import BlockKey, block_keys, namespace_root_key
 if TYPE_CHECKING:
     from kvstore.client import Client
     from kvstore.core.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+    from kvstore.core.prefetch import PrefetchOutcome
 
 _LAZY = {
     "Client": "kvstore.client",
     "InvalidArgument": "kvstore.core.errors",
     "KVStoreError": "kvstore.core.errors",
+    "PrefetchOutcome": "kvstore.core.prefetch",
     "ResourceExhausted": "kvstore.core.errors",
     "Unavailable": "kvstore.core.errors",
 }
@@ -37,6 +39,7 @@ __all__ = [
     "Client",
     "InvalidArgument",
     "KVStoreError",
+    "PrefetchOutcome",
     "ResourceExhausted",
     "Unavailable",
     "block_keys",

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-retained-fraction", type=float, metavar="F",
                    help="most of the node's capacity (and of a tenant's quota) puts with "
                         "retain_s may hold (0..1, default 0.5)")
+    s.add_argument("--max-prefetch-bytes", type=_size, metavar="SIZE",
+                   help="most bytes of blocks the node's prefetches may have on the move at "
+                        "once; past it a prefetch answers busy (default 256MiB)")
     s.add_argument("--low-watermark", type=float, help="evict down to this fraction")
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
                    help="do not touch the DRAM region's pages at start")
@@ -161,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     client_args(s)
     s.add_argument("keys", nargs="+", help="32 hex characters each")
 
+    s = sub.add_parser("prefetch", help="bring blocks up to a memory tier ahead of their use "
+                       "(docs/node.md, Prefetch)")
+    client_args(s)
+    s.add_argument("keys", nargs="+", help="32 hex characters each")
+    s.add_argument("--tier", default="dram", help="memory tier: dram (default) or hbm")
+    s.add_argument("--wait", action="store_true",
+                   help="answer once the moves are done (promoted) instead of planned (queued)")
+    s.add_argument("--json", action="store_true",
+                   help='print a JSON list of {"key": HEX, "outcome": ...} instead of lines')
+
     s = sub.add_parser("drain", help="a cluster node leaves, hands its blocks to their new "
                        "owners, then stops (rolling upgrades)")
     client_args(s)
@@ -219,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
-        "hbm_bytes", "max_retained_fraction",
+        "hbm_bytes", "max_retained_fraction", "max_prefetch_bytes",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
         "tls_key",
@@ -242,7 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
                              ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io,
-                             max_retained_fraction=cfg.max_retained_fraction))
+                             max_retained_fraction=cfg.max_retained_fraction,
+                             max_prefetch_bytes=cfg.max_prefetch_bytes))
     exporter = events = None
     try:
         events = _start_kv_events(cfg, node)
@@ -485,6 +499,24 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    """One line per key, ``OUTCOME KEY``; exit 1 unless every key is (or is on its way) up:
+    present, queued or promoted."""
+    from kvstore.core.prefetch import PrefetchOutcome
+
+    keys = [parse_key(k) for k in args.keys]
+    with _client(args) as c:
+        outcomes = c.prefetch(keys, args.tier, wait=args.wait)
+    if args.json:
+        print(json.dumps([{"key": k.hex(), "outcome": o.value}
+                          for k, o in zip(keys, outcomes, strict=True)], indent=2))
+    else:
+        for k, o in zip(keys, outcomes, strict=True):
+            print(f"{o.value} {k.hex()}")
+    up = {PrefetchOutcome.PRESENT, PrefetchOutcome.QUEUED, PrefetchOutcome.PROMOTED}
+    return 0 if all(o in up for o in outcomes) else 1
+
+
 def cmd_stat(args: argparse.Namespace) -> int:
     with _client(args) as c:
         stats = c.stats()
@@ -565,6 +597,7 @@ COMMANDS = {
     "put": cmd_put,
     "get": cmd_get,
     "rm": cmd_rm,
+    "prefetch": cmd_prefetch,
     "stat": cmd_stat,
     "bench": bench_cli.run,
     "health": cmd_health,

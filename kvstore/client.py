@@ -15,6 +15,7 @@ from typing import Any
 
 from kvstore.core.errors import InvalidArgument
 from kvstore.core.keys import BlockKey
+from kvstore.core.prefetch import MAX_PREFETCH_KEYS, PrefetchOutcome
 from kvstore.remote.node_client import TRANSPORTS, NodeClient, SingleKeyCalls, check_put_batch
 from replication.cluster_client import ClusterClient
 
@@ -35,5 +36,5 @@ class Client(NodeClient):
         return super().__new__(cls)
 
 
-__all__ = ["TRANSPORTS", "BlockKey", "Client", "ClusterClient", "NodeClient", "SingleKeyCalls",
-           "check_put_batch"]
+__all__ = ["MAX_PREFETCH_KEYS", "TRANSPORTS", "BlockKey", "Client", "ClusterClient", "NodeClient",
+           "PrefetchOutcome", "SingleKeyCalls", "check_put_batch"]

@@ -31,6 +31,7 @@ from kvstore.auth.security import (
     is_loopback,
 )
 from kvstore.core.errors import REASON_HEADER, InvalidArgument, KVStoreError, Unavailable
+from kvstore.core.prefetch import check_prefetch
 from kvstore.core.retention import retain_seconds
 from kvstore.node.channel_server import ChannelServer
 from kvstore.node.semantics import Node, check_key, check_keys, check_parent
@@ -171,6 +172,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                ) -> pb.LocateResponse:
         tiers = self.node.locate(p.keys(check_keys(request.keys)))
         return pb.LocateResponse(tiers=[t or "" for t in tiers])
+
+    @_rpc
+    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext,
+                 p: Principal) -> pb.PrefetchResponse:
+        # Salted like every call: a tenant names, and so moves, only its own blocks.
+        raw, tier = check_prefetch(request.keys, request.tier)
+        outcomes = self.node.prefetch(p.keys(raw), tier, wait=request.wait)
+        return pb.PrefetchResponse(outcomes=[o.value for o in outcomes])
 
     @_rpc
     @tenancy.cluster_only

@@ -14,7 +14,7 @@ these. It watches membership, ranks the live nodes for every key (see
   ``Replicate`` (two trips). Either way the call returns once ``write_quorum``
   copies exist; fewer raise ``QuorumNotMet`` (an ``Unavailable``); the copies
   that were made stay (they are correct bytes, and repair completes them).
-* **get / exists / prefix_match / locate**: each key is asked of its read
+* **get / exists / prefix_match / locate / prefetch**: each key is asked of its read
   candidates in order (owners, then hot-block fan-out nodes, then the next
   ranked node, which still holds keys whose owner changed until repair moves
   them); a miss or an unreachable node moves the key to its next candidate.
@@ -57,6 +57,7 @@ from kvstore.auth.security import ClientTls
 from kvstore.core.checks import check_key
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.keys import BlockKey, leading_run
+from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
@@ -414,6 +415,19 @@ class ClusterClient(SingleKeyCalls):
         ks = [check_key(k) for k in keys]
         return self._rounds(ks, lambda c, idx: c.locate([ks[i] for i in idx]),
                             lambda r: r is not None)
+
+    def prefetch(self, keys: Sequence[bytes], tier: str = DEFAULT_PREFETCH_TIER, *,
+                 wait: bool = False) -> list[PrefetchOutcome]:
+        """Asks each key's holder to bring it up to ``tier`` ahead of its use: the first of
+        its read candidates that holds it, in the order a get asks them, so the copy made
+        hot is the one the next read is served from. Per key the holder's outcome
+        (``NodeClient.prefetch``), MISSING if no candidate holds it. At most
+        ``MAX_PREFETCH_KEYS`` keys per call, all nodes together (InvalidArgument before
+        anything is sent). Not a read: hot-block counts are untouched."""
+        ks, name = check_prefetch(keys, tier)
+        return self._rounds(ks, lambda c, idx: c.prefetch([ks[i] for i in idx], name,
+                                                          wait=wait),
+                            lambda r: r is not PrefetchOutcome.MISSING)
 
     def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
         """For each key, every read candidate that holds it and in which tier (for the

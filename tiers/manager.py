@@ -26,6 +26,19 @@ queued to move one tier up. When the destination has no room below its high
 watermark, the mover first demotes the destination's coldest blocks (a block
 read twice is hotter than the tail of the tier above), then promotes.
 
+Prefetch (``plan_prefetch``): a caller names blocks it will read soon and a memory
+tier; each block below that tier moves straight up to it by the same two-phase move
+into room below the destination's high watermark (``_plan_up``, shared with the
+promotion rule). Where there is no such room, the room is made by demoting the
+destination's coldest blocks (``plan_moves`` with ``spare``) under stricter rules than
+the promotion rule's, because a prefetch is a guess about the future, not a read: it
+never demotes a retained block or a block the call names, and it demotes only into room
+the tier below has under its high watermark, so nothing is ever dropped from the node
+for it. What still does not fit is reported (``NO_ROOM``) and left where it is. A
+prefetch is not a read (no hits, no retention refresh, no count toward the promotion
+rule) but refreshes the policy's recency of every block it finds, so what it brings up
+is not the destination's next victim.
+
 Invariants, checked by tests:
 
 * a key is in the index only after its put committed, so no reader sees a
@@ -34,7 +47,7 @@ Invariants, checked by tests:
   unlinks it but frees its space when the last lease ends;
 * pinned blocks are never evicted or demoted (only removed explicitly);
 * retained blocks (``tiers.retention``) may be demoted but are never dropped from the
-  last tier while retained;
+  last tier while retained; a prefetch never demotes them;
 * for every key ``P``: ``_blocks[P].children`` (or ``_orphans[P]`` while ``P``
   is absent) equals the number of indexed blocks whose parent is ``P``; the
   prefix-aware policy evicts only blocks with no children;
@@ -44,11 +57,13 @@ Invariants, checked by tests:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.core.keys import BlockKey, leading_run
+from kvstore.core.prefetch import PrefetchOutcome
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
 from tiers.errors import BlockTooLarge, OutOfSpace
@@ -62,6 +77,7 @@ from tiers.records import (
     Level,
     Move,
     NeedsRoom,
+    PrefetchPlan,
     Reservation,
     TierCounters,
     Watermarks,
@@ -70,8 +86,21 @@ from tiers.retention import RetainAsk, RetentionBook
 
 PROMOTE_AFTER_HITS = 2
 
-__all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "Reservation", "TierCounters",
-           "TierManager", "Watermarks"]
+SPARE_SCAN = 8192
+"""Most spared blocks (retained, or named by the call) one prefetch's room looks past for
+its victims. Under the node's lock, on every prefetch: a DRAM full of retained blocks
+must not cost a scan of all of them each time. Past it the prefetch reports no room."""
+
+
+class _ScanBound(Exception):
+    """A prefetch's room looked past ``SPARE_SCAN`` spared blocks (``plan_moves``)."""
+
+__all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "PrefetchPlan", "Reservation",
+           "TierCounters", "TierManager", "Watermarks"]
+
+_FINAL = (PrefetchOutcome.PRESENT, PrefetchOutcome.PROMOTED, PrefetchOutcome.MISSING,
+          PrefetchOutcome.NO_ROOM, PrefetchOutcome.BUSY, PrefetchOutcome.UNDONE)
+"""The outcomes a settled prefetch counts, each block once (QUEUED is never final)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -121,6 +150,8 @@ class TierManager:
         # Retained blocks (``tiers.retention``): demotable, but never dropped while held.
         self.retention = retention if retention is not None else RetentionBook()
         self.observer: TierObserver | None = None  # told of commits, unlinks and moves
+        self._prefetch_bytes = 0  # of plans not yet settled
+        self._prefetched: Counter[PrefetchOutcome] = Counter()  # settled, per block
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -470,26 +501,61 @@ class TierManager:
         tier = self.levels[level].tier
         return max(0, int(tier.used + extra - self.watermarks.low * tier.capacity))
 
-    def plan_moves(self, level: int, nbytes: int) -> list[Move]:
-        """Victims of ``level`` worth ``nbytes``, leased and marked moving (phase 1)."""
+    def plan_moves(self, level: int, nbytes: int, *,
+                   spare: Collection[BlockKey] | None = None) -> list[Move]:
+        """Victims of ``level`` worth ``nbytes``, leased and marked moving (phase 1).
+
+        With ``spare``, the room a prefetch makes (``plan_prefetch``): never a retained
+        block nor a key of ``spare``, never a drop, and only as much as the tier below has
+        room for under its high watermark (its moves are ``no_drops``), so nothing leaves
+        the node for it. Fewer bytes than asked, or none, when that is all there is or
+        when ``SPARE_SCAN`` spared blocks were looked past."""
         s = self._s
         lv = self.levels[level]
         dst = level + 1 if self._has_lower(level) else None
+        if spare is not None and dst is None:
+            return []  # the room would have to come from drops
         dst_tier = self.levels[dst].tier if dst is not None else None
         dst_memory = dst is not None and not self.levels[dst].durable
+        eligibility: Callable[[BlockEntry], Eligibility] = (
+            self._eligibility if dst is not None else self._drop_eligibility)
+        below = None  # bytes the tier below may take (None: no bound but its space)
+        passed: list[BlockEntry] = []  # spared blocks looked at (the last one: not queued)
+        if spare is not None:
+            assert dst is not None
+            below = self._headroom(dst)
+            retains = self.retention.retains
+
+            def spared(entry: BlockEntry) -> Eligibility:
+                verdict = self._eligibility(entry)
+                if verdict is Eligibility.EVICT and (entry.key in spare
+                                                     or retains(entry.key)):
+                    passed.append(entry)
+                    if len(passed) > SPARE_SCAN:
+                        raise _ScanBound
+                    return Eligibility.DEFER  # stays queued for ordinary rounds
+                return verdict
+
+            eligibility = spared
         moves: list[Move] = []
         deferred: list[tuple[float, int, BlockKey]] = []
         planned = 0
         self._requeue_expired()
         try:
             while planned < nbytes:
-                key = lv.queue.pop_victim(
-                    s.blocks, self._eligibility if dst is not None else self._drop_eligibility,
-                    deferred)
+                try:
+                    key = lv.queue.pop_victim(s.blocks, eligibility, deferred)
+                except _ScanBound:
+                    last = passed[-1]  # popped, neither deferred nor a victim: queue it again
+                    lv.queue.push(last.key, last)
+                    break
                 if key is None:
                     break
                 entry = s.blocks[key]
-                move = Move(entry=entry, src=level, dst=dst)
+                if below is not None and planned + entry.nbytes > below:
+                    lv.queue.push(key, entry)  # the tier below has no more room for it
+                    break
+                move = Move(entry=entry, src=level, dst=dst, no_drops=spare is not None)
                 if dst_memory:
                     assert dst_tier is not None
                     move.dst_extent = dst_tier.allocate(entry.nbytes)
@@ -520,21 +586,157 @@ class TierManager:
                 del s.promote[key]
                 continue
             dst = entry.level - 1
-            dlv = self.levels[dst]
-            if dlv.durable:
+            if self.levels[dst].durable:
                 del s.promote[key]
                 continue
-            extent = None
-            if dlv.tier.used + entry.nbytes <= self.watermarks.high * dlv.tier.capacity:
-                extent = dlv.tier.allocate(entry.nbytes)
-            if extent is None:
+            move = self._plan_up(entry, dst)
+            if move is None:
                 return moves, (dst, self.target_bytes(dst, entry.nbytes))
             del s.promote[key]
-            entry.flags |= MOVING
-            entry.readers += 1
-            EvictionQueue.forget(entry)
-            moves.append(Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent))
+            moves.append(move)
         return moves, None
+
+    def _plan_up(self, entry: BlockEntry, dst: int) -> Move | None:
+        """A move of ``entry`` up to the memory level ``dst``, into room below its high
+        watermark (phase 1: destination reserved, block leased and marked moving), or None
+        when there is no such room. The one rule of every move up: the promotion rule's
+        and a prefetch's."""
+        tier = self.levels[dst].tier
+        if tier.used + entry.nbytes > self.watermarks.high * tier.capacity:
+            return None
+        extent = tier.allocate(entry.nbytes)
+        if extent is None:
+            return None
+        entry.flags |= MOVING
+        entry.readers += 1
+        EvictionQueue.forget(entry)
+        return Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent)
+
+    def _headroom(self, level: int) -> int:
+        """Bytes ``level`` may take before it passes its high watermark (<= 0: none)."""
+        tier = self.levels[level].tier
+        return int(self.watermarks.high * tier.capacity) - tier.used
+
+    # ---- prefetch ------------------------------------------------------------------------
+
+    def memory_level(self, name: str) -> int:
+        """The level of the memory tier named ``name``; ValueError if there is none."""
+        for i, lv in enumerate(self.levels):
+            if lv.tier.name == name and not lv.durable:
+                return i
+        memory = [lv.tier.name for lv in self.levels if not lv.durable]
+        raise ValueError(f"no memory tier named {name!r} here to prefetch to; this node has "
+                         f"{', '.join(repr(n) for n in memory)}")
+
+    def plan_prefetch(self, keys: Sequence[BlockKey], level: int, *, max_bytes: int
+                      ) -> PrefetchPlan:
+        """Phase 1 of bringing ``keys`` up to the memory ``level`` (see the module's
+        "Prefetch"): each key's outcome where it is final, moves for the blocks that fit
+        now, and for the rest (in the order named: the first blocks of a prefix matter
+        most) the room the rules allow, or NO_ROOM.
+
+        At most ``max_bytes`` of blocks are planned across every unsettled plan (BUSY past
+        it). The caller runs the plan (``TierMover.prefetch``) and must settle it
+        (``settle_prefetch``), whatever happens, or its bytes stay counted.
+        """
+        if self.levels[level].durable:
+            raise ValueError("a prefetch brings blocks up to a memory tier")
+        s = self._s
+        blocks = s.blocks
+        plan = PrefetchPlan(level=level, keys=list(keys))
+        outcomes = plan.outcomes
+        need = 0
+        for key in plan.keys:
+            if key in outcomes:
+                continue  # a repeat: one block, one outcome
+            e = blocks.get(key)
+            if e is None:
+                outcomes[key] = PrefetchOutcome.MISSING
+                continue
+            self._stamp(e)
+            if e.flags & MOVING:
+                outcomes[key] = PrefetchOutcome.BUSY  # on its way up or down already
+            elif e.level <= level:
+                outcomes[key] = PrefetchOutcome.PRESENT
+            elif self._prefetch_bytes + plan.nbytes + e.nbytes > max_bytes:
+                outcomes[key] = PrefetchOutcome.BUSY
+            else:
+                move = None if plan.waiting else self._plan_up(e, level)
+                if move is not None:
+                    plan.moves.append(move)
+                else:
+                    plan.waiting.append(key)
+                    need += e.nbytes
+                outcomes[key] = PrefetchOutcome.QUEUED
+                plan.nbytes += e.nbytes
+        if plan.waiting:
+            headroom = self._headroom(level)
+            if need > headroom:
+                plan.room = self.plan_moves(level, need - headroom, spare=outcomes.keys())
+            room = headroom + sum(m.entry.nbytes for m in plan.room)
+            taken = 0
+            for key in plan.waiting:
+                n = blocks[key].nbytes
+                if taken + n <= room:
+                    taken += n
+                else:
+                    outcomes[key] = PrefetchOutcome.NO_ROOM
+                    plan.nbytes -= n
+            plan.waiting = [k for k in plan.waiting if outcomes[k] is PrefetchOutcome.QUEUED]
+        self._prefetch_bytes += plan.nbytes
+        return plan
+
+    def _stamp(self, entry: BlockEntry) -> None:
+        """A coming use of ``entry``: the policy's recency only, not a read."""
+        tick = next(self._clock)
+        entry.last_access = tick
+        if not (entry.flags or self._held_by_children(entry)):
+            self.levels[entry.level].queue.push(entry.key, entry, tick)
+
+    def plan_prefetch_rest(self, plan: PrefetchPlan) -> list[Move]:
+        """Once the plan's room moves finished: moves for its waiting keys (added to
+        ``plan.moves`` and returned); a key that no longer fits is NO_ROOM."""
+        blocks = self._s.blocks
+        outcomes = plan.outcomes
+        moves: list[Move] = []
+        for key in plan.waiting:
+            e = blocks.get(key)
+            if e is None:
+                outcomes[key] = PrefetchOutcome.MISSING  # removed or evicted meanwhile
+            elif e.flags & MOVING:
+                outcomes[key] = PrefetchOutcome.BUSY
+            elif e.level <= plan.level:
+                outcomes[key] = PrefetchOutcome.PRESENT
+            else:
+                move = self._plan_up(e, plan.level)
+                if move is None:
+                    outcomes[key] = PrefetchOutcome.NO_ROOM
+                else:
+                    moves.append(move)
+        plan.waiting = []
+        plan.moves += moves
+        return moves
+
+    def settle_prefetch(self, plan: PrefetchPlan) -> None:
+        """Closes a plan whose moves are all finished (or never planned): each planned key
+        is PROMOTED or UNDONE, every key's final outcome is counted once, and the plan's
+        bytes leave the bound."""
+        outcomes = plan.outcomes
+        for m in plan.moves:
+            outcomes[m.entry.key] = (PrefetchOutcome.PROMOTED if m.applied
+                                     else PrefetchOutcome.UNDONE)
+        for key in plan.waiting:  # never planned: the run ended before their room was made
+            outcomes[key] = PrefetchOutcome.UNDONE
+        plan.waiting = []
+        self._prefetched.update(outcomes.values())
+        self._prefetch_bytes -= plan.nbytes
+        plan.nbytes = 0
+
+    def prefetch_stats(self) -> dict[str, int | dict[str, int]]:
+        """``prefetch_blocks`` (settled blocks per final outcome, every outcome named) and
+        ``prefetch_bytes_in_flight`` (of plans not yet settled)."""
+        return {"prefetch_blocks": {o.value: self._prefetched[o] for o in _FINAL},
+                "prefetch_bytes_in_flight": self._prefetch_bytes}
 
     def finish_moves(self, moves: Sequence[Move]) -> list[DurableCopy]:
         """Applies the copied moves (phase 3); returns durable copies to delete."""
@@ -581,6 +783,7 @@ class TierManager:
             old = self._free_space(e)
             if old is not None:
                 to_delete.append(old)
+            m.applied = True
             src.blocks -= 1
             dst.blocks += 1
             e.level = m.dst

@@ -9,6 +9,11 @@ way round) a tier's own leaf lock. The mover never holds the metadata lock
 while it does I/O. Several threads may run rounds at once (a put that finds its
 tier full runs one inline): a block marked moving is never planned twice.
 
+Prefetches (``TierManager.plan_prefetch``) run here too: inline for a caller that waits
+(``prefetch``), or on the worker (``submit_prefetch``), ahead of its rounds. A plan's
+blocks are leased and marked moving from the moment it is planned, so a queued plan is
+run or undone (``stop``), never left holding them.
+
 Assumption: at most one durable tier, and it is the last (SSD).
 """
 
@@ -16,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from kvstore.core.keys import BlockKey
 from tiers.base import DurableCopy
-from tiers.manager import Move, TierManager
+from tiers.manager import Move, PrefetchPlan, TierManager
 
 # Re-exported: they lived here before tiers.reads, and callers import them from here.
 from tiers.reads import leased_block_view as leased_block_view
@@ -47,6 +53,8 @@ class TierMover:
         # finds every victim already moving waits for them instead of failing.
         self._rounds = threading.Condition(threading.Lock())
         self._in_flight = 0  # guarded by _rounds
+        self._plans: deque[PrefetchPlan] = deque()  # guarded by _rounds: for the worker
+        self._stopped = False  # guarded by _rounds: no worker will run a plan any more
 
     # ---- the background worker -----------------------------------------------------------
 
@@ -59,6 +67,12 @@ class TierMover:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        with self._rounds:
+            self._stopped = True
+            left = list(self._plans)
+            self._plans.clear()
+        for plan in left:
+            self._undo(plan)
 
     def nudge(self) -> None:
         """Asks the worker for a round now (after puts push a tier past its high watermark)."""
@@ -69,6 +83,7 @@ class TierMover:
             self._wake.wait(self._interval)
             self._wake.clear()
             try:
+                self.run_prefetches()
                 self.run_once()
             except Exception:  # a failed round must not end the worker
                 log.exception("tier mover round failed")
@@ -91,6 +106,64 @@ class TierMover:
             # Room for the next promotion; it goes in the following round.
             moved |= self.make_room(*blocked)
         return moved
+
+    # ---- prefetches ----------------------------------------------------------------------
+
+    def prefetch(self, plan: PrefetchPlan) -> None:
+        """Runs a planned prefetch and settles it: the room it makes first (demotions),
+        then its moves up, the waiting keys' planned once that room exists. Whatever
+        fails, every move it planned is finished (undone if not copied) and the plan is
+        settled, so no lease, reservation or byte of its bound outlives the call."""
+        pending = list(plan.moves)  # planned at once; they wait for the room's I/O
+        garbage: list[DurableCopy] = []
+        try:
+            if plan.room:
+                self._execute(plan.room)
+            with self._lock:
+                pending += self._m.plan_prefetch_rest(plan)
+            moves, pending = pending, []
+            if moves:
+                self._execute(moves)
+        finally:
+            with self._lock:
+                if pending:  # never copied: finishing them undoes them
+                    garbage = self._m.finish_moves(pending)
+                self._m.settle_prefetch(plan)
+            self.delete_durable(garbage)
+
+    def submit_prefetch(self, plan: PrefetchPlan) -> None:
+        """Hands a plan to the worker, which runs it ahead of its next round (undone if the
+        mover has stopped)."""
+        with self._rounds:
+            stopped = self._stopped
+            if not stopped:
+                self._plans.append(plan)
+        if stopped:
+            self._undo(plan)
+        else:
+            self._wake.set()
+
+    def run_prefetches(self) -> int:
+        """Runs the submitted plans, oldest first (the worker's job; tests call it on a
+        mover never started). How many ran."""
+        n = 0
+        while True:
+            with self._rounds:
+                if not self._plans:
+                    return n
+                plan = self._plans.popleft()
+            try:
+                self.prefetch(plan)
+            except Exception:  # one failed plan must not strand the ones behind it
+                log.exception("prefetch failed")
+            n += 1
+
+    def _undo(self, plan: PrefetchPlan) -> None:
+        """Finishes a plan none of whose moves ran: each is undone, the plan settled."""
+        with self._lock:
+            garbage = self._m.finish_moves([*plan.room, *plan.moves])
+            self._m.settle_prefetch(plan)
+        self.delete_durable(garbage)
 
     # ---- rounds --------------------------------------------------------------------------
 
@@ -178,7 +251,7 @@ class TierMover:
             free = dst.capacity - dst.used
             short = m.target_bytes(dst_level, need) if dst.used + need > \
                 m.watermarks.high * dst.capacity else 0
-        if short or free < need:
+        if (short or free < need) and not any(mv.no_drops for mv in moves):
             self.make_room(dst_level, max(short, need - free))
         items: list[tuple[BlockKey, BlockKey | None, memoryview]] = []
         sources: list[Move] = []

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.core.keys import BlockKey
+from kvstore.core.prefetch import PrefetchOutcome
 from tiers.allocator import Extent
 from tiers.base import DurableTier, MappedTier, Tier
 from tiers.errors import TierError
@@ -240,3 +241,32 @@ class Move:
     dst_extent: Extent | None = None  # reserved when ``dst`` is a memory tier
     dst_location: Any = None  # filled by the mover when ``dst`` is durable
     copied: bool = False
+    applied: bool = False  # set by ``finish_moves`` when the move took effect
+    # Room a prefetch makes: a copy into a durable tier never makes room there in turn
+    # (no drop); if it does not fit, the move is undone.
+    no_drops: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class PrefetchPlan:
+    """One prefetch call's plan (``TierManager.plan_prefetch``), run by the mover
+    (``TierMover.prefetch``) and closed by ``TierManager.settle_prefetch``.
+
+    ``outcomes`` holds one outcome per distinct key: final ones from the start, QUEUED
+    for the keys with a move to come until ``settle_prefetch`` replaces it."""
+
+    level: int
+    keys: list[BlockKey]
+    outcomes: dict[BlockKey, PrefetchOutcome] = field(default_factory=dict)
+    moves: list[Move] = field(default_factory=list)  # promotions planned (room reserved)
+    waiting: list[BlockKey] = field(default_factory=list)  # QUEUED keys that need room first
+    room: list[Move] = field(default_factory=list)  # demotions planned to make that room
+    nbytes: int = 0  # counted against the node's prefetch bytes in flight until settled
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.moves or self.waiting)
+
+    def answer(self) -> list[PrefetchOutcome]:
+        """Each named key's outcome now, in the order named (repeats included)."""
+        return [self.outcomes[k] for k in self.keys]

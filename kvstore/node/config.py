@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.core.prefetch import DEFAULT_MAX_PREFETCH_BYTES
 from kvstore.core.sizes import parse_size
 from kvstore.core.toml_files import load_toml
 from kvstore.protocol.kv_event_wire import check_endpoint
@@ -39,6 +40,7 @@ class NodeConfig:
     ssd_bytes: int = 0
     ssd_io: str = "auto"  # "auto" | "uring" | "python"
     max_retained_fraction: float = 0.5  # of capacity (and of a tenant's quota) retain_s may hold
+    max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES  # of blocks prefetches have on the move
     # cluster (all unused when etcd is ""):
     etcd: str = ""  # HOST:PORT of etcd; "": a single node, no cluster
     node_id: str = ""  # "": "HOST:PORT" of the gRPC address
@@ -102,6 +104,8 @@ class NodeConfig:
         if not 0.0 <= self.max_retained_fraction <= 1.0:
             raise ValueError(f"max_retained_fraction must be in [0, 1], got "
                              f"{self.max_retained_fraction!r}")
+        if self.max_prefetch_bytes <= 0:
+            raise ValueError("max_prefetch_bytes must be positive")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.metrics_listen:
@@ -120,7 +124,8 @@ class NodeConfig:
         return [m.strip() for m in self.members.split(",") if m.strip()]
 
 
-SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"})
+SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s",
+                         "max_prefetch_bytes"})
 """Keys whose value is a size: ``"64MiB"`` or a number of bytes (the reference says so)."""
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 # A field's type as written ("int", "float", ...): annotations are postponed here, so the

@@ -115,6 +115,15 @@ NODE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(name="kvstore_retention_denied_total", type="counter", labels=(),
                stat="retention_denied",
                help="Puts stored without the retention they asked for (over a cap)."),
+    MetricSpec(name="kvstore_prefetch_blocks_total", type="counter", labels=("outcome",),
+               stat="prefetch_blocks",
+               help="Blocks prefetch calls named, by final outcome (present, promoted, "
+                    "missing, no_room, busy, undone); a queued block counts when its move "
+                    "ends."),
+    MetricSpec(name="kvstore_prefetch_bytes_in_flight", type="gauge", labels=(),
+               stat="prefetch_bytes_in_flight",
+               help="Bytes of blocks prefetches planned and have not finished moving "
+                    "(at most --max-prefetch-bytes)."),
     MetricSpec(name="kvstore_node_info", type="info",
                labels=("policy", "node_id", "zone", "hbm_device", "ssd_io"),
                help="Constant 1; the labels describe the node (empty when not applicable)."),
@@ -204,7 +213,12 @@ class NodeCollector:
             if spec.name in derived:
                 family.add_metric([], float(derived[spec.name]))
             elif spec.stat in node:  # cluster keys exist only on a node in a cluster
-                family.add_metric([], float(node[spec.stat]))
+                stat = node[spec.stat]
+                if spec.labels:  # a mapping: one sample per item, its key the label
+                    for label, n in sorted(stat.items()):
+                        family.add_metric([label], float(n))
+                else:
+                    family.add_metric([], float(stat))
             yield family
 
 

@@ -40,6 +40,12 @@ from kvstore.core.errors import (
 )
 from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
+from kvstore.core.prefetch import (
+    DEFAULT_MAX_PREFETCH_BYTES,
+    DEFAULT_PREFETCH_TIER,
+    MAX_PREFETCH_KEYS,
+    PrefetchOutcome,
+)
 from kvstore.node.fit import check_fits
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
@@ -68,6 +74,7 @@ class NodeSettings:
     ssd_bytes: int = 0
     ssd_io: str = "auto"
     max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION  # of all tiers' capacity
+    max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES  # of blocks prefetches have in flight
 
 
 class _RequestScope:
@@ -460,6 +467,46 @@ class Node:
         with self._lock:
             return self._manager.prefix_length(keys)
 
+    def prefetch(self, keys: Sequence[BlockKey], tier: str = DEFAULT_PREFETCH_TIER, *,
+                 wait: bool = False) -> list[PrefetchOutcome]:
+        """Brings the blocks of ``keys`` this node holds up to the memory tier ``tier``
+        ahead of their use; one ``PrefetchOutcome`` per key, in order (docs/node.md,
+        "Prefetch"; the rules: ``tiers.manager``, "Prefetch").
+
+        Why asynchronous by default: the caller (a router whose request waits for an
+        instance) wants the moves started, not to wait on SSD reads; the plan is made
+        under the lock before the call returns, so every answer but QUEUED is already
+        final (PRESENT, MISSING, BUSY, NO_ROOM: no room could be planned), and QUEUED
+        means the room is reserved or its demotions planned, the copies running on the
+        mover's worker. ``wait=True`` runs the moves in the calling thread and answers
+        their result (PROMOTED or UNDONE instead of QUEUED), for callers that need to
+        know (tests, a benchmark that measures a warm turn).
+
+        InvalidArgument for more than ``MAX_PREFETCH_KEYS`` keys or a tier the node does
+        not have as memory. Keys are stored keys (a transport salts a tenant's first).
+        """
+        if len(keys) > MAX_PREFETCH_KEYS:
+            raise InvalidArgument(f"at most {MAX_PREFETCH_KEYS} keys per prefetch, got "
+                                  f"{len(keys)}")
+        with self._lock:
+            try:
+                level = self._manager.memory_level(tier)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            plan = self._manager.plan_prefetch(keys, level,
+                                               max_bytes=self.settings.max_prefetch_bytes)
+            if not plan.has_work:
+                self._manager.settle_prefetch(plan)
+                return plan.answer()
+        # Work means a block below the tier: a node with one tier has no mover and none.
+        assert self._mover is not None
+        if wait:
+            self._mover.prefetch(plan)
+            return plan.answer()
+        answer = plan.answer()  # before the worker moves its outcomes on
+        self._mover.submit_prefetch(plan)
+        return answer
+
     def remove(self, key: BlockKey) -> bool:
         with self._lock:
             gone = self._manager.remove(key)
@@ -477,6 +524,7 @@ class Node:
             pending = m.pending_promotions()
             quota_used = self._quotas.used()
             retained = m.retention.stats()
+            prefetched = m.prefetch_stats()
         with self._admission:
             draining, in_flight = self._draining, self._in_flight
         return {
@@ -488,6 +536,7 @@ class Node:
                 "pending_promotions": pending,
                 **({"namespace_bytes": quota_used} if quota_used else {}),
                 **retained,
+                **prefetched,
                 **self._info,
                 **{k: v for source in self._stat_sources for k, v in source().items()},
             },

@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstore.v1.KVStore/Prefetch',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -175,6 +180,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Bring blocks this node holds up to a memory tier ahead of their use (see
+        PrefetchRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +250,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -563,6 +581,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Drain',
             kvstore_dot_proto_dot_kvstore__pb2.DrainRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prefetch',
+            kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

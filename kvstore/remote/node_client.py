@@ -45,6 +45,7 @@ from kvstore.core.errors import (
 )
 from kvstore.core.keys import BlockKey
 from kvstore.core.logs import REQUEST_ID_HEADER
+from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.core.retention import retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -416,6 +417,19 @@ class NodeClient(SingleKeyCalls):
             reply = self._grpc("Locate", pb.LocateRequest(keys=ks[lo : lo + MAX_BATCH]))
             out += [t or None for t in reply.tiers]
         return out
+
+    def prefetch(self, keys: Sequence[bytes], tier: str = DEFAULT_PREFETCH_TIER, *,
+                 wait: bool = False) -> list[PrefetchOutcome]:
+        """Asks the node to bring ``keys`` up to the memory tier ``tier`` (``"dram"``, or
+        ``"hbm"`` on a node with one) ahead of their use: one ``PrefetchOutcome`` per key,
+        in order. ``wait=False`` answers once the moves are planned (``queued``); ``True``
+        once they are done (``promoted``, ``undone``). Not a read. At most
+        ``MAX_PREFETCH_KEYS`` keys: more is InvalidArgument, raised before anything is
+        sent (never split: the bound is the point). Always over gRPC. Semantics:
+        docs/node.md, "Prefetch"."""
+        ks, name = check_prefetch(keys, tier)
+        reply = self._grpc("Prefetch", pb.PrefetchRequest(keys=ks, tier=name, wait=wait))
+        return [PrefetchOutcome(o) for o in reply.outcomes]
 
     def remove(self, key: bytes) -> bool:
         """Removes ``key``: True if it was stored."""

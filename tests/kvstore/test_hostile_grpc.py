@@ -29,6 +29,7 @@ from kvstore.core.errors import (
     ResourceExhausted,
 )
 from kvstore.core.logs import REQUEST_ID_HEADER
+from kvstore.core.prefetch import MAX_PREFETCH_KEYS
 from kvstore.node.semantics import MAX_BATCH
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -133,6 +134,10 @@ def test_the_client_splits_a_read_the_node_refuses(a: Client) -> None:
     ("Put", pb.PutRequest(key=b"k" * 16, value=b"v", parent=b"k" * 16)),
     ("Remove", pb.RemoveRequest(key=b"")),
     ("BatchGet", pb.BatchGetRequest(keys=[SMALL_KEY, b"\x00"])),
+    ("Prefetch", pb.PrefetchRequest(keys=[SMALL_KEY] * (MAX_PREFETCH_KEYS + 1))),
+    ("Prefetch", pb.PrefetchRequest(keys=[SMALL_KEY, b"short"])),
+    ("Prefetch", pb.PrefetchRequest(keys=[SMALL_KEY], tier="ssd")),  # none, and not memory
+    ("Prefetch", pb.PrefetchRequest(keys=[SMALL_KEY], tier="x" * 100_000)),
 ])
 def test_counts_past_the_limit_and_malformed_keys_are_invalid(a: Client, method: str,
                                                               request_: object) -> None:

@@ -1,0 +1,190 @@
+"""TierMover running prefetch plans over a real DRAM and SSD tier (the thread-pool SSD path).
+
+The mover is never started: each test runs what its worker would (``prefetch``,
+``run_prefetches``, ``stop``) in the test's own thread, so every step is in order. The
+rules of a plan are tests/tiers/test_tier_prefetch.py's; here the bytes move.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvstore.core.keys import BlockKey
+from kvstore.core.prefetch import PrefetchOutcome
+from tiers.dram import DramTier
+from tiers.manager import PrefetchPlan, TierManager, Watermarks
+from tiers.mover import TierMover, leased_block_view
+from tiers.policy import make_policy
+from tiers.retention import RetainAsk
+from tiers.ssd.tier import SsdTier
+
+BLOCK = 8192
+
+
+@dataclass(slots=True, kw_only=True)
+class Tiers:
+    manager: TierManager
+    mover: TierMover
+    lock: threading.Lock
+    values: dict[BlockKey, bytes]
+
+    def put(self, name: str, retain_s: float = 0.0) -> BlockKey:
+        key = BlockKey(name.encode().ljust(16, b"."))
+        value = os.urandom(BLOCK)
+        with self.lock:
+            r = self.manager.reserve(key, BLOCK,
+                                     retain=RetainAsk(seconds=retain_s) if retain_s else None)
+            assert r is not None
+            self.manager.fill_view(r)[:] = value
+            assert self.manager.commit(r)
+        self.values[key] = value
+        return key
+
+    def where(self, *keys: BlockKey) -> list[str | None]:
+        with self.lock:
+            entries = [self.manager.entry(k) for k in keys]
+            return [None if e is None else self.manager.levels[e.level].tier.name
+                    for e in entries]
+
+    def plan(self, *keys: BlockKey) -> PrefetchPlan:
+        with self.lock:
+            return self.manager.plan_prefetch(list(keys), 0, max_bytes=1 << 30)
+
+    def read(self, key: BlockKey) -> bytes:
+        with self.lock:
+            e = self.manager.acquire_read(key, access=False)
+        assert e is not None
+        try:
+            view = leased_block_view(self.manager, self.lock, e)
+            assert view is not None
+            return bytes(view)
+        finally:
+            with self.lock:
+                self.manager.release_read(e)
+
+
+def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int) -> Tiers:
+    dram = DramTier(dram_blocks * BLOCK, prefault=False)
+    ssd = SsdTier(tmp_path / "kv.img", ssd_blocks * BLOCK, io="python")
+    manager = TierManager([dram, ssd], make_policy("lru"),
+                          watermarks=Watermarks(high=1.0, low=0.5))
+    lock = threading.Lock()
+    return Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[Tiers]:
+    t = make(tmp_path, dram_blocks=4, ssd_blocks=16)
+    yield t
+    t.mover.stop()
+    for lv in t.manager.levels:
+        lv.tier.close()
+
+
+def test_a_waited_prefetch_makes_room_and_brings_the_bytes_up(small: Tiers) -> None:
+    t = small
+    s1, s2 = t.put("s1"), t.put("s2")
+    assert t.mover.make_room(0, 2 * BLOCK)  # the session's blocks go to SSD
+    assert t.where(s1, s2) == ["ssd", "ssd"]
+    r1, r2 = t.put("r1", retain_s=600), t.put("r2", retain_s=600)
+    c1, c2 = t.put("c1"), t.put("c2")  # DRAM full
+    plan = t.plan(s1, s2)
+    assert plan.answer() == [PrefetchOutcome.QUEUED] * 2
+    t.mover.prefetch(plan)
+    assert plan.answer() == [PrefetchOutcome.PROMOTED] * 2
+    assert t.where(s1, s2, r1, r2, c1, c2) == ["dram"] * 4 + ["ssd"] * 2
+    for key, value in t.values.items():  # every block's bytes, wherever it went
+        assert t.read(key) == value
+    with t.lock:
+        assert t.manager.prefetch_stats()["prefetch_bytes_in_flight"] == 0
+        assert t.manager.drain_evicted() == []
+
+
+def test_a_submitted_plan_runs_on_the_worker(small: Tiers) -> None:
+    t = small
+    s = t.put("s")
+    t.mover.make_room(0, BLOCK)
+    plan = t.plan(s)
+    answer = plan.answer()  # what the caller got back
+    t.mover.submit_prefetch(plan)
+    assert t.where(s) == ["ssd"]
+    assert t.mover.run_prefetches() == 1
+    assert answer == [PrefetchOutcome.QUEUED]
+    assert plan.answer() == [PrefetchOutcome.PROMOTED]
+    assert t.where(s) == ["dram"] and t.read(s) == t.values[s]
+    assert t.mover.run_prefetches() == 0
+
+
+def test_stop_undoes_the_plans_left_queued(small: Tiers) -> None:
+    t = small
+    s = t.put("s")
+    t.mover.make_room(0, BLOCK)
+    plan = t.plan(s)
+    t.mover.submit_prefetch(plan)
+    with t.lock:
+        assert t.manager.level_stats(0)["used"] == BLOCK  # the destination is reserved
+    t.mover.stop()
+    assert plan.answer() == [PrefetchOutcome.UNDONE]
+    with t.lock:
+        e = t.manager.entry(s)
+        assert e is not None and not e.moving and e.readers == 0
+        assert t.manager.level_stats(0)["used"] == 0
+        assert t.manager.prefetch_stats()["prefetch_bytes_in_flight"] == 0
+    late = t.plan(s)
+    t.mover.submit_prefetch(late)  # after stop: undone at once, never stranded
+    assert late.answer() == [PrefetchOutcome.UNDONE]
+    assert t.where(s) == ["ssd"] and t.read(s) == t.values[s]
+
+
+def test_room_is_never_made_on_a_full_ssd(tmp_path: Path) -> None:
+    t = make(tmp_path, dram_blocks=2, ssd_blocks=2)
+    try:
+        s, u = t.put("s"), t.put("u")
+        t.mover.make_room(0, 2 * BLOCK)  # SSD full
+        a, b = t.put("a"), t.put("b")  # DRAM full
+        plan = t.plan(s)
+        assert plan.answer() == [PrefetchOutcome.NO_ROOM]
+        t.mover.prefetch(plan)
+        assert t.where(s, u, a, b) == ["ssd", "ssd", "dram", "dram"]
+        assert all(t.read(k) == v for k, v in t.values.items())
+        with t.lock:
+            assert t.manager.drain_evicted() == []
+    finally:
+        t.mover.stop()
+        for lv in t.manager.levels:
+            lv.tier.close()
+
+
+def test_ssd_to_hbm_in_one_move(tmp_path: Path) -> None:
+    """HBM is not addressable memory (a torch device; the CPU one here): the block is read
+    off the SSD into a buffer, then copied onto the device."""
+    pytest.importorskip("torch")
+    from tiers.hbm import HbmTier
+
+    hbm = HbmTier(4 * BLOCK, device="cpu")
+    dram = DramTier(4 * BLOCK, prefault=False)
+    ssd = SsdTier(tmp_path / "kv.img", 16 * BLOCK, io="python")
+    manager = TierManager([hbm, dram, ssd], make_policy("lru"),
+                          watermarks=Watermarks(high=1.0, low=0.5))
+    lock = threading.Lock()
+    t = Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
+    try:
+        s = t.put("s")
+        assert t.mover.make_room(1, BLOCK)
+        assert t.where(s) == ["ssd"]
+        with lock:
+            plan = manager.plan_prefetch([s], manager.memory_level("hbm"), max_bytes=BLOCK)
+        assert [(m.src, m.dst) for m in plan.moves] == [(2, 0)]
+        t.mover.prefetch(plan)
+        assert plan.answer() == [PrefetchOutcome.PROMOTED]
+        assert t.where(s) == ["hbm"] and t.read(s) == t.values[s]
+    finally:
+        t.mover.stop()
+        for tier in (hbm, dram, ssd):
+            tier.close()
