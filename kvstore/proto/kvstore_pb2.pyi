@@ -194,6 +194,22 @@ class DrainResponse(_message.Message):
     seconds: float
     def __init__(self, blocks: _Optional[int] = ..., copies: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("keys", "tier", "wait")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: str
+    wait: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outcomes: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class OpenChannelRequest(_message.Message):
     __slots__ = ("client_host_id",)
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
