@@ -27,7 +27,16 @@ from pathlib import Path
 
 import pytest
 
-from replication.membership import EtcdMembership, decode_member, encode_member
+# Run as a script (a member child), this file's folder is first on sys.path, and tests/
+# mirrors the source tree (tests/replication/ is a namespace folder): the repository root
+# must come first so ``replication`` is the real package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from replication.membership import (
+    EtcdMembership,
+    decode_member,
+    encode_member,
+)
 from replication.membership.etcd_server import EtcdServer
 from replication.placement.rendezvous import Member
 

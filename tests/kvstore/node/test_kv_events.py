@@ -146,7 +146,9 @@ def test_gap_recovered_from_replay_buffer_then_by_snapshot(
             late.close()
         assert seq > behind + 1  # a real gap
         truth = {key(2): {"CPU"}} | {p: {"CPU"} for p in probes}
-        assert state.media == truth and state.last_seq == seq
+        # The replay that closed the gap runs to the newest batch the node holds, which may
+        # be past the live batch ``join`` returned (a later probe's, on a loaded machine).
+        assert state.media == truth and state.last_seq >= seq
         # Far behind the replay buffer (or another process of the node): a snapshot.
         stale = BlockLocations(media={key(7): {"GPU"}}, last_seq=5)
         c.put(key(3), b"c" * 1000)
