@@ -226,7 +226,7 @@ def _random_reads(tier: SsdTier, path: Path, region: int, ops: int, seed: int,
     for _ in range(rounds):
         # Fresh random blocks each round; tier cases and raw variants read the same ones.
         picks = [rng.randrange(len(locs)) for _ in range(ops)]
-        offsets = [locs[p].extent.offset for p in picks]
+        offsets = [locs[p].value_offset for p in picks]
         for name, callers in RANDOM_CALLERS:
             gbps, lat = (_tier_async(tier, locs, picks) if name == "async"
                          else _tier_random(tier, locs, picks, callers))

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssd-bytes", type=_size, help="SSD tier size, e.g. 1TiB")
     s.add_argument("--ssd-io", choices=["auto", "uring", "python"],
                    help="SSD I/O: io_uring or a thread pool (default auto)")
+    s.add_argument("--allow-index-rebuild", action="store_const", const=True,
+                   help="if the SSD index is damaged, rebuild it from the blocks on the SSD "
+                   "(a scan of the whole region) instead of refusing to start")
     s.add_argument("--policy", choices=["lru", "lfu", "prefix"], help="eviction policy")
     s.add_argument("--high-watermark", type=float, help="evict when use passes this fraction")
     s.add_argument("--max-retained-fraction", type=float, metavar="F",
@@ -232,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
-        "hbm_bytes", "max_retained_fraction", "max_prefetch_bytes",
+        "hbm_bytes", "max_retained_fraction", "max_prefetch_bytes", "allow_index_rebuild",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
         "tls_key",
@@ -255,6 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,
                              ssd_bytes=cfg.ssd_bytes, ssd_io=cfg.ssd_io,
+                             allow_index_rebuild=cfg.allow_index_rebuild,
                              max_retained_fraction=cfg.max_retained_fraction,
                              max_prefetch_bytes=cfg.max_prefetch_bytes))
     exporter = events = None

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent, ExtentAllocator
+from tiers.retention import Retention
 
 
 @runtime_checkable
@@ -76,6 +77,10 @@ class DurableRecord(Protocol):
     def location(self) -> Any:
         """The tier's location record; its ``nbytes`` is the value's length."""
 
+    @property
+    def retention(self) -> Retention | None:
+        """The retention the block had when it was last written or refreshed."""
+
 
 @runtime_checkable
 class DurableTier(Tier, Protocol):
@@ -87,10 +92,16 @@ class DurableTier(Tier, Protocol):
     """
 
     def write_blocks(
-        self, items: Sequence[tuple[BlockKey, BlockKey | None, memoryview]]
+        self, items: Sequence[tuple[BlockKey, BlockKey | None, memoryview]],
+        retention: Sequence[Retention | None] | None = None,
     ) -> list[Any]:
-        """Stores each (key, parent, value) durably; its location, or None where it did not
-        fit."""
+        """Stores each (key, parent, value) durably, with its ``retention`` if given; its
+        location, or None where it did not fit."""
+
+    def update_retention(self, updates: Sequence[tuple[BlockKey, Any, Retention | None]]
+                         ) -> int:
+        """Sets the retention each (key, location) keeps across a restart (not synced);
+        how many changed."""
 
     def read_blocks_into(self, locations: Sequence[Any], outs: Sequence[memoryview]
                          ) -> list[bool]:

@@ -47,7 +47,9 @@ Invariants, checked by tests:
   unlinks it but frees its space when the last lease ends;
 * pinned blocks are never evicted or demoted (only removed explicitly);
 * retained blocks (``tiers.retention``) may be demoted but are never dropped from the
-  last tier while retained; a prefetch never demotes them;
+  last tier while retained; a prefetch never demotes them; a retained block in a durable
+  tier whose deadline changed (a read, a put, its arrival there) is queued for its tier to
+  record (``drain_retention_updates``);
 * for every key ``P``: ``_blocks[P].children`` (or ``_orphans[P]`` while ``P``
   is absent) equals the number of indexed blocks whose parent is ``P``; the
   prefix-aware policy evicts only blocks with no children;
@@ -82,7 +84,7 @@ from tiers.records import (
     TierCounters,
     Watermarks,
 )
-from tiers.retention import RetainAsk, RetentionBook
+from tiers.retention import RetainAsk, Retention, RetentionBook
 
 PROMOTE_AFTER_HITS = 2
 
@@ -109,6 +111,8 @@ class _State:
     orphans: dict[BlockKey, int] = field(default_factory=dict)
     evicted: list[BlockKey] = field(default_factory=list)  # events for the owner to drain
     promote: dict[BlockKey, None] = field(default_factory=dict)  # ordered set
+    # Durable blocks whose retention changed since their tier last recorded it.
+    kept_dirty: dict[BlockKey, None] = field(default_factory=dict)
 
 
 class TierManager:
@@ -213,7 +217,9 @@ class TierManager:
             raise ValueError(f"block size must be positive, got {nbytes}")
         if key in self._s.blocks:
             if retain is not None:  # a put of a stored block refreshes its retention
-                self.retention.grant(key, self._s.blocks[key].nbytes, retain)
+                entry = self._s.blocks[key]
+                if self.retention.grant(key, entry.nbytes, retain):
+                    self._note_kept(entry)
             return None
         level = self.landing
         lv = self.levels[level]
@@ -289,8 +295,9 @@ class TierManager:
         self.levels[self.landing].tier.free(reservation.extent)
 
     def adopt(self, key: BlockKey, parent: BlockKey | None, nbytes: int, *, level: int,
-              location: Any) -> bool:
-        """Indexes a block already stored in a durable tier (restart recovery)."""
+              location: Any, retention: Retention | None = None) -> bool:
+        """Indexes a block already stored in a durable tier (restart recovery), retained
+        until the deadline it kept if that has not passed."""
         s = self._s
         if key in s.blocks:
             return False
@@ -298,7 +305,29 @@ class TierManager:
         entry = BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, location=location,
                            last_access=tick, children=s.orphans.pop(key, 0))
         self._index(entry, tick)
+        if retention is not None:
+            self.retention.restore(key, nbytes, retention)
         return True
+
+    def _note_kept(self, entry: BlockEntry) -> None:
+        """Queues a durable block's changed retention for its tier to record."""
+        if self.levels[entry.level].durable:
+            self._s.kept_dirty[entry.key] = None
+
+    def drain_retention_updates(self) -> list[tuple[BlockKey, Any, Retention | None]]:
+        """(key, location, retention) of the durable blocks whose retention changed since
+        the last call, for their tier's ``update_retention`` (I/O: outside the lock)."""
+        s = self._s
+        if not s.kept_dirty:
+            return []
+        out = []
+        for key in s.kept_dirty:
+            e = s.blocks.get(key)
+            if (e is not None and self.levels[e.level].durable_tier is not None
+                    and e.location is not None):
+                out.append((key, e.location, self.retention.kept(key)))
+        s.kept_dirty = {}
+        return out
 
     def _index(self, entry: BlockEntry, tick: int) -> None:
         """Indexes a new entry whose ``last_access`` is ``tick``, just drawn from the clock."""
@@ -333,9 +362,9 @@ class TierManager:
         entry.tier_hits += 1
         tick = next(self._clock)
         entry.last_access = tick
-        if self.retention.held:
-            self.retention.touch(key)
         level = self.levels[entry.level]
+        if self.retention.held and self.retention.touch(key) and level.durable:
+            s.kept_dirty[key] = None
         # An indexed entry is never unlinked: any flag means pinned or moving.
         if not (entry.flags or (self.policy.leaves_only and entry.children > 0)):
             level.queue.push(key, entry, tick)
@@ -792,6 +821,9 @@ class TierManager:
             else:
                 e.place, e.length = m.dst_location, 0
             e.tier_hits = 0
+            if dst.durable and self.retention.held and self.retention.retains(e.key):
+                # Its tier recorded the deadline as the copy began; reads since moved it.
+                s.kept_dirty[e.key] = None
             if self.observer is not None:
                 self.observer.moved(e.key, e.parent, m.src, m.dst)
             if m.dst < m.src:

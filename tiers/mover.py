@@ -2,7 +2,9 @@
 
 Each round: plan under the owner's lock (victims leased and marked moving),
 copy between tiers with no lock held, finish under the lock, then delete any
-durable copies that became garbage, again without the lock.
+durable copies that became garbage, again without the lock. A round ends by
+handing the durable tier the retention deadlines that changed (``flush_retention``),
+so a restart finds them.
 
 Lock order: the owner's metadata lock, then (inside tier calls, never the other
 way round) a tier's own leaf lock. The mover never holds the metadata lock
@@ -105,6 +107,7 @@ class TierMover:
         if blocked is not None:
             # Room for the next promotion; it goes in the following round.
             moved |= self.make_room(*blocked)
+        self.flush_retention()
         return moved
 
     # ---- prefetches ----------------------------------------------------------------------
@@ -164,6 +167,16 @@ class TierMover:
             garbage = self._m.finish_moves([*plan.room, *plan.moves])
             self._m.settle_prefetch(plan)
         self.delete_durable(garbage)
+
+    def flush_retention(self) -> int:
+        """Hands the durable tier the retention deadlines that changed since the last
+        flush (reads, puts, arrivals); how many entries it updated."""
+        with self._lock:
+            updates = self._m.drain_retention_updates()
+        if not updates:
+            return 0
+        durable = next(lv.durable_tier for lv in self._m.levels if lv.durable_tier is not None)
+        return durable.update_retention(updates)
 
     # ---- rounds --------------------------------------------------------------------------
 
@@ -262,7 +275,9 @@ class TierMover:
                 sources.append(mv)
         if not items:
             return
-        locations = dst.write_blocks(items)
+        with self._lock:  # each block's deadline goes with it, for a restart to find
+            kept = [m.retention.kept(mv.entry.key) for mv in sources]
+        locations = dst.write_blocks(items, kept)
         for mv, loc in zip(sources, locations, strict=True):
             if loc is not None:
                 mv.dst_location = loc

@@ -22,9 +22,17 @@ retained refreshes its deadline and never counts against the caps again.
 A later put with ``retain_s`` sets the block's ``S`` (reads then refresh by it) but
 never shortens the deadline already granted. ``retain_s`` of 0 asks for nothing.
 
+Across a restart: a durable tier (SSD) keeps each retained block's deadline as
+wall-clock time (``kept``, a :class:`Retention`), written with the block and updated as
+reads refresh it; a restarted node ``restore``s it, so the block stays retained until
+that deadline, and a deadline that passed while the node was down leaves the block
+ordinary. Restored retention counts against the node's cap (tenants' charges are not
+kept across restarts).
+
 ``RetentionBook`` is pure and single-owner, like the TierManager that holds it: its
 owner calls it under the same lock. Time comes from an injected ``clock`` (seconds,
-monotonic), so tests move it exactly. Deadlines sit in a min-heap with one item per
+monotonic) and ``wall_clock`` (seconds since the epoch, for deadlines kept across
+restarts), so tests move both exactly. Deadlines sit in a min-heap with one item per
 retained key; a read refreshes only the key's record, and ``expire`` re-queues an
 item whose record moved on, so reads never grow the heap.
 """
@@ -49,6 +57,15 @@ def check_fraction(fraction: float) -> float:
     if not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"max retained fraction must be in [0, 1], got {fraction!r}")
     return float(fraction)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retention:
+    """A block's retention as a durable tier keeps it across restarts: until ``until``
+    (wall-clock seconds, as ``time.time()``), refreshed by ``seconds`` on each read."""
+
+    until: float
+    seconds: float
 
 
 @dataclass(slots=True, kw_only=True)
@@ -83,12 +100,14 @@ class _Held:
 class RetentionBook:
     """Retained keys, their deadlines, and the bytes they hold per node and per owner."""
 
-    __slots__ = ("_bytes", "_clock", "_ended", "_heap", "_owners", "denied", "held",
+    __slots__ = ("_bytes", "_clock", "_ended", "_heap", "_owners", "_wall", "denied", "held",
                  "max_bytes")
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
                  max_bytes: int | None = None) -> None:
         self._clock = clock
+        self._wall = wall_clock
         self.max_bytes = max_bytes  # None: no node cap
         self.held: dict[BlockKey, _Held] = {}
         self._heap: list[tuple[float, BlockKey]] = []
@@ -109,27 +128,56 @@ class RetentionBook:
             h.seconds = ask.seconds
             h.until = max(h.until, now + ask.seconds)
             return True
-        owner = ask.owner
+        return self._hold(key, nbytes, ask.seconds, now + ask.seconds, ask.owner,
+                          ask.owner_cap)
+
+    def _hold(self, key: BlockKey, nbytes: int, seconds: float, until: float,
+              owner: str | None, owner_cap: int | None) -> bool:
+        """Retains a key not yet held until ``until``; False if a cap refused it."""
         if (self.max_bytes is not None and self._bytes + nbytes > self.max_bytes) or (
-                owner is not None and ask.owner_cap is not None
-                and self._owners.get(owner, 0) + nbytes > ask.owner_cap):
+                owner is not None and owner_cap is not None
+                and self._owners.get(owner, 0) + nbytes > owner_cap):
             self.denied += 1
             return False
-        until = now + ask.seconds
-        self.held[key] = _Held(seconds=ask.seconds, until=until, nbytes=nbytes, owner=owner)
+        self.held[key] = _Held(seconds=seconds, until=until, nbytes=nbytes, owner=owner)
         heapq.heappush(self._heap, (until, key))
         self._bytes += nbytes
         if owner is not None:
             self._owners[owner] = self._owners.get(owner, 0) + nbytes
         return True
 
-    def touch(self, key: BlockKey) -> None:
-        """A read of ``key``: a retained block is kept ``seconds`` from now again."""
+    def kept(self, key: BlockKey) -> Retention | None:
+        """``key``'s retention as a wall-clock deadline, for a durable tier to keep (None:
+        not retained now)."""
+        h = self.held.get(key)
+        if h is None:
+            return None
+        left = h.until - self._clock()
+        if left <= 0:
+            return None
+        return Retention(until=self._wall() + left, seconds=h.seconds)
+
+    def restore(self, key: BlockKey, nbytes: int, kept: Retention) -> bool:
+        """Retains ``key`` again after a restart, until the wall-clock deadline it kept;
+        False if that deadline passed (the block is ordinary now) or the node's cap
+        refuses it (counted in ``denied``). A key already held is left as it is."""
+        left = kept.until - self._wall()
+        if left <= 0 or kept.seconds <= 0 or key in self.held:
+            return False
+        now = self._clock()
+        self.expire(now)
+        return self._hold(key, nbytes, kept.seconds, now + left, None, None)
+
+    def touch(self, key: BlockKey) -> bool:
+        """A read of ``key``: a retained block is kept ``seconds`` from now again. True if
+        that moved its deadline."""
         h = self.held.get(key)
         if h is not None:
             now = self._clock()
-            if h.until > now:
-                h.until = max(h.until, now + h.seconds)
+            if h.until > now and now + h.seconds > h.until:
+                h.until = now + h.seconds
+                return True
+        return False
 
     def retains(self, key: BlockKey) -> bool:
         """Whether ``key`` may not leave the node now."""

@@ -121,7 +121,7 @@ def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:
     try:
         copies, quorum = _params([(c, q) for _, c, q in items])
         fwd = _forwarder(conn)
-        reservations = [held.get(rid) for rid in rids]
+        reservations = [held.landed(rid) for rid in rids]  # staged bytes into the region
         views = [node.fill_view(r) for r in reservations]
         try:
             # Shared memory carries only unsalted keys (tenants with a salt never map the

@@ -3,8 +3,10 @@
 One thread per connection: blocking ``recv_into``/``sendmsg`` release the GIL
 for the whole transfer, and a connection serves one request at a time, so the
 per-connection state (leases, reservations, scratch buffers) needs no lock.
-Everything a connection holds (read leases, shared-memory reservations) is
-released when it closes, however it closes.
+Everything a connection holds (read leases, shared-memory reservations, staging
+areas) is released when it closes, however it closes. A same-host client that asks for
+staged puts (``wire.CAP_STAGED_PUTS``) gets the region read-only and fills its
+reservations in staging areas (``kvstore.node.staging``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import secrets
 import socket
 import ssl
@@ -33,6 +36,7 @@ from kvstore.core.keys import BlockKey
 from kvstore.node import channel_replicated as replicated
 from kvstore.node.client_holds import LeaseSet, ReservationSet
 from kvstore.node.semantics import MAX_BATCH, Node
+from kvstore.node.staging import Staging
 from kvstore.protocol import wire
 from kvstore.protocol.wire import HEADER, Mode, Op, ProtocolError
 
@@ -59,7 +63,7 @@ class _Connection:
 
     def __init__(self, node: Node, sock: socket.socket, mode: Mode, principal: Principal,
                  metrics: NodeMetrics | None = None, stall_s: float | None = None,
-                 forwarder: Forwarding | None = None) -> None:
+                 forwarder: Forwarding | None = None, staging: Staging | None = None) -> None:
         self.node = node
         self.forwarder = forwarder  # replicated puts (RPUT, RCOMMIT); None outside a cluster
         self.sock = sock
@@ -73,7 +77,8 @@ class _Connection:
         self.mode = mode
         self.p = principal  # salts every key this connection names
         self.leases = LeaseSet(node)
-        self.reservations = ReservationSet(node)
+        self.staging = staging  # None: the client writes its reservations in the region
+        self.reservations = ReservationSet(node, staging=staging)
         self.reader = wire.StreamReader(sock)
         self.scratch: memoryview | None = None
         self.handlers: dict[int, Callable[[int, bytes], None]] = {
@@ -284,6 +289,7 @@ class _Connection:
     def on_reserve(self, count: int, meta: bytes) -> None:
         out = bytearray()
         made: list[int] = []
+        staged = self.staging is not None
         try:
             for i, (key, parent, nbytes, flags) in enumerate(wire.PUT_ITEM.iter_unpack(meta)):
                 got = self.reservations.reserve(
@@ -293,18 +299,30 @@ class _Connection:
                     retain_s=wire.item_retain_s(meta, i, wire.PUT_ITEM.size),
                 )
                 if got is None:
-                    out += wire.RESERVE_ITEM.pack(0, 0, wire.RESERVE_EXISTED)
-                else:
-                    rid, reservation = got
-                    made.append(rid)
+                    out += (wire.RESERVE_STAGED_ITEM.pack(0, 0, 0, wire.RESERVE_EXISTED, 0)
+                            if staged else wire.RESERVE_ITEM.pack(0, 0, wire.RESERVE_EXISTED))
+                    continue
+                rid, reservation = got
+                made.append(rid)
+                where = self.reservations.staged_slot(rid)
+                if where is None:
                     out += wire.RESERVE_ITEM.pack(rid, reservation.extent.offset,
                                                   wire.RESERVE_OK)
+                else:
+                    generation, slot = where
+                    out += wire.RESERVE_STAGED_ITEM.pack(rid, slot, reservation.extent.offset,
+                                                         wire.RESERVE_OK, generation)
         except BaseException:
             # The client learns only the error: nothing of this request stays reserved.
             for rid in made:
                 self.reservations.abort(rid)
             raise
-        self.reply(count, bytes(out))
+        fresh = self.staging.to_send() if self.staging is not None else None
+        if fresh is None:
+            self.reply(count, bytes(out))
+        else:  # a new staging area: its memfd rides with the reply's first bytes
+            socket.send_fds(self.sock, [HEADER.pack(0, count, len(out))], [fresh[0]])
+            self.sock.sendall(bytes(out))
 
     def on_commit(self, count: int, meta: bytes) -> None:
         results = bytearray()
@@ -314,6 +332,8 @@ class _Connection:
                 results.append(self.reservations.commit(rid))
             except KVStoreError as exc:
                 void = void or exc
+            except OSError as exc:  # its staged bytes could not be copied: not stored
+                void = void or InternalError(f"reservation {rid}: {exc}")
         if void is not None:
             raise void
         self.reply(count, bytes(results))
@@ -355,6 +375,7 @@ class ChannelServer:
             self._unix.listen(128)
             self.unix_path = "@" + unix_name
         self._lock = threading.Lock()
+        self._region_ro = -1  # the region's memfd, read-only (lazily); guarded by _lock
         self._conns: set[socket.socket] = set()  # guarded by _lock
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -437,8 +458,10 @@ class ChannelServer:
                     sock = tls
             accepted = self._handshake(sock)
             if accepted is not None:
-                _Connection(self.node, sock, *accepted, metrics=self._metrics,
-                            stall_s=self._stall_s, forwarder=self.forwarder).serve()
+                mode, principal, staging = accepted
+                _Connection(self.node, sock, mode, principal, metrics=self._metrics,
+                            stall_s=self._stall_s, forwarder=self.forwarder,
+                            staging=staging).serve()
         except (OSError, ConnectionError):
             pass
         except Exception:  # a bug must not take the node down with it
@@ -450,11 +473,12 @@ class ChannelServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> tuple[Mode, Principal] | None:
+    def _handshake(self, sock: socket.socket
+                   ) -> tuple[Mode, Principal, Staging | None] | None:
         sock.settimeout(10.0)  # a silent peer must not hold a thread forever
-        hello = wire.recv_exact(sock, wire.HELLO.size)
+        hello = wire.recv_exact(sock, wire.HELLO_CAPS.size)
         sock.settimeout(None)
-        magic, token, mode_code = wire.HELLO.unpack(hello)
+        magic, token, mode_code, caps = wire.HELLO_CAPS.unpack(hello)
         with self._lock:
             principal = self._principals.get(token) if magic == wire.MAGIC else None
         if principal is None:
@@ -471,12 +495,38 @@ class ChannelServer:
         if mode is Mode.SHM and not principal.may_map_region:
             _refuse(sock, PermissionDenied)  # the region holds other tenants' bytes
             return None
-        reply = wire.HELLO_REPLY.pack(0, self.node.region_bytes)
-        if mode is Mode.SHM:
-            socket.send_fds(sock, [reply], [self.node.region_fd])
-        else:
-            sock.sendall(reply)
-        return mode, principal
+        if mode is not Mode.SHM:
+            sock.sendall(wire.HELLO_REPLY.pack(0, self.node.region_bytes))
+            return mode, principal, None
+        if not caps & wire.CAP_STAGED_PUTS:  # a client that writes into the region
+            socket.send_fds(sock, [wire.HELLO_REPLY.pack(0, self.node.region_bytes)],
+                            [self.node.region_fd])
+            return mode, principal, None
+        staging = Staging(self.node.region_bytes)
+        try:
+            first = staging.to_send()
+            assert first is not None
+            socket.send_fds(sock, [wire.HELLO_REPLY_CAPS.pack(0, wire.CAP_STAGED_PUTS,
+                                                              self.node.region_bytes)],
+                            [self._readonly_region_fd(), first[0]])
+        except BaseException:
+            staging.close()
+            raise
+        return mode, principal, staging
+
+    def _readonly_region_fd(self) -> int:
+        """The region's memfd opened read-only (a client's map of it cannot write), or the
+        region's own if /proc cannot reopen it."""
+        with self._lock:
+            if self._region_ro < 0:
+                try:
+                    self._region_ro = os.open(f"/proc/self/fd/{self.node.region_fd}",
+                                              os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    log.warning("cannot reopen the region read-only; same-host clients map "
+                                "it writable")
+                    return self.node.region_fd
+            return self._region_ro
 
     def stop(self) -> None:
         """Stops accepting and ends every connection (their leases and reservations go too)."""
@@ -493,6 +543,10 @@ class ChannelServer:
                 sock.shutdown(socket.SHUT_RDWR)
         for t in self._threads:
             t.join(timeout=5)
+        with self._lock:
+            ro, self._region_ro = self._region_ro, -1
+        if ro >= 0:
+            os.close(ro)
 
 
 def _refuse(sock: socket.socket, error: type[KVStoreError]) -> None:

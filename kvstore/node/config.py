@@ -39,6 +39,7 @@ class NodeConfig:
     ssd_path: str = ""  # "": no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"  # "auto" | "uring" | "python"
+    allow_index_rebuild: bool = False  # a damaged SSD index: rebuild it (scan) or refuse to start
     max_retained_fraction: float = 0.5  # of capacity (and of a tenant's quota) retain_s may hold
     max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES  # of blocks prefetches have on the move
     # cluster (all unused when etcd is ""):

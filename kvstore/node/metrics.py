@@ -124,6 +124,19 @@ NODE_METRICS: tuple[MetricSpec, ...] = (
                stat="prefetch_bytes_in_flight",
                help="Bytes of blocks prefetches planned and have not finished moving "
                     "(at most --max-prefetch-bytes)."),
+    MetricSpec(name="kvstore_ssd_index_rebuilds_total", type="counter", labels=(),
+               stat="ssd_index_rebuilds",
+               help="SSD indexes found damaged at start and rebuilt from the blocks on the SSD "
+                    "(--allow-index-rebuild); a node with a damaged index and without the "
+                    "flag does not start."),
+    MetricSpec(name="kvstore_ssd_rebuilt_blocks", type="gauge", labels=(),
+               stat="ssd_rebuilt_blocks",
+               help="Blocks the SSD index rebuild at start found intact and serves "
+                    "(0 without a rebuild)."),
+    MetricSpec(name="kvstore_ssd_rebuild_dropped_blocks", type="gauge", labels=(),
+               stat="ssd_rebuild_dropped_blocks",
+               help="Blocks the SSD index rebuild at start found torn, corrupt or superseded "
+                    "by a newer copy: not served."),
     MetricSpec(name="kvstore_node_info", type="info",
                labels=("policy", "node_id", "zone", "hbm_device", "ssd_io"),
                help="Constant 1; the labels describe the node (empty when not applicable)."),

@@ -73,6 +73,7 @@ class NodeSettings:
     ssd_path: str | None = None  # None: no SSD tier
     ssd_bytes: int = 0
     ssd_io: str = "auto"
+    allow_index_rebuild: bool = False  # rebuild a damaged SSD index from the data region
     max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION  # of all tiers' capacity
     max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES  # of blocks prefetches have in flight
 
@@ -106,7 +107,10 @@ class PutSlot:
 class Node:
     """One store node: the tier manager behind a lock, with admission control."""
 
-    def __init__(self, settings: NodeSettings, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, settings: NodeSettings, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        """``clock``: monotonic seconds (retention, uptime); ``wall_clock``: seconds since
+        the epoch, for retention deadlines the SSD tier keeps across restarts."""
         self.settings = settings
         self._clock = clock
         self._started = clock()
@@ -122,7 +126,7 @@ class Node:
             tiers,
             make_policy(settings.policy),
             watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
-            retention=RetentionBook(clock=clock, max_bytes=int(
+            retention=RetentionBook(clock=clock, wall_clock=wall_clock, max_bytes=int(
                 settings.max_retained_fraction * sum(t.capacity for t in tiers))),
         )
         self._recover()
@@ -152,27 +156,54 @@ class Node:
             self._info["dram_pinned"] = dram.pinned
             tiers.append(dram)
             if s.ssd_path:
-                from tiers.ssd.tier import SsdTier
-
-                ssd = SsdTier(s.ssd_path, s.ssd_bytes, io=s.ssd_io)
-                self._info["ssd_io"] = ssd.io_backend
-                tiers.append(ssd)
+                tiers.append(self._open_ssd(s))
         except BaseException:
             for t in tiers:
                 t.close()
             raise
         return tiers
 
+    def _open_ssd(self, s: NodeSettings) -> Tier:
+        """The SSD tier; a damaged index is an ERROR, and the node does not start unless
+        ``allow_index_rebuild`` (then the index is rebuilt from the data region, counted)."""
+        from tiers.ssd.tier import SsdIndexDamagedError, SsdTier
+
+        try:
+            ssd = SsdTier(s.ssd_path or "", s.ssd_bytes, io=s.ssd_io,
+                          allow_index_rebuild=s.allow_index_rebuild)
+        except SsdIndexDamagedError as exc:
+            log.error("the SSD tier's index is damaged, so its blocks cannot be served: %s",
+                      exc)
+            raise SsdIndexDamagedError(
+                f"{exc}. The blocks may still be intact on {s.ssd_path}: start with "
+                "--allow-index-rebuild (config key allow_index_rebuild = true) to rebuild "
+                "the index from them (the damaged index is kept beside it)") from exc
+        self._info["ssd_io"] = ssd.io_backend
+        report = ssd.rebuild_report
+        self._info["ssd_index_rebuilds"] = 0 if report is None else 1
+        self._info["ssd_rebuilt_blocks"] = 0 if report is None else report.rebuilt
+        self._info["ssd_rebuild_dropped_blocks"] = 0 if report is None else report.dropped
+        if report is not None:
+            log.error("the SSD tier's index was damaged (%s) and was rebuilt from %s: %d "
+                      "blocks intact and served, %d dropped (torn, corrupt or superseded), "
+                      "%d header-like pages not verified by this node's key; the damaged "
+                      "index was kept at %s", report.reason, s.ssd_path, report.rebuilt,
+                      report.dropped, report.unverified, report.kept_at or "(none: it was gone)")
+        return ssd
+
     def _recover(self) -> None:
-        """Indexes every block the SSD tier kept across a restart (its index, no data scan)."""
+        """Indexes every block the SSD tier kept across a restart (its index, no data scan),
+        retained until the deadline each kept if that has not passed."""
         for level, lv in enumerate(self._manager.levels):
             if lv.durable_tier is not None:
                 records = lv.durable_tier.recover()
+                m = self._manager
                 for r in records:
-                    self._manager.adopt(r.key, r.parent, r.location.nbytes, level=level,
-                                        location=r.location)
+                    m.adopt(r.key, r.parent, r.location.nbytes, level=level,
+                            location=r.location, retention=r.retention)
                 self._info["recovered_blocks"] = len(records)
-                log.info("recovered %d blocks from the %s tier", len(records), lv.tier.name)
+                log.info("recovered %d blocks from the %s tier (%d still retained)",
+                         len(records), lv.tier.name, len(m.retention.held))
 
     def _delete_durable(self, garbage: Sequence[DurableCopy]) -> None:
         """Deletes durable copies released by the manager (I/O: never under ``_lock``)."""
@@ -562,5 +593,6 @@ class Node:
     def close(self) -> None:
         if self._mover is not None:
             self._mover.stop()
+            self._mover.flush_retention()  # the last reads' deadlines, for the next start
         for t in self._tiers:
             t.close()

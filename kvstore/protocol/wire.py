@@ -9,10 +9,11 @@ no intermediate copies.
 
 Stream format (all integers little-endian)::
 
-    hello    client -> server   MAGIC(4) | token(16) | mode u8 | pad(3)
-             server -> client   status u8 | pad(3) | region_bytes u64
+    hello    client -> server   MAGIC(4) | token(16) | mode u8 | caps u8 | pad(2)
+             server -> client   status u8 | caps u8 | pad(2) | region_bytes u64
                                 (mode SHM over a Unix socket: the region's memfd rides
-                                 along as SCM_RIGHTS ancillary data)
+                                 along as SCM_RIGHTS ancillary data; with staged puts, a
+                                 read-only one, then the first staging area's memfd)
     request  header  op u8 | pad(3) | count u32 | meta_len u64,  then meta_len bytes of
              meta, then (PUT only) the values, concatenated in item order
     response header  status u8 | pad(3) | count u32 | meta_len u64, then meta, then
@@ -52,6 +53,18 @@ RPUT_ITEM: a u32 of milliseconds at byte ``RETAIN_AT`` of the item (0: none). Wr
 before it sent zeros there, so their puts ask for no retention, and a node before it
 ignores the field; item sizes are unchanged.
 
+Staged puts (``CAP_STAGED_PUTS``, SHM only): a client sets the bit in its HELLO's ``caps``
+and a node that stages answers with it set. The client then maps the region read-only
+and fills each reservation in a slot of a *staging area* (a memfd the size of the
+region), instead of in the region; the node copies the slot into the region at
+COMMIT/RCOMMIT, for a reservation still live. A RESERVE reply's items are then
+RESERVE_STAGED_ITEM (32 bytes: the slot's offset, the region offset, and the area's
+generation); when the generation changes (the node retires an area once one of its
+reservations expired) the new area's memfd rides along with that RESERVE reply's first
+bytes. A writer that resumes after its reservation expired thus
+writes into an area the node no longer reads (``kvstore.node.staging``). Clients and
+nodes before it send and answer zeros there: their puts write into the region as before.
+
 RPUT and RCOMMIT are the cluster's replicated puts, in one trip from the writer: the
 node (the keys' master) stores the values (RPUT: from the stream; RCOMMIT: the SHM
 reservations named) and forwards them to the other owners, which it takes from its
@@ -85,12 +98,17 @@ MAGIC = b"KVS1"
 PROTOCOL_VERSION = 1
 TOKEN_BYTES = 16
 
-HELLO = struct.Struct("<4s16sB3x")
-HELLO_REPLY = struct.Struct("<B3xQ")
+HELLO = struct.Struct("<4s16sB3x")  # a client without capabilities (caps 0)
+HELLO_CAPS = struct.Struct("<4s16sBB2x")  # magic, token, mode, caps
+HELLO_REPLY = struct.Struct("<B3xQ")  # status, region bytes (a reader of no capabilities)
+HELLO_REPLY_CAPS = struct.Struct("<BB2xQ")  # status, caps, region bytes
 HEADER = struct.Struct("<B3xIQ")
 PUT_ITEM = struct.Struct("<16s16sQB7x")  # key, parent, nbytes, flags
 LEASE_ITEM = struct.Struct("<QQQ")  # lease id, region offset, nbytes
 RESERVE_ITEM = struct.Struct("<QQB7x")  # reservation id, region offset, state
+# Staged: reservation id, slot offset in the staging area, region offset, state, the
+# staging area's generation.
+RESERVE_STAGED_ITEM = struct.Struct("<QQQB3xI")
 U64 = struct.Struct("<Q")
 RPUT_ITEM = struct.Struct("<16s16sQBBB5x")  # key, parent, nbytes, flags, copies, write quorum
 RCOMMIT_ITEM = struct.Struct("<QBB6x")  # reservation id, copies, write quorum
@@ -101,6 +119,7 @@ REPL_TAIL = struct.Struct("<B")  # copies that hold every item, the master's inc
 MISS = (1 << 64) - 1
 FLAG_PARENT = 1
 FLAG_PIN = 2
+CAP_STAGED_PUTS = 1  # HELLO caps: puts are filled in staging areas (see above)
 RESERVE_EXISTED = 0
 RESERVE_OK = 1
 

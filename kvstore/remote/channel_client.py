@@ -3,7 +3,11 @@
 A ``ChannelConnection`` is one stream serving one request at a time; the
 ``Client`` keeps a pool of them for concurrent callers. Values land directly
 in the caller's buffer (``recv_into`` over TCP, one memcpy from the mapped
-region over shared memory).
+region over shared memory). Over shared memory a connection asks for staged puts
+(``wire.CAP_STAGED_PUTS``): it then maps the region read-only and writes its puts into
+its staging area, which the node copies at commit, so a put that stalls past its
+reservation can never write into a block that took its space; against a node without
+them it writes into the region, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.core.checks import byte_view
-from kvstore.core.errors import BufferTooSmall, InvalidArgument, error_for_code
+from kvstore.core.errors import BufferTooSmall, InternalError, InvalidArgument, error_for_code
 from kvstore.protocol import wire
 from kvstore.protocol.wire import HEADER, Mode, Op
 
@@ -77,12 +81,18 @@ class ChannelConnection:
     """One transfer-channel stream."""
 
     def __init__(self, session: ChannelSession, mode: Mode, *, timeout: float | None,
-                 io_timeout: float | None = None) -> None:
+                 io_timeout: float | None = None, staged: bool = True) -> None:
         """``timeout``: connecting and the hello; ``io_timeout``: how long any one read or
         write may then stall before the call fails (None: block, as a local engine wants;
-        a node calling its peers sets it, so a stalled peer cannot hold its thread)."""
+        a node calling its peers sets it, so a stalled peer cannot hold its thread);
+        ``staged``: ask for staged puts over shared memory (False: write into the region,
+        as clients before them do)."""
         self.session = session
         self.mode = mode
+        self._ask_staged = staged and mode is Mode.SHM
+        self._staging: mmap.mmap | None = None  # this connection's staging area, mapped
+        self._staging_gen = 0
+        self._new_staging_fd = -1  # a staging area's memfd received, not yet mapped
         if mode is Mode.SHM:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             path = session.unix_path
@@ -111,15 +121,22 @@ class ChannelConnection:
         self._header = memoryview(bytearray(HEADER.size))
 
     def _hello(self, timeout: float | None) -> None:
-        self.sock.sendall(wire.HELLO.pack(wire.MAGIC, self.session.token, self.mode))
+        caps = wire.CAP_STAGED_PUTS if self._ask_staged else 0
+        self.sock.sendall(wire.HELLO_CAPS.pack(wire.MAGIC, self.session.token, self.mode, caps))
         if self.mode is Mode.SHM:
-            msg, fds, _, _ = socket.recv_fds(self.sock, wire.HELLO_REPLY.size, 1)
+            msg, fds, _, _ = socket.recv_fds(self.sock, wire.HELLO_REPLY_CAPS.size, 2,
+                                             socket.MSG_WAITALL)
             try:
-                status, _region = wire.HELLO_REPLY.unpack(msg)
+                status, caps, _region = wire.HELLO_REPLY_CAPS.unpack(msg)
                 self._check_hello(status)
+                staged = bool(caps & wire.CAP_STAGED_PUTS) and len(fds) == 2
                 if self.session.region is None:
-                    self.session.region = mmap.mmap(fds[0], self.session.region_bytes,
-                                                    flags=mmap.MAP_SHARED)
+                    # Staged: read-only, so not even a bug here can write into a block.
+                    self.session.region = mmap.mmap(
+                        fds[0], self.session.region_bytes, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ if staged else mmap.PROT_READ | mmap.PROT_WRITE)
+                if staged:
+                    self._map_staging(fds[1], 1)
             finally:
                 for fd in fds:
                     socket.close(fd)
@@ -135,6 +152,21 @@ class ChannelConnection:
 
     def close(self) -> None:
         self.sock.close()
+        self._unmap_staging()
+        if self._new_staging_fd >= 0:
+            socket.close(self._new_staging_fd)
+            self._new_staging_fd = -1
+
+    def _map_staging(self, fd: int, generation: int) -> None:
+        self._unmap_staging()
+        self._staging = mmap.mmap(fd, self.session.region_bytes, flags=mmap.MAP_SHARED)
+        self._staging_gen = generation
+
+    def _unmap_staging(self) -> None:
+        if self._staging is not None:
+            with contextlib.suppress(BufferError):  # a view escaped: the GC unmaps it
+                self._staging.close()
+            self._staging = None
 
     # ---- framing -------------------------------------------------------------------------
 
@@ -147,12 +179,30 @@ class ChannelConnection:
             self.sock.sendall(head)
 
     def _response(self) -> tuple[int, bytes]:
-        wire.recv_exact_into(self.sock, self._header)
-        status, count, meta_len = HEADER.unpack(self._header)
+        if self._staging is None:
+            wire.recv_exact_into(self.sock, self._header)
+            head: bytes | memoryview = self._header
+        else:
+            head = self._staged_header()
+        status, count, meta_len = HEADER.unpack(head)
         meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
         if status:
             raise wire.error_of(status, meta.decode("utf-8", "replace"), count)
         return count, meta
+
+    def _staged_header(self) -> bytes:
+        """A response header on a staged connection: a new staging area's memfd may ride
+        along with its first bytes (kept for ``_take_new_staging``)."""
+        head, fds, _, _ = socket.recv_fds(self.sock, HEADER.size, 1, socket.MSG_WAITALL)
+        for fd in fds:
+            if self._new_staging_fd >= 0:
+                socket.close(self._new_staging_fd)
+            self._new_staging_fd = fd
+        if not head:
+            raise wire.PeerClosed("peer closed the stream")
+        if len(head) < HEADER.size:
+            head += wire.recv_exact(self.sock, HEADER.size - len(head))
+        return head
 
     def _call(self, op: Op, count: int, meta: bytes,
               values: Sequence[memoryview] = ()) -> tuple[int, bytes]:
@@ -276,25 +326,53 @@ class ChannelConnection:
         done = iter(committed)
         return [False if offset is None else bool(next(done)) for offset in slots]
 
+    def _take_new_staging(self, reply: bytes) -> None:
+        """Maps the staging area that rode along with a RESERVE reply, if one did."""
+        fd, self._new_staging_fd = self._new_staging_fd, -1
+        if fd < 0:
+            return
+        try:
+            generation = next((g for _, _, _, state, g in
+                               wire.RESERVE_STAGED_ITEM.iter_unpack(reply)
+                               if state == wire.RESERVE_OK), self._staging_gen + 1)
+            self._map_staging(fd, generation)
+        finally:
+            socket.close(fd)
+
     def _reserve_and_fill(self, keys: Sequence[bytes], values: Sequence[memoryview],
                           meta: bytes) -> tuple[list[int], list[int | None]]:
-        """Reserves room for the values in the mapped region and copies them there; the
-        reservation ids, and each value's offset (None: the key was already stored)."""
+        """Reserves room for the values and copies them there (the staging area, or the
+        mapped region); the reservation ids, and each value's offset (None: the key was
+        already stored)."""
         _, reply = self._call(Op.RESERVE, len(keys), meta)
-        region = self.session.region
-        assert region is not None
+        self._take_new_staging(reply)
+        target = self._staging if self._staging is not None else self.session.region
+        assert target is not None
         rids: list[int] = []
         slots: list[int | None] = []
-        for rid, offset, state in wire.RESERVE_ITEM.iter_unpack(reply):
-            if state == wire.RESERVE_OK:
-                rids.append(rid)
-                slots.append(offset)
-            else:
-                slots.append(None)
+        stale = False
+        if self._staging is None:
+            for rid, offset, state in wire.RESERVE_ITEM.iter_unpack(reply):
+                if state == wire.RESERVE_OK:
+                    rids.append(rid)
+                    slots.append(offset)
+                else:
+                    slots.append(None)
+        else:
+            for rid, slot, _, state, generation in wire.RESERVE_STAGED_ITEM.iter_unpack(reply):
+                if state == wire.RESERVE_OK:
+                    rids.append(rid)
+                    slots.append(slot)
+                    stale |= generation != self._staging_gen
+                else:
+                    slots.append(None)
         if not rids:
             return rids, slots
+        if stale:  # never fill an area the node will not read
+            self._send(Op.ABORT, len(rids), wire.pack_ids(rids))
+            raise InternalError("the node's staging area and this client's are out of step")
         try:
-            with memoryview(region) as rv:
+            with memoryview(target) as rv:
                 for offset, value in zip(slots, values, strict=True):
                     if offset is not None:
                         rv[offset : offset + len(value)] = value

@@ -51,7 +51,7 @@ def test_ssd_blocks_of_one_request_are_read_in_one_aligned_batch(tmp_path: Path,
     manager.fill_view(in_dram)[:] = b"abc"
     manager.commit(in_dram)
     # Corrupt block 1 on disk (its first byte), after the checksum was recorded.
-    flip_byte(tmp_path / "kv.img", locations[1].extent.offset)  # type: ignore[union-attr]
+    flip_byte(tmp_path / "kv.img", locations[1].value_offset)  # type: ignore[union-attr]
 
     calls: list[int] = []
     real_read = ssd.read_blocks_into

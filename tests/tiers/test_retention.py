@@ -10,7 +10,7 @@ from kvstore.core.keys import BlockKey
 from tiers.manager import TierManager, Watermarks
 from tiers.metadata import MetadataTier
 from tiers.policy import make_policy
-from tiers.retention import MAX_RETAIN_S, RetainAsk, RetentionBook, check_retain_s
+from tiers.retention import MAX_RETAIN_S, RetainAsk, Retention, RetentionBook, check_retain_s
 
 B = 64
 
@@ -46,7 +46,7 @@ def two_levels(clock: Clock, top: int = 4, below: int = 4) -> TierManager:
     lower.name = "ssd"
     return TierManager([upper, lower], make_policy("lru"), durable=[False, True],
                        watermarks=Watermarks(high=1.0, low=0.5),
-                       retention=RetentionBook(clock=clock))
+                       retention=RetentionBook(clock=clock, wall_clock=clock))
 
 
 def put(m: TierManager, key: str, retain_s: float = 0.0, owner: str | None = None,
@@ -260,3 +260,51 @@ def test_hard_pins_are_unchanged_by_retention() -> None:
     assert put(m, "c") == ["a"]
     assert put(m, "d") == ["b"]
     assert k("p") in m and m.entry(k("p")).pinned
+
+
+# ---- across a restart: the deadline a durable tier keeps (issue 25) -----------------------------
+
+
+def test_a_kept_deadline_is_wall_clock_and_a_restore_keeps_what_is_left() -> None:
+    mono, wall = Clock(), Clock()
+    wall.now = 1.7e9
+    book = RetentionBook(clock=mono, wall_clock=wall)
+    assert book.grant(k("a"), B, RetainAsk(seconds=60))
+    mono.now += 15
+    wall.now += 15
+    kept = book.kept(k("a"))
+    assert kept == Retention(until=1.7e9 + 60, seconds=60)
+    assert book.kept(k("b")) is None
+    # A restart: a new process, its monotonic clock from another origin, 30 s later.
+    mono2 = Clock()
+    mono2.now = 7.0
+    wall.now += 30
+    after = RetentionBook(clock=mono2, wall_clock=wall, max_bytes=2 * B)
+    assert after.restore(k("a"), B, kept)
+    assert not after.restore(k("a"), B, kept)  # already held: left as it is
+    mono2.now += 14.999
+    assert after.retains(k("a"))
+    assert after.touch(k("a"))  # reads refresh by the kept seconds, as before the restart
+    mono2.now += 59.999
+    assert after.retains(k("a"))
+    mono2.now += 0.001
+    assert not after.retains(k("a"))
+    # A deadline that passed while the node was down leaves the block ordinary.
+    assert not after.restore(k("b"), B, Retention(until=wall.now, seconds=60))
+    # The node's cap still holds.
+    assert after.restore(k("c"), 2 * B, Retention(until=wall.now + 5, seconds=5))
+    assert not after.restore(k("d"), B, Retention(until=wall.now + 5, seconds=5))
+    assert after.denied == 1
+
+
+def test_a_block_adopted_after_a_restart_is_retained_until_its_kept_deadline() -> None:
+    clock = Clock()
+    m = two_levels(clock)
+    until = clock.now + 20  # the fake clock serves as the wall clock too
+    m.adopt(k("kept"), None, B, level=1, location="at 0", retention=Retention(until=until,
+                                                                            seconds=20))
+    m.adopt(k("gone"), None, B, level=1, location="at 1",
+            retention=Retention(until=clock.now, seconds=20))
+    assert m.retention.retains(k("kept")) and not m.retention.retains(k("gone"))
+    clock.now += 20
+    assert not m.retention.retains(k("kept"))

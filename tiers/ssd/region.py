@@ -62,7 +62,7 @@ def size_region(path: str, capacity: int, *, block_device: bool, created: bool,
                 os.fsync(fd)
             if created:
                 # The new directory entry must survive a crash too.
-                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+                fsync_dir(os.path.dirname(os.path.abspath(path)))
     finally:
         os.close(fd)
 
@@ -99,7 +99,7 @@ def _open_direct(path: str, arenas: ArenaPool) -> tuple[int, bool, str | None]:
     return fd, True, None
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -11,9 +11,17 @@ from dataclasses import dataclass
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.errors import TierError
+from tiers.retention import Retention
+
+__all__ = ["ALIGNMENT", "HEADER_BYTES", "NotRecoveredError", "RebuildReport", "Retention",
+           "SsdError", "SsdFormatError", "SsdIndexDamagedError", "SsdLocation", "SsdRecord",
+           "UringUnavailableError"]
 
 ALIGNMENT = 4096
 """Offset, length and buffer alignment of every O_DIRECT transfer."""
+
+HEADER_BYTES = ALIGNMENT
+"""The header page a block of format 2 carries before its value (:mod:`tiers.ssd.header`)."""
 
 
 class SsdError(TierError):
@@ -22,6 +30,11 @@ class SsdError(TierError):
 
 class SsdFormatError(SsdError, ValueError):
     """The index or data file does not match what this tier was opened with."""
+
+
+class SsdIndexDamagedError(SsdFormatError):
+    """The index cannot be read, or it lost writes it had acknowledged: its blocks may
+    still be intact on the data region, and only a scan (a rebuild) can find them."""
 
 
 class UringUnavailableError(SsdError, RuntimeError):
@@ -40,6 +53,12 @@ class SsdLocation:
     extent: Extent
     nbytes: int
     checksum: int  # xxh3_64 of the value bytes
+    header: int = 0  # bytes of block header before the value (0: a block of format 1)
+
+    @property
+    def value_offset(self) -> int:
+        """Where the value starts in the data region."""
+        return self.extent.offset + self.header
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,3 +68,17 @@ class SsdRecord:
     key: BlockKey
     parent: BlockKey | None
     location: SsdLocation
+    retention: Retention | None = None
+    seq: int = 0  # the write's sequence number (0: written before format 2)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RebuildReport:
+    """What rebuilding a damaged index from the data region found."""
+
+    reason: str  # what was wrong with the index
+    rebuilt: int  # blocks found intact (header and checksum) and indexed again
+    dropped: int  # blocks found torn, corrupt or superseded by a newer copy: not served
+    unverified: int  # pages shaped like a header that fail its MAC (another key, or forged)
+    scanned_bytes: int
+    kept_at: str | None  # where the damaged index was moved (None: there was none)

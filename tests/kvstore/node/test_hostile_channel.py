@@ -252,6 +252,22 @@ def test_a_client_killed_mid_put_leaves_nothing_behind(node: NodeProcess) -> Non
 # ---- same-host clients that hold leases and reservations too long -----------------------------
 
 
+def _region_fd(node: NodeProcess) -> int:
+    """The region's memfd as a client from before staged puts receives it (writable)."""
+    from kvstore.server import host_id
+
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(
+            pb.OpenChannelRequest(client_host_id=host_id()), timeout=10)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect("\0" + info.unix_path[1:])
+        s.sendall(wire.HELLO.pack(wire.MAGIC, info.token, wire.Mode.SHM))
+        msg, fds, _, _ = socket.recv_fds(s, wire.HELLO_REPLY.size, 1)
+    assert wire.HELLO_REPLY.unpack(msg)[0] == 0 and len(fds) == 1
+    return fds[0]
+
+
 def _connect_shm(node: NodeProcess) -> socket.socket:
     from kvstore.server import host_id
 
@@ -338,6 +354,164 @@ def test_a_client_whose_lease_expired_mid_copy_reports_a_miss_not_other_bytes(
     with Client(node.addr, transport="grpc") as c:
         assert c.remove(successor)
 
+
+
+def _region_offset(node: NodeProcess, key: bytes) -> int:
+    """Where ``key``'s block lies in the node's region (a same-host lease, released)."""
+    s = _connect_shm(node)
+    try:
+        s.sendall(HEADER.pack(Op.LEASE, 1, 16) + key)
+        status, _, meta = _reply(s)
+        lease, offset, _ = wire.LEASE_ITEM.unpack(meta)
+        assert status == 0 and lease
+        s.sendall(HEADER.pack(Op.RELEASE, 1, 8) + wire.pack_ids([lease]))
+        return offset
+    finally:
+        s.close()
+
+
+def test_a_writer_that_resumes_after_its_reservation_expired_changes_no_other_block(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.core.errors import InvalidArgument
+    from kvstore.remote.channel_client import ChannelConnection
+
+    size = 3 * MiB + 12345  # a length no other test uses: the freed extent is reused exactly
+    key, successor = b"W" * 16, b"V" * 16
+    late, theirs = b"\x5a" * size, b"\xa5" * size
+    base = _used(node)
+    real_call = ChannelConnection._call
+    reserved: list[int] = []
+
+    def stalled_call(self: ChannelConnection, op: Op, count: int, meta: bytes,
+                     values: object = ()) -> tuple[int, bytes]:
+        got = real_call(self, op, count, meta, values)  # type: ignore[arg-type]
+        if op is Op.RESERVE and key in meta and not reserved:
+            # Its space in the region (a staged reply names it after the staging slot).
+            staged = len(got[1]) == getattr(wire, "RESERVE_STAGED_ITEM", wire.RESERVE_ITEM).size
+            reserved.append(wire.RESERVE_STAGED_ITEM.unpack(got[1])[2] if staged
+                            else wire.RESERVE_ITEM.unpack(got[1])[1])
+            # The writer is paused here, between its reservation and its copy: the node
+            # expires the reservation, and another block takes exactly its space.
+            wait_until(lambda: _used(node) == base, timeout=30,
+                       what="the paused writer's reservation to expire")
+            with Client(node.addr, transport="grpc") as c:
+                assert c.put(successor, theirs)
+            assert _region_offset(node, successor) == reserved[0]
+        return got  # the writer resumes: it copies its bytes, then commits
+
+    monkeypatch.setattr(ChannelConnection, "_call", stalled_call)
+    with Client(node.addr, transport="shm") as c, pytest.raises(InvalidArgument):
+        c.put(key, late)  # its commit fails: nothing of it was stored
+    monkeypatch.undo()
+    assert reserved
+    with Client(node.addr, transport="grpc") as c:
+        assert c.get(successor) == theirs  # not one byte of the late writer's
+        assert c.exists([key]) == [False]
+        assert c.remove(successor)
+
+
+def _connect_staged(node: NodeProcess) -> tuple[socket.socket, list[int]]:
+    """A same-host connection that asks for staged puts: the socket and the descriptors
+    its HELLO reply brought (the region, then the first staging area)."""
+    from kvstore.server import host_id
+
+    with grpc.insecure_channel(node.addr) as ch:
+        info = pb_grpc.KVStoreStub(ch).OpenChannel(
+            pb.OpenChannelRequest(client_host_id=host_id()), timeout=10)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect("\0" + info.unix_path[1:])
+    s.sendall(wire.HELLO_CAPS.pack(wire.MAGIC, info.token, wire.Mode.SHM,
+                                   wire.CAP_STAGED_PUTS))
+    msg, fds, _, _ = socket.recv_fds(s, wire.HELLO_REPLY_CAPS.size, 2, socket.MSG_WAITALL)
+    status, caps, _ = wire.HELLO_REPLY_CAPS.unpack(msg)
+    assert (status, caps, len(fds)) == (0, wire.CAP_STAGED_PUTS, 2)
+    return s, fds
+
+
+def _reserve_staged(s: socket.socket, key: bytes, size: int
+                    ) -> tuple[int, int, int, int, list[int]]:
+    """(reservation id, staging slot, region offset, staging generation, descriptors that
+    rode along)."""
+    s.sendall(HEADER.pack(Op.RESERVE, 1, wire.PUT_ITEM.size)
+              + wire.PUT_ITEM.pack(key, bytes(16), size, 0))
+    head, fds, _, _ = socket.recv_fds(s, HEADER.size, 1, socket.MSG_WAITALL)
+    status, _, meta_len = HEADER.unpack(head)
+    assert status == 0
+    rid, slot, offset, state, generation = wire.RESERVE_STAGED_ITEM.unpack(
+        wire.recv_exact(s, meta_len))
+    assert state == wire.RESERVE_OK
+    return rid, slot, offset, generation, fds
+
+
+def test_a_late_writer_on_its_own_connection_writes_where_nobody_reads(
+        node: NodeProcess) -> None:
+    """The same connection reserves again after its reservation expired and gets the same
+    space: the new reservation comes with a new staging area, and the late bytes written
+    into the old one never reach the region."""
+    import mmap
+
+    size = 3 * MiB + 54321
+    key, successor = b"X" * 16, b"Y" * 16
+    base = _used(node)
+    s, (region_fd, first_fd) = _connect_staged(node)
+    try:
+        with pytest.raises(PermissionError):  # the region comes read-only
+            mmap.mmap(region_fd, MiB, flags=mmap.MAP_SHARED)
+        old_area = mmap.mmap(first_fd, 0, flags=mmap.MAP_SHARED)  # all of it
+        rid, slot, offset, generation, fds = _reserve_staged(s, key, size)
+        assert (generation, fds) == (1, [])  # the area of the HELLO
+        # The writer is paused: the node expires its reservation.
+        wait_until(lambda: _used(node) == base, timeout=30, what="the reservation to expire")
+        rid2, slot2, offset2, generation2, fds = _reserve_staged(s, successor, size)
+        assert (offset2, generation2, len(fds)) == (offset, 2, 1)  # same space, new area
+        new_area = mmap.mmap(fds[0], 0, flags=mmap.MAP_SHARED)
+        new_area[slot2:slot2 + size] = b"\xa5" * size
+        old_area[slot:slot + size] = b"\x5a" * size  # the late writer resumes
+        s.sendall(HEADER.pack(Op.COMMIT, 1, 8) + wire.pack_ids([rid2]))
+        assert _reply(s) == (0, 1, b"\x01")
+        s.sendall(HEADER.pack(Op.COMMIT, 1, 8) + wire.pack_ids([rid]))
+        assert _reply(s)[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        with Client(node.addr, transport="grpc") as c:
+            assert c.get(successor) == b"\xa5" * size
+            assert c.exists([key]) == [False]
+            assert c.remove(successor)
+        for fd in fds:
+            os.close(fd)
+        new_area.close()
+        old_area.close()
+    finally:
+        os.close(region_fd)
+        os.close(first_fd)
+        s.close()
+
+
+def test_a_client_from_before_staged_puts_still_puts_through_the_region(
+        node: NodeProcess) -> None:
+    import mmap
+
+    key, value = b"O" * 16, os.urandom(2 * MiB)
+    s = _connect_shm(node)  # the old HELLO: no capabilities
+    try:
+        s.sendall(HEADER.pack(Op.RESERVE, 1, wire.PUT_ITEM.size)
+                  + wire.PUT_ITEM.pack(key, bytes(16), len(value), 0))
+        status, _, meta = _reply(s)
+        rid, offset, state = wire.RESERVE_ITEM.unpack(meta)
+        assert status == 0 and state == wire.RESERVE_OK
+        region_fd = _region_fd(node)
+        try:
+            region = mmap.mmap(region_fd, offset + len(value), flags=mmap.MAP_SHARED)
+            region[offset:offset + len(value)] = value
+            region.close()
+        finally:
+            os.close(region_fd)
+        s.sendall(HEADER.pack(Op.COMMIT, 1, 8) + wire.pack_ids([rid]))
+        assert _reply(s) == (0, 1, b"\x01")
+    finally:
+        s.close()
+    with Client(node.addr, transport="grpc") as c:
+        assert c.get(key) == value
+        assert c.remove(key)
 
 
 def test_unknown_ids_are_refused_or_ignored_and_the_stream_goes_on(node: NodeProcess) -> None:

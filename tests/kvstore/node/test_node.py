@@ -180,10 +180,10 @@ def test_put_waits_for_victims_already_moving_instead_of_failing(tmp_path) -> No
         gate = threading.Event()
         entered = threading.Semaphore(0)
 
-        def gated_write(items):  # the real write, held at a barrier
+        def gated_write(items, *more):  # the real write, held at a barrier
             entered.release()
             gate.wait()
-            return real_write(items)
+            return real_write(items, *more)
 
         ssd.write_blocks = gated_write
         for i in range(4):

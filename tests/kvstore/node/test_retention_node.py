@@ -282,3 +282,53 @@ def test_with_an_ssd_tier_a_retained_block_is_demoted_not_dropped(tmp_path: Path
         assert node.stats()["node"]["retained_blocks"] == 0
     finally:
         node.close()
+
+
+# ---- across a restart (issue 25): the SSD tier keeps each deadline as wall-clock time -----------
+
+
+def _ssd_node(tmp_path: Path, clock: Clock) -> Node:
+    # The fake clock is both clocks: the monotonic one restarts with the node in truth, but
+    # only the wall clock carries a deadline across, and that is what the test moves.
+    return Node(NodeSettings(dram_bytes=8 * BLOCK, prefault=False, ssd_io="python",
+                             ssd_path=str(tmp_path / "ssd.img"), ssd_bytes=16 * BLOCK),
+                clock=clock, wall_clock=clock)
+
+
+def _retained(node: Node) -> int:
+    return node.stats()["node"]["retained_blocks"]
+
+
+def test_a_retained_block_on_ssd_stays_retained_across_restarts_until_its_deadline(
+        tmp_path: Path) -> None:
+    clock = Clock()
+    start = clock.now
+    node = _ssd_node(tmp_path, clock)
+    kept, short, value = key(), key(), os.urandom(BLOCK)
+    try:
+        assert node.put(kept, memoryview(value), retain_s=100)
+        assert node.put(short, memoryview(os.urandom(BLOCK)), retain_s=30)
+        for _ in range(12):  # past the DRAM tier: both go down to SSD
+            assert node.put(key(), memoryview(os.urandom(BLOCK)))
+        wait_until(lambda: node.locate([kept, short]) == ["ssd", "ssd"], what="both on SSD")
+        clock.now += 50
+        assert node.get(kept) == value  # a read on SSD: kept until start + 150 now
+    finally:
+        node.close()
+    clock.now = start + 90  # down 40 s: short's deadline (start + 30) passed meanwhile
+    node = _ssd_node(tmp_path, clock)
+    try:
+        assert node.locate([kept, short]) == ["ssd", "ssd"]
+        assert _retained(node) == 1
+        clock.now = start + 149.999
+        assert _retained(node) == 1
+        clock.now = start + 150
+        assert _retained(node) == 0
+    finally:
+        node.close()
+    node = _ssd_node(tmp_path, clock)  # and after it passed, a restart keeps nothing
+    try:
+        assert _retained(node) == 0 and node.exists([kept]) == [True]
+    finally:
+        node.close()
+

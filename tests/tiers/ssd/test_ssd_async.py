@@ -50,7 +50,7 @@ def store(tier: SsdTier, sizes: list[int]) -> tuple[list[bytes], list[SsdLocatio
 
 def corrupt(tier: SsdTier, loc: SsdLocation) -> None:
     """Flips one byte of the block behind the tier's back."""
-    flip_byte(tier.path, loc.extent.offset + loc.nbytes // 2)
+    flip_byte(tier.path, loc.value_offset + loc.nbytes // 2)
 
 
 def test_results_arrive_once_each_in_any_order(tier: SsdTier) -> None:

@@ -16,7 +16,9 @@ import itertools
 import mmap
 import os
 import random
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,9 +36,12 @@ from tiers.allocator import Extent
 from tiers.base import Tier
 from tiers.ssd.tier import (
     ALIGNMENT,
+    HEADER_BYTES,
     NotRecoveredError,
     SsdFormatError,
+    SsdIndexDamagedError,
     SsdLocation,
+    SsdRecord,
     SsdTier,
     UringUnavailableError,
 )
@@ -124,7 +129,7 @@ def test_round_trip_random_sizes_batched(tmp_path: Path, mode: dict) -> None:
     for loc, v in zip(locs, values, strict=True):
         assert loc.nbytes == len(v)
         assert loc.extent.offset % ALIGNMENT == 0 and loc.extent.length % ALIGNMENT == 0
-        assert loc.extent.length >= len(v)
+        assert loc.extent.length >= HEADER_BYTES + len(v) and loc.header == HEADER_BYTES
     # Read in one big batch, and again in differently grouped batches.
     ok, data = read_back(tier, locs)
     assert all(ok) and data == values
@@ -135,7 +140,8 @@ def test_round_trip_random_sizes_batched(tmp_path: Path, mode: dict) -> None:
     assert s["blocks"] == len(values) and s["writes"] == len(values)
     assert s["reads"] == 2 * len(values) and s["bytes_read"] == 2 * sum(sizes)
     assert s["bytes_written"] == sum(sizes) and s["checksum_failures"] == 0
-    assert s["used"] == sum(max(ALIGNMENT, -(-n // ALIGNMENT) * ALIGNMENT) for n in sizes)
+    # Each block takes its header page and its value rounded up to the alignment.
+    assert s["used"] == sum(HEADER_BYTES + -(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
     assert s["io_backend"] == mode["io"]
     tier.close()
 
@@ -298,7 +304,7 @@ def test_flipped_byte_is_reported_never_returned(tmp_path: Path, mode: dict) -> 
     victim = locs[1]
     assert victim is not None
     # Flip one byte in the middle of block 1 behind the tier's back.
-    flip_byte(tmp_path / "data.img", victim.extent.offset + victim.nbytes // 2)
+    flip_byte(tmp_path / "data.img", victim.value_offset + victim.nbytes // 2)
     ok, data = read_back(tier, locs)  # type: ignore[arg-type]
     assert ok == [True, False, True, True]
     assert [data[i] for i in (0, 2, 3)] == [vals[i] for i in (0, 2, 3)]
@@ -328,7 +334,7 @@ def test_corrupt_block_with_unaligned_destination_leaves_it_untouched(tmp_path: 
     assert loc is not None
     fd = os.open(tmp_path / "data.img", os.O_RDWR)
     try:
-        os.pwrite(fd, b"\xff", loc.extent.offset)
+        os.pwrite(fd, b"\xff", loc.value_offset)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -373,7 +379,8 @@ def test_delete_frees_space_durably(tmp_path: Path, mode: dict) -> None:
     tier.delete([(r.key, r.location) for r in records])
     assert tier.used == 0 and tier.stats()["blocks"] == 0
     # The whole region is one free extent again.
-    (big,) = tier.write_blocks([(key_of(99), None, memoryview(payload(0, tier.capacity)))])
+    (big,) = tier.write_blocks([(key_of(99), None,
+                                 memoryview(payload(0, tier.capacity - HEADER_BYTES)))])
     assert big is not None and big.extent == Extent(0, tier.capacity)
     tier.close()
 
@@ -436,7 +443,8 @@ def test_recovery_rebuilds_allocator_property(tmp_path: Path, uring_status: tupl
                         live[k] = (loc, v)
                     else:
                         # None only when no free extent of that size exists.
-                        assert tier.largest_free() < -(-len(v) // ALIGNMENT) * ALIGNMENT
+                        assert tier.largest_free() < \
+                            HEADER_BYTES + -(-len(v) // ALIGNMENT) * ALIGNMENT
             elif live:
                 k = sorted(live)[op[1] % len(live)]
                 tier.delete([(BlockKey(k), live.pop(k)[0])])
@@ -471,10 +479,9 @@ def test_recovery_rebuilds_allocator_property(tmp_path: Path, uring_status: tupl
 # --------------------------------------------------------------------------- real crash
 
 
-def test_sigkill_mid_run_loses_no_acknowledged_block(tmp_path: Path,
-                                                     uring_status: tuple) -> None:
-    path = tmp_path / "data.img"
-    capacity = 256 * MiB
+def _crash_writer(path: Path, capacity: int, enough: int) -> list[bytes]:
+    """Runs tests/ssd_crash_writer.py on ``path`` until ``enough`` blocks were acknowledged,
+    SIGKILLs it mid-run, and returns every key it acknowledged."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "ssd_crash_writer.py"), "--path", str(path),
@@ -486,7 +493,7 @@ def test_sigkill_mid_run_loses_no_acknowledged_block(tmp_path: Path,
         first = proc.stdout.readline().decode()
         assert first.startswith("BACKEND "), proc.stderr.read().decode() if proc.stderr else ""
         deadline = time.monotonic() + 30
-        while len(acked) < 2000 and time.monotonic() < deadline:
+        while len(acked) < enough and time.monotonic() < deadline:
             line = proc.stdout.readline().decode()
             if not line:
                 break
@@ -503,17 +510,143 @@ def test_sigkill_mid_run_loses_no_acknowledged_block(tmp_path: Path,
     for line in rest.split("\n")[:-1]:
         if line.startswith("ACK "):
             acked.append(bytes.fromhex(line.split()[1]))
-    assert len(acked) >= 2000, "writer too slow or failed"
+    assert len(acked) >= enough, "writer too slow or failed"
+    return acked
 
-    tier = SsdTier(path, capacity, io="auto")
+
+def _every_block_intact(tier: SsdTier, acked: list[bytes]) -> dict[bytes, SsdRecord]:
     records = {r.key: r for r in tier.recover()}
     missing = [k.hex() for k in acked if k not in records]
     assert not missing, f"acknowledged blocks lost: {missing[:5]}"
     # Every indexed block (acknowledged or written just before the kill) is intact.
     keys = sorted(records)
-    locs = [records[k].location for k in keys]
-    ok, data = read_back(tier, locs)
+    ok, data = read_back(tier, [records[k].location for k in keys])
     assert all(ok)
     assert data == [ssd_crash_writer.payload_for(k) for k in keys]
     assert tier.stats()["checksum_failures"] == 0
+    return records
+
+
+def test_sigkill_mid_run_loses_no_acknowledged_block(tmp_path: Path,
+                                                     uring_status: tuple) -> None:
+    path = tmp_path / "data.img"
+    capacity = 256 * MiB
+    acked = _crash_writer(path, capacity, 2000)
+    tier = SsdTier(path, capacity, io="auto")
+    assert tier.rebuild_report is None
+    _every_block_intact(tier, acked)
+    tier.close()
+
+
+def _damage(index: Path, how: str) -> None:
+    files = [f for f in index.iterdir() if f.is_file() and f.stat().st_size]
+    if how == "deleted":
+        shutil.rmtree(index)
+    elif how == "truncated":  # every file cut in half
+        for f in files:
+            os.truncate(f, f.stat().st_size // 2)
+    elif how == "garbage":  # every file overwritten
+        for f in files:
+            f.write_bytes(os.urandom(f.stat().st_size))
+    elif how == "wal-cut":  # only the write-ahead log: RocksDB opens an older index
+        for f in files:
+            if f.suffix == ".log":
+                os.truncate(f, f.stat().st_size // 2)
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "garbage", "wal-cut"])
+def test_a_damaged_index_is_refused_and_a_rebuild_serves_every_acknowledged_block(
+        tmp_path: Path, how: str) -> None:
+    path = tmp_path / "data.img"
+    capacity = 64 * MiB
+    acked = _crash_writer(path, capacity, 300)
+    index = Path(str(path) + ".index")
+    _damage(index, how)
+    before = path.read_bytes()
+    with pytest.raises(SsdIndexDamagedError):
+        SsdTier(path, capacity, io="python")
+    assert path.read_bytes() == before  # refused before touching the data
+    tier = SsdTier(path, capacity, io="python", allow_index_rebuild=True)
+    report = tier.rebuild_report
+    assert report is not None and report.dropped == 0
+    records = _every_block_intact(tier, acked)
+    assert report.rebuilt == len(records) >= len(acked)
+    assert report.scanned_bytes == tier.capacity
+    assert (report.kept_at is None) == (how == "deleted")
+    if report.kept_at is not None:
+        assert Path(report.kept_at).is_dir() and report.kept_at.startswith(str(index))
+    # New writes go on after the rebuilt blocks, and a clean restart needs no rebuild.
+    (loc,) = tier.write_blocks([(key_of(1), None, memoryview(b"after"))])
+    assert loc is not None
+    tier.close()
+    tier = SsdTier(path, capacity, io="python")
+    assert tier.rebuild_report is None
+    assert len(tier.recover()) == len(records) + 1
+    tier.close()
+
+
+def test_rebuild_never_brings_back_a_deleted_block_and_keeps_the_newest_copy(
+        tmp_path: Path) -> None:
+    mode = {"io": "python", "direct": True}
+    tier = open_tier(tmp_path, 8 * MiB, mode)
+    old_v, new_v, gone_v = payload(1, 9000), payload(2, 7000), payload(3, 5000)
+    (old,) = tier.write_blocks([(key_of(1), None, memoryview(old_v))])
+    (gone,) = tier.write_blocks([(key_of(2), key_of(1), memoryview(gone_v))])
+    (new,) = tier.write_blocks([(key_of(1), None, memoryview(new_v))])  # a second copy
+    assert old is not None and new is not None and gone is not None
+    tier.delete([(key_of(2), gone)])
+    tier.close()
+    shutil.rmtree(tmp_path / "data.img.index")
+    tier = open_tier(tmp_path, 8 * MiB, mode, allow_index_rebuild=True)
+    assert tier.rebuild_report is not None
+    assert (tier.rebuild_report.rebuilt, tier.rebuild_report.dropped) == (1, 1)
+    (rec,) = tier.recover()
+    assert rec.key == key_of(1) and rec.location == new
+    assert read_back(tier, [rec.location]) == ([True], [new_v])
+    assert tier.used == new.extent.length  # the older copy's space is free again
+    tier.close()
+
+
+def test_a_format_1_index_and_its_blocks_still_read(tmp_path: Path) -> None:
+    """Data written before block headers: its index entries (49 bytes) keep their meaning,
+    the index is marked format 2 when opened, and new blocks get headers."""
+    import json
+
+    import rocksdict
+    import xxhash
+
+    path, capacity = tmp_path / "data.img", 4 * MiB
+    values = [payload(i, n) for i, n in enumerate([5000, 4096, 1])]
+    with open(path, "wb") as f:
+        f.truncate(capacity)
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    db = rocksdict.Rdict(str(path) + ".index", opts)
+    db[b"\x00meta"] = json.dumps({"format": "kvstore-ssd-index", "version": 1,
+                                  "alignment": ALIGNMENT, "capacity": capacity,
+                                  "block_device": False}, sort_keys=True).encode()
+    offset = 0
+    for i, v in enumerate(values):
+        length = -(-len(v) // ALIGNMENT) * ALIGNMENT
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(v)
+        db[b"b" + key_of(i)] = struct.pack("<QQQQB16s", offset, length, len(v),
+                                           xxhash.xxh3_64_intdigest(v), 0, bytes(16))
+        offset += length
+    db.close()
+    tier = SsdTier(path, capacity, io="python")
+    records = sorted(tier.recover(), key=lambda r: r.key)
+    assert [r.location.header for r in records] == [0, 0, 0]
+    assert read_back(tier, [r.location for r in records]) == ([True] * 3, values)
+    (loc,) = tier.write_blocks([(key_of(9), None, memoryview(b"new"))])
+    assert loc is not None and loc.header == HEADER_BYTES
+    tier.close()
+    db = rocksdict.Rdict(str(path) + ".index", rocksdict.Options(raw_mode=True))
+    assert json.loads(bytes(db[b"\x00meta"]))["version"] == 2
+    db.close()
+    tier = SsdTier(path, capacity, io="python")
+    assert len(tier.recover()) == 4
     tier.close()
