@@ -211,7 +211,7 @@ def test_the_rules_find_each_kind_of_access() -> None:
         "from kvstore.remote.node_client import _chunks",
         "from replication.placement.candidates import _hidden",
         "server._stub (defined in kvstore/remote)",
-        "super()._resolve (defined in kvstore/remote)",
+        "super()._resolve (defined in kvstore/remote, tiers/ssd)",
     ]
 
 

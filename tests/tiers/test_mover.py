@@ -23,6 +23,7 @@ from tiers.mover import TierMover, leased_block_view
 from tiers.policy import make_policy
 from tiers.retention import RetainAsk
 from tiers.ssd.tier import SsdTier
+from tiers.ssd.types import HEADER_BYTES
 
 BLOCK = 8192
 
@@ -71,7 +72,8 @@ class Tiers:
 
 def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int) -> Tiers:
     dram = DramTier(dram_blocks * BLOCK, prefault=False)
-    ssd = SsdTier(tmp_path / "kv.img", ssd_blocks * BLOCK, io="python")
+    # each SSD block takes its header page too (format 2)
+    ssd = SsdTier(tmp_path / "kv.img", ssd_blocks * (BLOCK + HEADER_BYTES), io="python")
     manager = TierManager([dram, ssd], make_policy("lru"),
                           watermarks=Watermarks(high=1.0, low=0.5))
     lock = threading.Lock()
