@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--advertise", help="address peers and clients use (default: --listen)")
     c.add_argument("--lease-ttl", type=int, help="seconds before etcd drops a silent node "
                    "(default 10)")
-    c.add_argument("--replicas", type=int, help="copies repair keeps of each block (default 2)")
+    c.add_argument("--replicas", type=int, help="copies the cluster keeps of each block: what "
+                   "repair keeps, and the most a tenant's put may ask for (default 2)")
     c.add_argument("--repair-bytes-per-s", type=_size,
                    help="repair bandwidth cap, e.g. 100MiB (default 100MiB)")
     c.add_argument("--repair-interval", type=float,
@@ -407,7 +408,8 @@ def _forward_in_static_cluster(cfg: Any, server: Any, fmt: str) -> None:
                  fmt=fmt)
         return
     server.forwarder.attach(
-        StaticMembership([Member(node_id=NodeId(a), addr=a) for a in dict.fromkeys(addrs)]), me)
+        StaticMembership([Member(node_id=NodeId(a), addr=a) for a in dict.fromkeys(addrs)]), me,
+        replicas=cfg.replicas)
 
 
 def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:

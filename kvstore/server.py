@@ -23,12 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.auth import tenancy
 from kvstore.auth.security import (
-    OPEN,
     Principal,
     ServerTls,
     TenantRegistry,
-    bearer_token,
     is_loopback,
+    principal_of,
 )
 from kvstore.core.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.retention import retain_seconds
@@ -92,9 +91,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.drain_handler: Callable[[], dict[str, float]] | None = None
 
     def authenticate(self, context: grpc.ServicerContext) -> Principal:
-        if self._auth is None:
-            return OPEN
-        return self._auth.authenticate(bearer_token(context.invocation_metadata()))
+        return principal_of(self._auth, context.invocation_metadata())
 
     @_rpc
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext, p: Principal

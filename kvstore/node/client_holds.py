@@ -74,8 +74,12 @@ class ReservationSet:
         self._next_id = 1
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool,
-                retain_s: float | None = None) -> tuple[int, Reservation] | None:
-        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s)
+                retain_s: float | None = None, owner: str | None = None,
+                quota: int | None = None) -> tuple[int, Reservation] | None:
+        """``owner``/``quota``: whom the space is charged to (a cluster-role copy charged
+        to a tenant: ``kvstore.auth.tenancy.charging``; tenants never map the region)."""
+        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s,
+                                         owner=owner, quota=quota)
         if reservation is None:
             return None
         rid = self._next_id

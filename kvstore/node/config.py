@@ -45,7 +45,7 @@ class NodeConfig:
     zone: str = ""
     advertise: str = ""  # address peers use; "": the listen address
     lease_ttl: int = 10  # seconds without keepalive before etcd drops the node
-    replicas: int = 2  # copies repair keeps of every block
+    replicas: int = 2  # copies repair keeps of every block; the most a tenant may ask for
     repair_bytes_per_s: int = 100 << 20
     repair_interval: float = 30.0  # seconds between periodic repair passes
     members: str = ""  # static peers "HOST:PORT,HOST:PORT": the only ones (with etcd's view)

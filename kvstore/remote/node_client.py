@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from kvstore.auth.security import ClientTls
+from kvstore.auth.security import ClientTls, charge_to_metadata
 from kvstore.core.checks import MAX_BATCH, check_key, check_parent
 from kvstore.core.errors import (
     REPLY_BOUND,
@@ -99,17 +99,22 @@ class NodeClient(SingleKeyCalls):
 
     def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
                  token: str | None = None, tls: ClientTls | None = None,
-                 io_timeout: float | None = None) -> None:
+                 io_timeout: float | None = None, charge_to: str | None = None) -> None:
         """``token``: the bearer token a node with tenants requires (see
         ``kvstore.auth.security``); ``tls``: connect over TLS (gRPC and the TCP channel);
-        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound)."""
+        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound);
+        ``charge_to``: the tenant this client's puts are charged to on the node (a node
+        copying a tenant's block to its peer; the node allows it the cluster role only)."""
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
         self.timeout = timeout
+        self.charge_to = charge_to
         self._io_timeout = io_timeout
         self._requested = transport
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + (
+            (charge_to_metadata(charge_to),) if charge_to is not None else ())
+        self._metadata = metadata or None
         self._tls = tls
         self._grpc_channel = (
             grpc.secure_channel(addr, tls.grpc_credentials(), options=GRPC_OPTIONS) if tls

@@ -41,16 +41,21 @@ class Forwarder:
         self._lock = threading.Lock()
         # guarded by _lock:
         self._self_id: NodeId | None = None
+        self._replicas = 1
         self._placement: Placement | None = None
         self._addrs: dict[NodeId, str] = {}
         self._unsubscribe: Callable[[], None] | None = None
         # Each block's targets under the current view (keys repeat: re-puts, fan-out).
         self._cache: dict[tuple[BlockKey, int], tuple[str, ...]] = {}
 
-    def attach(self, membership: Membership, self_id: str) -> None:
-        """Forward by ``membership``'s live view from now on, as node ``self_id``."""
+    def attach(self, membership: Membership, self_id: str, *, replicas: int) -> None:
+        """Forward by ``membership``'s live view from now on, as node ``self_id`` of a
+        cluster that keeps ``replicas`` copies of a block (the cap on a tenant's puts)."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         with self._lock:
             self._self_id = NodeId(self_id)
+            self._replicas = replicas
         self._on_members(membership.members())
         unsubscribe = membership.subscribe(self._on_members)
         with self._lock:
@@ -75,6 +80,11 @@ class Forwarder:
     def available(self) -> bool:
         with self._lock:
             return self._placement is not None and bool(self._addrs)
+
+    @property
+    def replicas(self) -> int:
+        with self._lock:
+            return self._replicas
 
     def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int
                 ) -> ForwardOutcome:
@@ -102,7 +112,7 @@ class Forwarder:
                               failed=tuple(out.failed))
 
     def _push(self, addr: str, blocks: list[BlockCopy]) -> None:
-        send_copies(self.peers.get(addr), blocks)
+        send_copies(self.peers.peer(addr), blocks)
 
     def close(self) -> None:
         self.detach()
