@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-shm", dest="shm", action="store_const", const=False,
                    help="do not offer same-host shared memory to clients")
     s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
+    s.add_argument("--max-request-bytes", type=_size, metavar="SIZE",
+                   help="bytes of gRPC requests the node holds at once; past it a call gets "
+                        "RESOURCE_EXHAUSTED (default: a quarter of --dram-bytes, from 64MiB "
+                        "to 1GiB)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
     s.add_argument("--read-lease-timeout", type=float, metavar="S",
@@ -219,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
-        "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
+        "prefault", "shm", "grpc_workers", "max_request_bytes", "drain_timeout",
+        "read_lease_timeout", "log_level",
         "hbm_bytes", "max_retained_fraction",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
@@ -251,7 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
                             **_security(cfg), metrics=metrics, members=cfg.member_addrs(),
-                            read_lease_timeout=cfg.read_lease_timeout)
+                            read_lease_timeout=cfg.read_lease_timeout,
+                            max_request_bytes=cfg.max_request_bytes or None)
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:

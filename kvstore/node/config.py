@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.core.sizes import parse_size
+from kvstore.core.sizes import format_size, parse_size
 from kvstore.core.toml_files import load_toml
+from kvstore.node.request_budget import MIN_REQUEST_BYTES
 from kvstore.protocol.kv_event_wire import check_endpoint
 from tiers.policy import POLICIES
 
@@ -26,6 +27,7 @@ class NodeConfig:
     prefault: bool = True
     shm: bool = True
     grpc_workers: int = 16
+    max_request_bytes: int = 0  # gRPC request bytes held at once; 0: DRAM/4, 64MiB..1GiB
     drain_timeout: float = 10.0
     read_lease_timeout: float = 30.0  # seconds a stalled client may pin a lease or a put
     log_level: str = "info"
@@ -75,6 +77,10 @@ class NodeConfig:
             raise ValueError("read_lease_timeout must be >= 1 second")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
+        if self.max_request_bytes and self.max_request_bytes < MIN_REQUEST_BYTES:
+            raise ValueError(f"max_request_bytes must be 0 (derived from dram_bytes) or at "
+                             f"least {format_size(MIN_REQUEST_BYTES)}, got "
+                             f"{self.max_request_bytes}")
         if self.ssd_path and self.ssd_bytes <= 0:
             raise ValueError("ssd_path needs ssd_bytes (the SSD tier's size)")
         if self.ssd_bytes and not self.ssd_path:
@@ -120,7 +126,8 @@ class NodeConfig:
         return [m.strip() for m in self.members.split(",") if m.strip()]
 
 
-_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s"}
+_SIZE_FIELDS = {"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s",
+                "max_request_bytes"}
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 

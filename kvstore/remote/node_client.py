@@ -45,7 +45,7 @@ from kvstore.core.logs import REQUEST_ID_HEADER
 from kvstore.core.retention import retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.protocol.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
+from kvstore.protocol.grpc_options import GRPC_OPTIONS, host_id
 from kvstore.protocol.wire import Mode
 from kvstore.remote.channel_client import (
     ChannelConnection,
@@ -56,7 +56,9 @@ from kvstore.remote.channel_client import (
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
 T = TypeVar("T")
-_GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
+_GRPC_BATCH_BYTES = 32 << 20
+"""Most value bytes of one BatchPut: a node's request budget is at least twice this
+(``kvstore.node.request_budget.MIN_REQUEST_BYTES``), so a batch always fits beside another."""
 
 
 class BatchCalls(Protocol):
