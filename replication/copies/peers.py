@@ -101,7 +101,10 @@ class PeerPool:
             return client
 
     def peer(self, addr: str) -> PeerFor:
-        """``addr``'s clients by the tenant they charge (what ``send_copies`` takes)."""
+        """``addr``'s clients by the tenant they charge (what ``send_copies`` takes);
+        PermissionDenied at once, as ``get``, if ``addr`` is not a known member."""
+        if self.members is not None:
+            self.members.check(addr)
         return lambda owner: self.get(addr, charge_to=owner)
 
     def retain(self, addrs: Iterable[str]) -> None:
