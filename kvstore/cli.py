@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-shm", dest="shm", action="store_const", const=False,
                    help="do not offer same-host shared memory to clients")
     s.add_argument("--grpc-workers", type=int, help="gRPC handler threads (default 16)")
+    s.add_argument("--max-request-bytes", type=_size, metavar="SIZE",
+                   help="bytes of gRPC requests the node holds at once; past it a call gets "
+                        "RESOURCE_EXHAUSTED (default: a quarter of --dram-bytes, from 64MiB "
+                        "to 1GiB)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to let in-flight requests finish on SIGTERM (default 10)")
     s.add_argument("--read-lease-timeout", type=float, metavar="S",
@@ -122,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--advertise", help="address peers and clients use (default: --listen)")
     c.add_argument("--lease-ttl", type=int, help="seconds before etcd drops a silent node "
                    "(default 10)")
-    c.add_argument("--replicas", type=int, help="copies repair keeps of each block (default 2)")
+    c.add_argument("--replicas", type=int, help="copies the cluster keeps of each block: what "
+                   "repair keeps, and the most a tenant's put may ask for (default 2)")
     c.add_argument("--repair-bytes-per-s", type=_size,
                    help="repair bandwidth cap, e.g. 100MiB (default 100MiB)")
     c.add_argument("--repair-interval", type=float,
@@ -234,7 +239,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
-        "prefault", "shm", "grpc_workers", "drain_timeout", "read_lease_timeout", "log_level",
+        "prefault", "shm", "grpc_workers", "max_request_bytes", "drain_timeout",
+        "read_lease_timeout", "log_level",
         "hbm_bytes", "max_retained_fraction", "max_prefetch_bytes", "allow_index_rebuild",
         "hbm_device", "ssd_path", "ssd_bytes", "ssd_io", "etcd", "node_id", "zone", "advertise",
         "lease_ttl", "replicas", "repair_bytes_per_s", "repair_interval", "members", "tls_cert",
@@ -268,7 +274,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = NodeServer(node, listen=cfg.listen, data_port=cfg.data_port,
                             grpc_workers=cfg.grpc_workers, enable_shm=cfg.shm,
                             **_security(cfg), metrics=metrics, members=cfg.member_addrs(),
-                            read_lease_timeout=cfg.read_lease_timeout)
+                            read_lease_timeout=cfg.read_lease_timeout,
+                            max_request_bytes=cfg.max_request_bytes or None)
         if metrics is not None:
             exporter = _start_exporter(metrics, cfg.metrics_listen, server)
     except BaseException:
@@ -425,7 +432,8 @@ def _forward_in_static_cluster(cfg: Any, server: Any, fmt: str) -> None:
                  fmt=fmt)
         return
     server.forwarder.attach(
-        StaticMembership([Member(node_id=NodeId(a), addr=a) for a in dict.fromkeys(addrs)]), me)
+        StaticMembership([Member(node_id=NodeId(a), addr=a) for a in dict.fromkeys(addrs)]), me,
+        replicas=cfg.replicas)
 
 
 def _join_cluster(cfg: Any, node: Any, server: Any) -> Any:

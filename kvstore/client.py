@@ -19,7 +19,7 @@ from kvstore.core.prefetch import MAX_PREFETCH_KEYS, PrefetchOutcome
 from kvstore.remote.node_client import TRANSPORTS, NodeClient, SingleKeyCalls, check_put_batch
 from replication.cluster_client import ClusterClient
 
-_NODE_OPTIONS = frozenset({"transport", "timeout", "token", "tls", "io_timeout"})
+_NODE_OPTIONS = frozenset({"transport", "timeout", "token", "tls", "io_timeout", "charge_to"})
 
 
 class Client(NodeClient):

@@ -6,6 +6,7 @@ gRPC status codes; nothing a client sends can raise past it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -23,23 +24,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.auth import tenancy
 from kvstore.auth.security import (
-    OPEN,
     Principal,
     ServerTls,
     TenantRegistry,
-    bearer_token,
     is_loopback,
+    principal_of,
 )
 from kvstore.core.errors import REASON_HEADER, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.prefetch import check_prefetch
 from kvstore.core.retention import retain_seconds
 from kvstore.node.channel_server import ChannelServer
+from kvstore.node.request_budget import RequestBudget, default_request_bytes, max_message_bytes
 from kvstore.node.semantics import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol import wire
-from kvstore.protocol.grpc_options import GRPC_OPTIONS, host_id
 from kvstore.protocol.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
+from kvstore.protocol.grpc_options import host_id
 
 if TYPE_CHECKING:
     from kvstore.node.metrics import NodeMetrics
@@ -95,9 +96,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.drain_handler: Callable[[], dict[str, float]] | None = None
 
     def authenticate(self, context: grpc.ServicerContext) -> Principal:
-        if self._auth is None:
-            return OPEN
-        return self._auth.authenticate(bearer_token(context.invocation_metadata()))
+        return principal_of(self._auth, context.invocation_metadata())
 
     @_rpc
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext, p: Principal
@@ -214,11 +213,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self._channel_info(request.client_host_id, p)
 
 
-def decoding_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
+def decoding_handlers(servicer: KVStoreServicer, budget: RequestBudget | None = None
+                      ) -> grpc.GenericRpcHandler:
     """The service's handlers, decoding requests themselves.
 
     With gRPC's own deserializer an undecodable body fails before any handler
     runs and the client sees INTERNAL; here it is INVALID_ARGUMENT, as promised.
+    ``budget``: each message holds its bytes of it while its call is served, from before
+    it is decoded (``kvstore.node.request_budget``); past it, RESOURCE_EXHAUSTED.
     """
     service = pb.DESCRIPTOR.services_by_name["KVStore"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
@@ -228,13 +230,19 @@ def decoding_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
         impl = getattr(servicer, method.name)
 
         def handle(raw: bytes, context: grpc.ServicerContext, impl: Any = impl,
-                   request_cls: Any = request_cls) -> Any:
-            try:
-                request = request_cls.FromString(raw)
-            except DecodeError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"malformed {request_cls.__name__}: {exc}")
-            return impl(request, context)
+                   request_cls: Any = request_cls, name: str = method.name) -> Any:
+            with contextlib.ExitStack() as held:
+                if budget is not None:
+                    try:
+                        held.enter_context(budget.hold(len(raw), name))
+                    except KVStoreError as exc:
+                        context.abort(exc.code, str(exc))
+                try:
+                    request = request_cls.FromString(raw)
+                except DecodeError as exc:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"malformed {request_cls.__name__}: {exc}")
+                return impl(request, context)
 
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             handle, request_deserializer=None, response_serializer=response_cls.SerializeToString)
@@ -280,14 +288,17 @@ class NodeServer:
                  tls: ServerTls | None = None, auth: TenantRegistry | None = None,
                  peer_token: str | None = None, insecure: bool = False,
                  metrics: NodeMetrics | None = None, members: Sequence[str] = (),
-                 read_lease_timeout: float | None = DEFAULT_READ_LEASE_TIMEOUT) -> None:
+                 read_lease_timeout: float | None = DEFAULT_READ_LEASE_TIMEOUT,
+                 max_request_bytes: int | None = None) -> None:
         """``tls``/``auth``: see ``kvstore.auth.security``. ``peer_token`` is what this node
         presents to its peers (a cluster-role token) when it replicates or repairs.
         Without ``tls`` only a loopback ``listen`` is accepted, unless ``insecure``.
         ``members``: the static list of peer addresses this node may send blocks to (a
         cluster node adds its etcd view with ``known_members.follow``); no one else.
         ``read_lease_timeout``: seconds a client's read lease or unfinished put may pin
-        space while its bytes do not flow (see ``kvstore.node.channel_server``)."""
+        space while its bytes do not flow (see ``kvstore.node.channel_server``).
+        ``max_request_bytes``: the bytes of gRPC requests the node holds at once (None:
+        derived from the DRAM tier, ``kvstore.node.request_budget``)."""
         from kvstore.node.metrics import RequestInterceptor  # clients need not import prometheus
         from replication.copies.forwarder import Forwarder  # replication builds on the client: late
         from replication.copies.peers import KnownMembers, PeerPool
@@ -310,9 +321,12 @@ class NodeServer:
         self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
                                      ssl_context=tls.ssl_context() if tls else None,
                                      metrics=metrics, stall_s=read_lease_timeout)
+        self.request_budget = RequestBudget(
+            max_request_bytes or default_request_bytes(node.settings.dram_bytes))
+        node.add_stat_source(self.request_budget.stats)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=grpc_workers,
                                                             thread_name_prefix="kvstore-grpc"),
-                                 options=GRPC_OPTIONS,
+                                 options=_server_options(self.request_budget.limit),
                                  interceptors=[RequestInterceptor(metrics)])
         where = f"{_bracket(host)}:{port}"
         bound = (self._grpc.add_secure_port(where, tls.grpc_credentials()) if tls
@@ -338,7 +352,8 @@ class NodeServer:
                                             members=self.known_members))
         self.channel.forwarder = self.forwarder
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
-        self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer),))
+        self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer,
+                                                               self.request_budget),))
         self.health = NodeHealth(node)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
 
@@ -387,6 +402,16 @@ class NodeServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._grpc.wait_for_termination(timeout)
+
+
+def _server_options(request_bytes: int) -> list[tuple[str, int]]:
+    """gRPC server settings under a request budget of ``request_bytes``: no message larger
+    than the budget (refused on its length prefix, unread), and no bandwidth-delay probing,
+    which would widen every stream's flow-control window until calls that wait for a
+    handler thread sit in memory whole; without it such a call holds its initial window."""
+    return [("grpc.max_receive_message_length", max_message_bytes(request_bytes)),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.bdp_probe", 0)]
 
 
 def _bracket(host: str) -> str:

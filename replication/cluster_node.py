@@ -67,7 +67,8 @@ class ClusterRole:
             raise
         self._joined = True
         if self.forwarder is not None:
-            self.forwarder.attach(self.membership, self.settings.node_id)
+            self.forwarder.attach(self.membership, self.settings.node_id,
+                                  replicas=self.settings.replicas)
         self.repair.start()
         log.info("joined the cluster at %s as %s (zone %r, weight %.3g)", self.settings.etcd,
                  self.member.node_id, self.member.zone, self.member.weight)

@@ -58,6 +58,8 @@ EXPECTED: dict[str, Any] = {
     "ttl_enable_default": 0,
     "ttl_too_long": -600,
     "ttl_disable": 0,
+    "ttl_types": ["NoneType None", "int 0", "int 7", "int 1", "int 5", "TypeError",
+                  "TypeError", "TypeError", "TypeError", "TypeError", "TypeError"],
     "dfs_replica": -1601,
     "nof_replica": -600,
     "health": 0,
@@ -180,6 +182,26 @@ def soft_pin_steps(s: Any, config_cls: type, soft_pin: Any, k: str,
     d = config_cls()
     d.soft_pin_action = soft_pin.DISABLE
     got["ttl_disable"] = s.put(k + "c", b"x" * 100, d)
+    # What the setter does with each type (the wheel's is pybind11's Optional[int]): the value
+    # read back and its type, or the error; a refused value leaves the field as it was.
+    types = []
+    for value in (None, 0, 7, True, _Index(), 1.0, 1.5, "5", b"5", -1, 2**64):
+        t = config_cls()
+        t.soft_pin_ttl_ms = 3
+        try:
+            t.soft_pin_ttl_ms = value
+        except TypeError:
+            types.append("TypeError" if t.soft_pin_ttl_ms == 3 else "TypeError, changed")
+        else:
+            types.append(f"{type(t.soft_pin_ttl_ms).__name__} {t.soft_pin_ttl_ms!r}")
+    got["ttl_types"] = types
+
+
+class _Index:
+    """An integer by ``__index__`` only (as numpy's integers are)."""
+
+    def __index__(self) -> int:
+        return 5
 
 
 def basic_steps(s: Any, k: str, got: dict[str, Any]) -> None:

@@ -87,6 +87,11 @@ class QuotaBook:
         else:
             del self._used[owner]
 
+    def owner_of(self, key: BlockKey) -> str | None:
+        """The tenant the stored block ``key`` is charged to (None: nobody)."""
+        got = self._charged.get(key)
+        return None if got is None else got[0]
+
     def used(self) -> dict[str, int]:
         return dict(self._used)
 

@@ -27,9 +27,16 @@ The ``cluster`` role uses stored keys as they are (replication and repair copy
 stored blocks between nodes). With tenants configured, same-host shared memory is
 offered to the cluster role only: it maps the whole region, every tenant's bytes.
 
-**Quotas** count the bytes a tenant's own puts keep on this node (reserved
-space included, released on eviction, removal or abort); copies that replication
-or repair place on other nodes are not charged there.
+**Quotas** count the bytes a tenant's blocks keep on this node (reserved space
+included, released on eviction, removal or abort): its own puts, and the copies
+that replication and repair place here. A node sending a copy of a tenant's block
+names the tenant in the gRPC metadata ``kvstore-charge-to-bin`` (UTF-8; also on the
+OpenChannel that opens its transfer channel, so channel puts carry it): the copy is
+charged to that tenant here, against the quota this node's auth file gives it (none
+if this node does not list it). Only the cluster role (or anyone on an open node) may
+name a tenant; a peer that names none (a node from before this) is served as before,
+its copies charged to nobody. A tenant's replicated put asks for at most the
+cluster's ``--replicas`` copies (PERMISSION_DENIED past it).
 
 **TLS.** ``--tls-cert``/``--tls-key`` serve the gRPC API and the TCP transfer
 channel over TLS (the channel inside ``ssl``); ``--tls-ca`` is the CA that node and
@@ -57,15 +64,20 @@ import grpc
 
 # The tenant view (salting, quotas, roles) lives in kvstore.auth.tenancy; its names are
 # re-exported here, where callers have always found them.
-from kvstore.auth.tenancy import OPEN, TENANT_DOMAIN, Principal, Tenant, salt_key
-from kvstore.core.errors import Unauthenticated
+from kvstore.auth.tenancy import OPEN, TENANT_DOMAIN, Principal, Tenant, charging, salt_key
+from kvstore.core.errors import InvalidArgument, Unauthenticated
 from kvstore.core.sizes import parse_size
 from kvstore.core.toml_files import load_toml
 
-__all__ = ["OPEN", "ROLES", "TENANT_DOMAIN", "ClientTls", "Principal", "ServerTls", "Tenant",
-           "TenantRegistry", "bearer_token", "is_loopback", "salt_key"]
+__all__ = ["CHARGE_TO_HEADER", "OPEN", "ROLES", "TENANT_DOMAIN", "ClientTls", "Principal",
+           "ServerTls", "Tenant", "TenantRegistry", "bearer_token", "charge_to_metadata",
+           "is_loopback", "principal_of", "salt_key"]
 
 ROLES = ("tenant", "cluster")
+CHARGE_TO_HEADER = "kvstore-charge-to-bin"
+"""gRPC metadata: the tenant a cluster-role caller's puts are charged to (UTF-8; ``-bin``,
+so any name travels)."""
+MAX_NAME_BYTES = 256
 
 
 class TenantRegistry:
@@ -79,6 +91,7 @@ class TenantRegistry:
         if len(self._by_digest) != len(tenants):
             raise ValueError("two tenants share a token")
         self.tenants = tuple(tenants)
+        self._by_name = {t.name: t for t in tenants}
 
     @classmethod
     def load(cls, path: str | Path) -> TenantRegistry:
@@ -86,6 +99,10 @@ class TenantRegistry:
         if not isinstance(entries, list) or not entries:
             raise ValueError(f"auth file {path} needs at least one [[tenant]] entry")
         return cls([_tenant(path, i, e) for i, e in enumerate(entries)])
+
+    def named(self, name: str) -> Tenant | None:
+        """The tenant entry called ``name`` (None: this node does not list it)."""
+        return self._by_name.get(name)
 
     def authenticate(self, token: str | None) -> Principal:
         if not token:
@@ -130,6 +147,41 @@ def _tenant(path: str | Path, i: int, e: object) -> Tenant:
         if role == "cluster":
             raise ValueError(f"{where}: the cluster role has no quota")
     return Tenant(name=name, token_sha256=digest, role=role, quota_bytes=quota)
+
+
+def principal_of(registry: TenantRegistry | None,
+                 metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
+    """The caller of a gRPC call: authenticated by its bearer token (with ``registry``),
+    then charged to the tenant ``CHARGE_TO_HEADER`` names, if any (``tenancy.charging``:
+    PERMISSION_DENIED for a tenant). A tenant this node does not list is charged with no
+    quota: its copies are counted, not limited."""
+    p = OPEN if registry is None else registry.authenticate(bearer_token(metadata))
+    name = _charged_name(metadata)
+    if name is None:
+        return p
+    known = registry.named(name) if registry is not None else None
+    return charging(p, known if known is not None and known.salts
+                    else Tenant(name=name, token_sha256=b""))
+
+
+def charge_to_metadata(name: str) -> tuple[str, bytes]:
+    """The metadata item that charges a call's puts to tenant ``name``."""
+    return CHARGE_TO_HEADER, name.encode()
+
+
+def _charged_name(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    for k, v in metadata or ():
+        if k == CHARGE_TO_HEADER:
+            raw = v if isinstance(v, bytes) else v.encode()
+            try:
+                name = raw.decode()
+            except UnicodeDecodeError:
+                name = ""
+            if not name or len(raw) > MAX_NAME_BYTES:
+                raise InvalidArgument(f"{CHARGE_TO_HEADER} must name a tenant in 1 to "
+                                      f"{MAX_NAME_BYTES} bytes of UTF-8")
+            return name
+    return None
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:

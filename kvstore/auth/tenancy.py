@@ -9,6 +9,13 @@ never decide themselves:
   tenant's keys (``kvstore.core.keys.salt_key``); ``Principal.owner``/``quota`` are what a put is
   counted and limited under (``kvstore.auth.quotas``). Transports pass every key they
   are given through them.
+* **Copies are charged to their tenant**: a node that copies a tenant's block to a peer
+  (a forwarded replicated put, Replicate, repair) names the tenant (``charging``); the
+  peer's principal is then the cluster role *charged to* that tenant: keys stay as
+  stored, the bytes count against the tenant's quota there. Only the cluster role (or an
+  open node's caller) may name a tenant; a tenant naming one gets PERMISSION_DENIED.
+* **Copies are capped**: a tenant's replicated put may ask for at most the cluster's
+  ``--replicas`` copies (``check_copies``); the cluster role may ask for more.
 * **Shared memory**: ``Principal.may_map_region``: the whole region, so only an
   open node's callers and the cluster role.
 * **Roles**: an operation marked ``@cluster_only`` (Replicate, Drain, and any
@@ -53,20 +60,27 @@ class Tenant:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Principal:
-    """The caller of one request. ``tenant`` None: the node has no auth file (open)."""
+    """The caller of one request. ``tenant`` None: the node has no auth file (open).
+    ``charged``: the tenant a cluster-role caller's puts are charged to (``charging``)."""
 
     tenant: Tenant | None = None
+    charged: Tenant | None = None
 
     @property
     def owner(self) -> str | None:
-        """The name a put's bytes are counted (and, with a quota, limited) under; None for
-        an open node and the cluster role (nobody is charged)."""
+        """The name a put's bytes are counted (and, with a quota, limited) under: a tenant's
+        own, or the one a cluster-role copy is charged to; else None (nobody is charged)."""
         t = self.tenant
-        return t.name if t is not None and t.salts else None
+        if t is not None and t.salts:
+            return t.name
+        return None if self.charged is None else self.charged.name
 
     @property
     def quota(self) -> int | None:
-        return None if self.tenant is None else self.tenant.quota_bytes
+        t = self.tenant
+        if t is not None and t.salts:
+            return t.quota_bytes
+        return None if self.charged is None else self.charged.quota_bytes
 
     @property
     def may_map_region(self) -> bool:
@@ -115,6 +129,28 @@ def require_cluster_role(p: Principal, what: str) -> None:
         assert p.tenant is not None
         raise PermissionDenied(f"{what} needs a cluster-role token; tenant {p.tenant.name!r} "
                                f"may not call it")
+
+
+def charging(p: Principal, tenant: Tenant) -> Principal:
+    """``p`` with its puts charged to ``tenant`` (the copies a peer sends of ``tenant``'s
+    blocks); PERMISSION_DENIED if ``p`` is a tenant: it may not charge anyone else."""
+    if is_tenant(p):
+        assert p.tenant is not None
+        raise PermissionDenied(f"only the cluster role names the tenant a put is charged to; "
+                               f"tenant {p.tenant.name!r} may not")
+    return Principal(tenant=p.tenant, charged=tenant)
+
+
+def check_copies(p: Principal, copies: int, replicas: int) -> None:
+    """PERMISSION_DENIED if tenant ``p`` asks for more copies of a block than the cluster
+    keeps (``replicas``, the node's ``--replicas``): copies made for a tenant are charged
+    to it on every node, and no tenant may place one on every node by asking. The same
+    request is valid from the cluster role, so it is a permission, not a bad argument."""
+    if copies > replicas and is_tenant(p):
+        assert p.tenant is not None
+        raise PermissionDenied(f"tenant {p.tenant.name!r} asked for {copies} copies of a block; "
+                               f"this cluster keeps at most {replicas} (--replicas {replicas}): "
+                               f"ask for {replicas} or fewer")
 
 
 def check_role(p: Principal, handler: Callable[..., Any], what: str) -> None:

@@ -20,8 +20,9 @@ class BlockCopy:
 
     ``key`` and ``parent`` are as stored on this node (a tenant's keys salted),
     ``place`` is the key as the writer named it: what placement ranks, so that
-    master and writer agree on the owners. ``value`` is only valid during the
-    ``forward`` call it is passed to."""
+    master and writer agree on the owners. ``owner``: the tenant the block is charged
+    to (None: nobody), whom every copy is charged to on the node that receives it.
+    ``value`` is only valid during the ``forward`` call it is passed to."""
 
     key: BlockKey
     place: BlockKey
@@ -29,6 +30,7 @@ class BlockCopy:
     pin: bool
     value: memoryview
     retain_s: float = 0.0  # the retention the copy asks for (``tiers.retention``)
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +44,12 @@ class Forwarding(Protocol):
     @property
     def available(self) -> bool:
         """True while this node is a cluster member that can forward."""
+        ...
+
+    @property
+    def replicas(self) -> int:
+        """The copies the cluster keeps of a block (the node's ``--replicas``): the most a
+        tenant's replicated put may ask for."""
         ...
 
     def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int

@@ -8,7 +8,9 @@ where they landed, never read back from a tier, and nothing can evict or reuse
 them meanwhile. Only then does the writer get its answer, with the number of
 copies that hold every block; below the write quorum the writer raises
 ``QuorumNotMet`` and the copies made stay (they are correct bytes; repair
-completes them).
+completes them). A tenant may ask for at most the cluster's ``--replicas`` copies
+(``kvstore.auth.tenancy.check_copies``), and every copy names the tenant it is charged
+to on the node that receives it (``BlockCopy.owner``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvstore.auth import tenancy
 from kvstore.auth.security import Principal
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.core.forwarding import BlockCopy, Forwarding
@@ -71,6 +74,7 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
     try:
         copies, quorum = _params([(c, q) for *_, c, q in items])
         fwd = _forwarder(conn)
+        tenancy.check_copies(conn.p, copies, fwd.replicas)
     except KVStoreError:
         conn.discard(sum(item[2] for item in items))  # stay in frame for the next request
         raise
@@ -106,7 +110,7 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
                 slots[-1] = slot
             reader.read_into(value)
             blocks.append(BlockCopy(key=stored_key, place=raw, parent=par, pin=pin,
-                                    retain_s=retain_s, value=value))
+                                    retain_s=retain_s, owner=p.owner, value=value))
         if failure is not None:
             raise failure
         outcome = fwd.forward(blocks, copies=copies, write_quorum=quorum)
@@ -121,6 +125,7 @@ def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:
     try:
         copies, quorum = _params([(c, q) for _, c, q in items])
         fwd = _forwarder(conn)
+        tenancy.check_copies(conn.p, copies, fwd.replicas)
         reservations = [held.landed(rid) for rid in rids]  # staged bytes into the region
         views = [node.fill_view(r) for r in reservations]
         try:
@@ -128,7 +133,8 @@ def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:
             # region), so the stored key is the key placement ranks.
             outcome = fwd.forward(
                 [BlockCopy(key=r.key, place=r.key, parent=r.parent, pin=r.pin, value=v,
-                           retain_s=r.retain.seconds if r.retain is not None else 0.0)
+                           retain_s=r.retain.seconds if r.retain is not None else 0.0,
+                           owner=conn.p.owner)
                  for r, v in zip(reservations, views, strict=True)],
                 copies=copies, write_quorum=quorum)
         finally:

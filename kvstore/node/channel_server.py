@@ -297,6 +297,7 @@ class _Connection:
                     parent=BlockKey(parent) if flags & wire.FLAG_PARENT else None,
                     pin=bool(flags & wire.FLAG_PIN),
                     retain_s=wire.item_retain_s(meta, i, wire.PUT_ITEM.size),
+                    owner=self.p.owner, quota=self.p.quota,
                 )
                 if got is None:
                     out += (wire.RESERVE_STAGED_ITEM.pack(0, 0, 0, wire.RESERVE_EXISTED, 0)
@@ -362,10 +363,11 @@ class ChannelServer:
         self._stall_s = stall_s
         self._ssl = ssl_context  # TLS for the TCP listener (never the Unix socket)
         self._metrics = metrics
-        # HELLO token -> the principal it was issued to (one per tenant, by OpenChannel,
-        # which is authenticated); guarded by _lock.
+        # HELLO token -> the principal it was issued to (one per tenant, and per tenant a
+        # cluster-role caller charges, by OpenChannel, which is authenticated); guarded by
+        # _lock.
         self._principals: dict[bytes, Principal] = {}
-        self._tokens: dict[str, bytes] = {}
+        self._tokens: dict[tuple[str, str | None], bytes] = {}
         self._tcp = socket.create_server((host, port), backlog=128)
         self._unix: socket.socket | None = None
         self.unix_path = ""
@@ -382,7 +384,8 @@ class ChannelServer:
 
     def token_for(self, principal: Principal) -> bytes:
         """The HELLO token of ``principal``'s connections (made on first use)."""
-        name = "" if principal.tenant is None else principal.tenant.name
+        name = ("" if principal.tenant is None else principal.tenant.name,
+                None if principal.charged is None else principal.charged.name)
         with self._lock:
             token = self._tokens.get(name)
             if token is None:

@@ -96,10 +96,14 @@ class ReservationSet:
         self._next_id = 1
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool,
-                retain_s: float | None = None) -> tuple[int, Reservation] | None:
+                retain_s: float | None = None, owner: str | None = None,
+                quota: int | None = None) -> tuple[int, Reservation] | None:
         """(id, reservation), or None if the key is stored already; ``staged_slot`` says
-        where the client fills it."""
-        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s)
+        where the client fills it. ``owner``/``quota``: whom the space is charged to (a
+        cluster-role copy charged to a tenant: ``kvstore.auth.tenancy.charging``; tenants
+        never map the region)."""
+        reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s,
+                                         owner=owner, quota=quota)
         if reservation is None:
             return None
         held = _Held(reservation=reservation)

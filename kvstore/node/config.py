@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.core.prefetch import DEFAULT_MAX_PREFETCH_BYTES
-from kvstore.core.sizes import parse_size
+from kvstore.core.sizes import format_size, parse_size
 from kvstore.core.toml_files import load_toml
+from kvstore.node.request_budget import MIN_REQUEST_BYTES
 from kvstore.protocol.kv_event_wire import check_endpoint
 from tiers.policy import POLICIES
 
@@ -27,6 +28,7 @@ class NodeConfig:
     prefault: bool = True
     shm: bool = True
     grpc_workers: int = 16
+    max_request_bytes: int = 0  # gRPC request bytes held at once; 0: DRAM/4, 64MiB..1GiB
     drain_timeout: float = 10.0
     read_lease_timeout: float = 30.0  # seconds a stalled client may pin a lease or a put
     log_level: str = "info"
@@ -48,7 +50,7 @@ class NodeConfig:
     zone: str = ""
     advertise: str = ""  # address peers use; "": the listen address
     lease_ttl: int = 10  # seconds without keepalive before etcd drops the node
-    replicas: int = 2  # copies repair keeps of every block
+    replicas: int = 2  # copies repair keeps of every block; the most a tenant may ask for
     repair_bytes_per_s: int = 100 << 20
     repair_interval: float = 30.0  # seconds between periodic repair passes
     members: str = ""  # static peers "HOST:PORT,HOST:PORT": the only ones (with etcd's view)
@@ -78,6 +80,10 @@ class NodeConfig:
             raise ValueError("read_lease_timeout must be >= 1 second")
         if self.grpc_workers < 1:
             raise ValueError("grpc_workers must be >= 1")
+        if self.max_request_bytes and self.max_request_bytes < MIN_REQUEST_BYTES:
+            raise ValueError(f"max_request_bytes must be 0 (derived from dram_bytes) or at "
+                             f"least {format_size(MIN_REQUEST_BYTES)}, got "
+                             f"{self.max_request_bytes}")
         if self.ssd_path and self.ssd_bytes <= 0:
             raise ValueError("ssd_path needs ssd_bytes (the SSD tier's size)")
         if self.ssd_bytes and not self.ssd_path:
@@ -126,7 +132,7 @@ class NodeConfig:
 
 
 SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s",
-                         "max_prefetch_bytes"})
+                         "max_prefetch_bytes", "max_request_bytes"})
 """Keys whose value is a size: ``"64MiB"`` or a number of bytes (the reference says so)."""
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 # A field's type as written ("int", "float", ...): annotations are postponed here, so the

@@ -137,6 +137,17 @@ NODE_METRICS: tuple[MetricSpec, ...] = (
                stat="ssd_rebuild_dropped_blocks",
                help="Blocks the SSD index rebuild at start found torn, corrupt or superseded "
                     "by a newer copy: not served."),
+    MetricSpec(name="kvstore_grpc_request_bytes_held", type="gauge", labels=(),
+               stat="request_bytes_held",
+               help="Bytes of gRPC request messages being served, counted against "
+                    "--max-request-bytes."),
+    MetricSpec(name="kvstore_grpc_request_bytes_limit", type="gauge", labels=(),
+               stat="request_bytes_limit",
+               help="The node's --max-request-bytes: most bytes of gRPC requests it holds."),
+    MetricSpec(name="kvstore_grpc_requests_refused_for_memory_total", type="counter",
+               labels=(), stat="requests_refused_for_memory",
+               help="gRPC calls refused with RESOURCE_EXHAUSTED: their message would have "
+                    "passed --max-request-bytes."),
     MetricSpec(name="kvstore_node_info", type="info",
                labels=("policy", "node_id", "zone", "hbm_device", "ssd_io"),
                help="Constant 1; the labels describe the node (empty when not applicable)."),

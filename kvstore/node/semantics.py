@@ -426,15 +426,18 @@ class Node:
     @contextmanager
     def copying(self, keys: Sequence[BlockKey]) -> Iterator[list[BlockCopy | None]]:
         """Frozen copies-to-be of the blocks (None per miss) for replication and repair,
-        their bytes valid inside the scope; not counted as reads."""
+        their bytes valid inside the scope, each with the tenant it is charged to here;
+        not counted as reads."""
         with self.reading_blocks(keys, access=False) as blocks:
-            with self._lock:  # a copy carries the retention the block has now
-                held = self._manager.retention.seconds_of
-                kept = [0.0 if b is None else held(b[0].key) for b in blocks]
+            # A copy carries the retention the block has now, and its tenant (charged there).
+            with self._lock:
+                held, owner_of = self._manager.retention.seconds_of, self._quotas.owner_of
+                kept = [(0.0, None) if b is None else (held(b[0].key), owner_of(b[0].key))
+                        for b in blocks]
             yield [None if b is None else BlockCopy(key=b[0].key, place=b[0].key,
                                                     parent=b[0].parent, pin=b[0].pinned,
-                                                    retain_s=s, value=b[1])
-                   for b, s in zip(blocks, kept, strict=True)]
+                                                    retain_s=s, owner=o, value=b[1])
+                   for b, (s, o) in zip(blocks, kept, strict=True)]
 
     def block_sizes(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Each key's block size (None if absent); not counted as reads."""

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
-from kvstore.auth.security import ClientTls
+from kvstore.auth.security import ClientTls, charge_to_metadata
 from kvstore.core.checks import MAX_BATCH, check_key, check_parent
 from kvstore.core.errors import (
     REASON_HEADER,
@@ -49,7 +49,7 @@ from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_
 from kvstore.core.retention import retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.protocol.grpc_options import GRPC_OPTIONS, MAX_MESSAGE_BYTES, host_id
+from kvstore.protocol.grpc_options import GRPC_OPTIONS, host_id
 from kvstore.protocol.wire import Mode
 from kvstore.remote.channel_client import (
     ChannelConnection,
@@ -60,7 +60,9 @@ from kvstore.remote.channel_client import (
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
 T = TypeVar("T")
-_GRPC_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
+_GRPC_BATCH_BYTES = 32 << 20
+"""Most value bytes of one BatchPut: a node's request budget is at least twice this
+(``kvstore.node.request_budget.MIN_REQUEST_BYTES``), so a batch always fits beside another."""
 
 
 class BatchCalls(Protocol):
@@ -103,17 +105,22 @@ class NodeClient(SingleKeyCalls):
 
     def __init__(self, addr: str, *, transport: str = "auto", timeout: float | None = 30.0,
                  token: str | None = None, tls: ClientTls | None = None,
-                 io_timeout: float | None = None) -> None:
+                 io_timeout: float | None = None, charge_to: str | None = None) -> None:
         """``token``: the bearer token a node with tenants requires (see
         ``kvstore.auth.security``); ``tls``: connect over TLS (gRPC and the TCP channel);
-        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound)."""
+        ``io_timeout``: seconds a transfer-channel read or write may stall (None: no bound);
+        ``charge_to``: the tenant this client's puts are charged to on the node (a node
+        copying a tenant's block to its peer; the node allows it the cluster role only)."""
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr = addr
         self.timeout = timeout
+        self.charge_to = charge_to
         self._io_timeout = io_timeout
         self._requested = transport
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + (
+            (charge_to_metadata(charge_to),) if charge_to is not None else ())
+        self._metadata = metadata or None
         self._tls = tls
         self._grpc_channel = (
             grpc.secure_channel(addr, tls.grpc_credentials(), options=GRPC_OPTIONS) if tls

@@ -43,13 +43,18 @@ class Forwarder:
         # Each block's targets under the current view (keys repeat: re-puts, fan-out);
         # None while detached.
         self._targets: CandidateCache[tuple[str, ...]] | None = None
+        self._replicas = 1
         self._addrs: dict[NodeId, str] = {}
         self._unsubscribe: Callable[[], None] | None = None
 
-    def attach(self, membership: Membership, self_id: str) -> None:
-        """Forward by ``membership``'s live view from now on, as node ``self_id``."""
+    def attach(self, membership: Membership, self_id: str, *, replicas: int) -> None:
+        """Forward by ``membership``'s live view from now on, as node ``self_id`` of a
+        cluster that keeps ``replicas`` copies of a block (the cap on a tenant's puts)."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         with self._lock:
             self._self_id = NodeId(self_id)
+            self._replicas = replicas
         self._on_members(membership.members())
         unsubscribe = membership.subscribe(self._on_members)
         with self._lock:
@@ -80,6 +85,11 @@ class Forwarder:
         with self._lock:
             return self._targets is not None and bool(self._addrs)
 
+    @property
+    def replicas(self) -> int:
+        with self._lock:
+            return self._replicas
+
     def forward(self, blocks: Sequence[BlockCopy], *, copies: int, write_quorum: int
                 ) -> ForwardOutcome:
         with self._lock:
@@ -98,7 +108,7 @@ class Forwarder:
                               failed=tuple(out.failed))
 
     def _push(self, addr: str, blocks: list[BlockCopy]) -> None:
-        send_copies(self.peers.get(addr), blocks)
+        send_copies(self.peers.peer(addr), blocks)
 
     def close(self) -> None:
         self.detach()

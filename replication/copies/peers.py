@@ -2,7 +2,9 @@
 
 A ``PeerPool`` hands out a ``kvstore.remote.node_client.NodeClient`` per gRPC address, created on
 first use and kept until ``retain`` drops addresses that left the membership or
-``close`` ends them all. Clients are thread-safe, so one per peer is enough.
+``close`` ends them all. Clients are thread-safe, so one per peer is enough, plus one per
+peer and tenant whose blocks this node copies there (``get(addr, charge_to=NAME)``: the
+peer charges what that client puts to the tenant, see ``kvstore.auth.tenancy``).
 
 **Only members.** A node's pool is built with ``members`` (a ``KnownMembers``):
 ``get`` then refuses, before any connection is made, every address that is not a
@@ -22,6 +24,9 @@ from typing import Literal
 from kvstore.auth.security import ClientTls
 from kvstore.core.errors import PermissionDenied, Unavailable
 from kvstore.remote.node_client import NodeClient
+
+PeerFor = Callable[[str | None], NodeClient]
+"""A peer's client that charges its puts to the tenant given (None: to nobody)."""
 
 
 class KnownMembers:
@@ -76,27 +81,37 @@ class PeerPool:
         self._tls = tls
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._clients: dict[str, NodeClient] = {}
+        self._clients: dict[tuple[str, str | None], NodeClient] = {}
         self._closed = False
 
-    def get(self, addr: str) -> NodeClient:
+    def get(self, addr: str, *, charge_to: str | None = None) -> NodeClient:
+        """The client of ``addr``; with ``charge_to``, one whose puts the peer charges to
+        that tenant (the copies of its blocks)."""
         if self.members is not None:
             self.members.check(addr)  # before any connection: the token goes nowhere else
         with self._lock:
             if self._closed:
                 raise Unavailable("peer pool is closed")
-            client = self._clients.get(addr)
+            client = self._clients.get((addr, charge_to))
             if client is None:
                 client = NodeClient(addr, transport=self.transport, timeout=self.timeout,
-                                token=self._token, tls=self._tls, io_timeout=self.io_timeout)
-                self._clients[addr] = client
+                                    token=self._token, tls=self._tls,
+                                    io_timeout=self.io_timeout, charge_to=charge_to)
+                self._clients[(addr, charge_to)] = client
             return client
+
+    def peer(self, addr: str) -> PeerFor:
+        """``addr``'s clients by the tenant they charge (what ``send_copies`` takes);
+        PermissionDenied at once, as ``get``, if ``addr`` is not a known member."""
+        if self.members is not None:
+            self.members.check(addr)
+        return lambda owner: self.get(addr, charge_to=owner)
 
     def retain(self, addrs: Iterable[str]) -> None:
         """Closes the clients of every address not in ``addrs``."""
         keep = set(addrs)
         with self._lock:
-            gone = [a for a in self._clients if a not in keep]
+            gone = [a for a in self._clients if a[0] not in keep]
             dropped = [self._clients.pop(a) for a in gone]
         for c in dropped:
             c.close()

@@ -224,7 +224,7 @@ class RepairWorker:
     def _push(self, addr: str, keys: list[BlockKey]) -> None:
         """Sends ``keys`` in batches of at most PUSH_BATCH blocks and, when throttled, at
         most one bucket's burst of bytes (or one block), so no batch floods the peer."""
-        peer = self.peers.get(addr)
+        peer = self.peers.peer(addr)
         budget = self.bucket.burst if self.bucket is not None else float("inf")
         sizes = self.node.block_sizes(keys)
         lo = 0

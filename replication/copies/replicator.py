@@ -30,9 +30,8 @@ from kvstore.core.errors import InvalidArgument, ResourceExhausted
 from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
 from kvstore.node.semantics import Node
-from kvstore.remote.node_client import NodeClient
 from replication.copies import quorum
-from replication.copies.peers import PeerPool
+from replication.copies.peers import PeerFor, PeerPool
 
 MAX_TARGETS = 64
 
@@ -45,22 +44,24 @@ class ReplicateOutcome:
     failed: list[str] = field(default_factory=list)  # "ADDR: reason"
 
 
-def send_copies(peer: NodeClient, blocks: Sequence[BlockCopy]) -> int:
-    """Puts ``blocks`` on ``peer``; bytes sent. Blocks go in batches of one pin flag and
-    one retention, so the peer pins and retains what the source did."""
+def send_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> int:
+    """Puts ``blocks`` on the peer (``peer(owner)``: its client that charges puts to
+    ``owner``); bytes sent. Blocks go in batches of one tenant, one pin flag and one
+    retention, so the peer charges, pins and retains what the source did."""
     sent = 0
-    groups: dict[tuple[bool, float], list[BlockCopy]] = {}
+    groups: dict[tuple[str, bool, float], list[BlockCopy]] = {}
     for b in blocks:
-        groups.setdefault((b.pin, b.retain_s), []).append(b)
-    for (pin, keep), group in sorted(groups.items()):
-        peer.put_batch([b.key for b in group], [b.value for b in group],
-                       parents=[b.parent for b in group], pin=pin, retain_s=keep or None)
+        groups.setdefault((b.owner or "", b.pin, b.retain_s), []).append(b)
+    for (owner, pin, keep), group in sorted(groups.items()):
+        peer(owner or None).put_batch([b.key for b in group], [b.value for b in group],
+                                      parents=[b.parent for b in group], pin=pin,
+                                      retain_s=keep or None)
         sent += sum(len(b.value) for b in group)
     return sent
 
 
-def push_blocks(node: Node, peer: NodeClient, keys: Sequence[BlockKey]) -> int:
-    """Copies the blocks of ``keys`` that ``node`` holds to ``peer`` (a NodeClient); bytes sent.
+def push_blocks(node: Node, peer: PeerFor, keys: Sequence[BlockKey]) -> int:
+    """Copies the blocks of ``keys`` that ``node`` holds to the peer (``send_copies``); bytes sent.
 
     The node hands frozen copies whose bytes stay leased only for the copy, and are
     not counted as reads (no hits, no recency, no promotion): the cluster copying a
@@ -147,7 +148,7 @@ class Replicator:
                                 failed=out.failed)
 
     def _push(self, addr: str, keys: list[BlockKey]) -> None:
-        push_blocks(self.node, self.peers.get(addr), keys)
+        push_blocks(self.node, self.peers.peer(addr), keys)
 
     def close(self) -> None:
         """Cancels queued pushes and wakes every waiting replicate call (it answers with

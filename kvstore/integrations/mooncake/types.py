@@ -8,8 +8,10 @@ The key mapping is documented in ``kvstore.integrations.mooncake.store``.
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Callable
 from enum import IntEnum
+from typing import SupportsIndex
 
 from kvstore.core.errors import (
     InvalidArgument,
@@ -106,16 +108,34 @@ class ObjectDataType(IntEnum):
 # gets 30 minutes; a TTL above 24 hours is refused.
 DEFAULT_SOFT_PIN_TTL_MS = 30 * 60 * 1000
 MAX_SOFT_PIN_TTL_MS = 24 * 60 * 60 * 1000
+_UINT64_END = 1 << 64
+
+
+def soft_pin_ttl(value: object) -> int | None:
+    """``value`` as the 0.3.13 wheel's ``soft_pin_ttl_ms`` setter takes it (pybind11, a
+    ``std::optional<uint64_t>``): None, or an integer (anything with ``__index__``: bool and
+    numpy's integers too) from 0 to 2**64 - 1, kept as a Python int. Anything else (a float,
+    even a whole one; a string; a negative or too large integer) is a TypeError, as there."""
+    if value is None:
+        return None
+    n = operator.index(value) if isinstance(value, SupportsIndex) else None
+    if n is None or not 0 <= n < _UINT64_END:
+        raise TypeError(f"soft_pin_ttl_ms must be None or an integer from 0 to 2**64 - 1 "
+                        f"(Mooncake's Optional[int]), got {value!r} "
+                        f"({type(value).__name__})")
+    return int(n)
 
 
 class ReplicateConfig:
     """Mooncake 0.3.13's ``ReplicateConfig``. Slotted like the pybind11 class, so an
     attribute 0.3.13 dropped (``with_soft_pin``) raises AttributeError as it does there.
-    See the module docstring of ``mooncake_compat`` for what kvstore honours."""
+    ``soft_pin_ttl_ms`` is typed as the wheel's setter types it (``soft_pin_ttl``: a value of
+    another type is a TypeError and changes nothing). See the module docstring of
+    ``mooncake_compat`` for what kvstore honours."""
 
-    __slots__ = ("data_type", "dfs_replica_num", "group_ids", "nof_replica_num",
-                 "prefer_alloc_in_same_node", "preferred_nof_segments", "preferred_segment",
-                 "preferred_segments", "replica_num", "soft_pin_action", "soft_pin_ttl_ms",
+    __slots__ = ("_soft_pin_ttl_ms", "data_type", "dfs_replica_num", "group_ids",
+                 "nof_replica_num", "prefer_alloc_in_same_node", "preferred_nof_segments",
+                 "preferred_segment", "preferred_segments", "replica_num", "soft_pin_action",
                  "with_hard_pin")
 
     def __init__(self) -> None:
@@ -123,7 +143,7 @@ class ReplicateConfig:
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
         self.soft_pin_action = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms: int | None = None
+        self._soft_pin_ttl_ms: int | None = None
         self.with_hard_pin = False
         self.preferred_segment = ""
         self.preferred_segments: list[str] = []
@@ -131,6 +151,14 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
         self.data_type = ObjectDataType.UNKNOWN
         self.group_ids: list[str] | None = None
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: int | None) -> None:
+        self._soft_pin_ttl_ms = soft_pin_ttl(value)
 
     def __repr__(self) -> str:
         ttl = "default" if self.soft_pin_ttl_ms is None else self.soft_pin_ttl_ms
@@ -147,7 +175,8 @@ def retain_seconds(config: ReplicateConfig | None) -> float | None:
     As Mooncake's master (``ResolveSoftPinRequest``): ``ENABLE`` retains for
     ``soft_pin_ttl_ms`` (None: the 30-minute default; 0: ordinary cache, None here);
     ``PRESERVE`` (the default) and ``DISABLE`` ask for none and refuse a TTL; a TTL above
-    24 hours, a negative one, or an unknown action is InvalidArgument.
+    24 hours or an unknown action is InvalidArgument (the TTL's type was checked when it
+    was set: ``soft_pin_ttl``).
     """
     if config is None:
         return None
@@ -160,7 +189,7 @@ def retain_seconds(config: ReplicateConfig | None) -> float | None:
     if action != SoftPinAction.ENABLE:
         raise InvalidArgument(f"soft_pin_action must be a SoftPinAction, got {action!r}")
     ms = DEFAULT_SOFT_PIN_TTL_MS if ttl is None else ttl
-    if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0 or ms > MAX_SOFT_PIN_TTL_MS:
+    if ms > MAX_SOFT_PIN_TTL_MS:
         raise InvalidArgument(f"soft_pin_ttl_ms must be an integer from 0 to "
                               f"{MAX_SOFT_PIN_TTL_MS} (24 h), got {ms!r}")
     return ms / 1000 if ms else None

@@ -254,7 +254,7 @@ def test_copies_to_a_replica_carry_the_masters_retention(served: Served) -> None
             c.put(plain, os.urandom(BLOCK))
         served.clock.now += 10
         with Client(replica.addr, transport="tcp") as peer:
-            assert push_blocks(served.node, peer, [kept, plain]) == 2 * BLOCK
+            assert push_blocks(served.node, lambda _owner: peer, [kept, plain]) == 2 * BLOCK
         held = replica.node._manager.retention.held
         assert set(held) == {kept} and held[kept].seconds == 40.0
         assert held[kept].until == replica.clock.now + 40

@@ -30,7 +30,7 @@ NODE_ARGS = ["--dram-bytes", "64MiB", "--no-prefault", "--lease-ttl", "30",
              "--replicas", "1", "--repair-interval", "600"]
 
 
-def _settled(c: LocalCluster, n: int, timeout: float = 30.0) -> None:
+def _settled(c: LocalCluster, n: int, timeout: float = 30.0, token: str | None = None) -> None:
     """Until every node sees all ``n`` members and has finished the repair pass that the
     last join started: a pass still running would copy a block onto its master between the
     master's reserve and commit, and the writers' flags would then all be False."""
@@ -38,7 +38,7 @@ def _settled(c: LocalCluster, n: int, timeout: float = 30.0) -> None:
     while True:
         nodes = []
         for rec in c.nodes:
-            with Client(rec.addr, transport="grpc") as one:
+            with Client(rec.addr, transport="grpc", token=token) as one:
                 nodes.append(one.stats()["node"])
         if all(s["cluster_members"] == n and not s["repair_pending"] for s in nodes):
             return
@@ -264,9 +264,12 @@ def test_a_tenant_put_is_forwarded_with_the_peer_token_under_its_salted_keys(
                            cluster=tokens["cluster"])
     peer = tmp_path / "peer-token"
     peer.write_text(tokens["cluster"] + "\n")
-    c = LocalCluster.up(tmp_path / "cluster", 3, node_args=[
-        *NODE_ARGS, "--auth-file", str(auth), "--peer-token-file", str(peer)])
+    # Two copies: a tenant may ask for no more than the cluster keeps (--replicas).
+    args = [*NODE_ARGS, "--auth-file", str(auth), "--peer-token-file", str(peer)]
+    args[args.index("--replicas") + 1] = "2"
+    c = LocalCluster.up(tmp_path / "cluster", 3, node_args=args)
     try:
+        _settled(c, 3, token=tokens["cluster"])
         keys = [_key(i) for i in range(12)]
         with Client(etcd=c.etcd, replicas=2, write_quorum=2, token=tokens["team-a"]) as a:
             placement = _placement(a)
