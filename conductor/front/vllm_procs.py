@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+"""The work tree: children run from it with it on ``PYTHONPATH``, so they run this tree's
+kvstore and Conductor whatever the environment's editable install points at."""
 VLLM_BLOCK = 32
 """vLLM's CPU attention wants block sizes that are multiples of 32."""
 
@@ -105,13 +107,16 @@ def kv_transfer_config(*, store: str | dict[str, Any], namespace: str, role: str
 def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
                store: str | dict[str, Any] | None,
                namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
-               kv_cache_bytes: int = 64 << 20, port: int | None = None) -> Proc:
-    """A vLLM OpenAI server on ``model`` (no tokenizer: token-id prompts); with ``store``
-    it uses KVStoreConnector in ``role``, without it no connector. Not waited for: call
+               kv_cache_bytes: int = 64 << 20, port: int | None = None,
+               tokenizer: bool = False) -> Proc:
+    """A vLLM OpenAI server on ``model``; with ``store`` it uses KVStoreConnector in
+    ``role``, without it no connector. ``tokenizer``: the server loads the tokenizer in
+    ``model`` (``write_byte_tokenizer``) and serves text and chat; otherwise it runs with
+    ``--skip-tokenizer-init`` (token-id prompts). Not waited for: call
     ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
     port = port or free_port()
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--skip-tokenizer-init", "--block-size", str(VLLM_BLOCK),
+            *([] if tokenizer else ["--skip-tokenizer-init"]), "--block-size", str(VLLM_BLOCK),
             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
             "--seed", "0", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
@@ -173,4 +178,48 @@ def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+"""Ids 256.. of ``write_byte_tokenizer``, after the 256 bytes."""
+
+
+def _byte_symbols() -> list[str]:
+    """The printable stand-in of each byte value, in byte order: the byte-level BPE
+    convention (printable ASCII and Latin-1 stand for themselves, the other bytes for the
+    code points from 256 up), so that any text has a reversible token spelling."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def write_byte_tokenizer(out: Path) -> Path:
+    """A byte-level Hugging Face fast tokenizer into ``out`` (beside the model, so vLLM
+    and the benchmark clients load it from the same directory): token ``i < 256`` is byte
+    ``i``, then ``SPECIAL_TOKENS``, with ``CHAT_TEMPLATE``. Any text encodes (one token a
+    byte, so every id fits the tiny model's 512) and decodes back exactly; written
+    locally, nothing downloaded."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}))
     return out
