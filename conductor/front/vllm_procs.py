@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,7 @@ def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
                tokenizer: bool = False) -> Proc:
     """A vLLM OpenAI server on ``model``; with ``store`` it uses KVStoreConnector in
     ``role``, without it no connector. ``tokenizer``: the server loads the tokenizer in
-    ``model`` (``write_byte_tokenizer``) and serves text and chat; otherwise it runs with
+    ``model`` (``write_text_tokenizer``) and serves text and chat; otherwise it runs with
     ``--skip-tokenizer-init`` (token-id prompts). Not waited for: call
     ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
     port = port or free_port()
@@ -183,43 +184,45 @@ def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
-"""Ids 256.. of ``write_byte_tokenizer``, after the 256 bytes."""
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+"""The last ids of ``write_text_tokenizer``'s vocabulary, after the characters."""
 
 
-def _byte_symbols() -> list[str]:
-    """The printable stand-in of each byte value, in byte order: the byte-level BPE
-    convention (printable ASCII and Latin-1 stand for themselves, the other bytes for the
-    code points from 256 up), so that any text has a reversible token spelling."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    out, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
+def _characters(n: int) -> list[str]:
+    """``n`` single characters that are their own text (NFC-stable, not control): the
+    newline and printable ASCII, then Latin-1 letters and signs, then Greek, Cyrillic
+    and on, as many as needed."""
+    out = ["\n", *map(chr, range(0x20, 0x7F)), *map(chr, range(0xA1, 0x100))]
+    cp = 0x391
+    while len(out) < n:
+        c = chr(cp)
+        if c.isprintable() and unicodedata.normalize("NFC", c) == c:
+            out.append(c)
+        cp += 1
+    return out[:n]
 
 
-def write_byte_tokenizer(out: Path) -> Path:
-    """A byte-level Hugging Face fast tokenizer into ``out`` (beside the model, so vLLM
-    and the benchmark clients load it from the same directory): token ``i < 256`` is byte
-    ``i``, then ``SPECIAL_TOKENS``, with ``CHAT_TEMPLATE``. Any text encodes (one token a
-    byte, so every id fits the tiny model's 512) and decodes back exactly; written
-    locally, nothing downloaded."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def write_text_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    """A character-level Hugging Face fast tokenizer into ``out`` (beside the model, so
+    vLLM and the benchmark clients load it from the same directory): one token per
+    character (``_characters``), then ``SPECIAL_TOKENS``, ``vocab_size`` ids in all (the
+    tiny model's), with ``CHAT_TEMPLATE``. Every id the model may generate decodes to
+    visible text, and ids -> text -> ids is exact (random token prompts survive the
+    round trip through text); unknown characters are ``<unk>``. Written locally, nothing
+    downloaded."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    chars = _characters(vocab_size - len(SPECIAL_TOKENS))
+    vocab = {c: i for i, c in enumerate([*chars, *SPECIAL_TOKENS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in SPECIAL_TOKENS])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096,
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "add_eos_token": False, "model_max_length": 4096,
         "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}))
     return out
