@@ -389,10 +389,14 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--vllm-prefill", help="vLLM prefill instances (kv_both), URL[,URL...]")
     s.add_argument("--vllm-decode", help="vLLM decode instances (kv_consumer), URL[,URL...]")
     s.add_argument("--vllm", help="colocated vLLM instances (kv_both), URL[,URL...]")
-    s.add_argument("--kv-namespace", help="the connectors' namespace (vLLM mode)")
+    s.add_argument("--kv-namespace", help="the connectors' namespace (vLLM mode; optional: "
+                   "the instances say theirs, and a given one must equal it)")
     s.add_argument("--block-tokens", type=_positive_int,
-                   help="vLLM's block size, in tokens (vLLM mode)")
-    s.add_argument("--tokenizer", type=Path, help="tokenizer directory for text prompts")
+                   help="vLLM's block size, in tokens (vLLM mode; optional, as "
+                   "--kv-namespace)")
+    s.add_argument("--tokenizer", type=Path, help="tokenizer directory for text prompts to "
+                   "instances run with --skip-tokenizer-init (instances that tokenize get "
+                   "text and chat unchanged)")
     s.add_argument("--upstream-timeout", type=_duration, default=600.0,
                    help="bound on one instance call (default 600s)")
     s.add_argument("--durable-timeout", type=_duration, default=30.0,

@@ -13,7 +13,11 @@ Names (all prefixed ``conductor_``):
 * ``ttft_seconds`` (streamed requests: until the first token reached the front) and
   ``e2e_seconds`` (until the last byte) histograms;
 * ``durability_wait_seconds``: from the prefill's answer until every prompt block was
-  in the store (disaggregated mode).
+  in the store (disaggregated mode), and ``durability_waits_total{via}``: those waits by
+  how the front learnt of the saves, ``events`` (the nodes' KV events) or ``polling``;
+* ``session_requests_total{outcome}``: requests naming a session (``X-Session-Affinity``)
+  by where they went: ``new`` (no instance known for it), ``kept`` (its previous
+  request's instance) or ``moved`` (elsewhere: that instance would have missed the SLO).
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ class FrontMetrics:
         self.durability_wait = Histogram("conductor_durability_wait_seconds",
                                          "prefill answer -> all prompt blocks stored",
                                          buckets=_BUCKETS, registry=r)
+
+        self.durability_waits = Counter("conductor_durability_waits",
+                                        "durability waits by how saves were learnt of",
+                                        ["via"], registry=r)
+
+        self.sessions = Counter("conductor_session_requests",
+                                "requests naming a session, by where they went",
+                                ["outcome"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

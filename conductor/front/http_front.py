@@ -1,7 +1,17 @@
 """The Conductor's OpenAI-compatible HTTP front: FastAPI on uvicorn, as vLLM's own server.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (with a tokenizer that
-has a chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(an instance's own answer), ``POST /tokenize`` and ``POST /detokenize`` (forwarded to an
+instance), ``GET /health``, ``GET /metrics``.
+
+Text and chat: when the instances tokenize (started without ``--skip-tokenizer-init``)
+the client's request goes to them unchanged and their answer comes back unchanged; the
+front asks an instance's ``/tokenize`` for the token ids it routes by. Otherwise, with
+``--tokenizer DIR``, the front renders and decodes text itself
+(``conductor.front.text_prompts``); without either, prompts must be token ids.
+
+``X-Session-Affinity: ID`` on a request names its session: the front prefers the
+instance of the session's previous request (``conductor.front.sessions``).
 
 Everything runs on one event loop; upstream calls use one pooled ``httpx.AsyncClient``,
 so hundreds of requests may be in flight without a thread each. Streamed answers are
@@ -22,10 +32,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conductor.front.openai_api import error_body
+from conductor.front.openai_api import InstanceAnswer, error_body, post_json
+from conductor.front.sessions import SESSION_HEADER, session_of
 from conductor.front.sse_reply import StreamedReply
 from conductor.front.text_prompts import TextCodec
 from conductor.front.vllm_front import JsonReply, Reply, VllmFront
+from conductor.front.vllm_instances import UpstreamError
 
 LOAD_POLL_S = 0.5
 
@@ -73,20 +85,54 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
             return JSONResponse(error_body(400, "request body must be a JSON object"), 400)
         return body
 
+    async def forwarded(request: Request, body: dict[str, Any], route: str) -> Response:
+        """A text or chat request the instances answer themselves (they tokenize)."""
+        session = session_of(request.headers.get(SESSION_HEADER))
+
+        async def work() -> Reply:
+            try:
+                tokens = await front.tokenize(body, chat=route == "chat")
+            except InstanceAnswer as exc:
+                front.metrics.requests.labels(route, "bad_request").inc()
+                return JsonReply(status=exc.status, body=exc.body)
+            except UpstreamError as exc:
+                front.metrics.requests.labels(route, "upstream_error").inc()
+                return JsonReply(status=exc.status, body=error_body(exc.status, str(exc)))
+            return await front.complete(body, route=route, tokens=tokens, session=session)
+
+        reply = await _cancel_on_disconnect(request, work())
+        if reply is None:
+            front.metrics.requests.labels(route, "cancelled").inc()
+        return _respond(reply)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await body_of(request)
         if isinstance(body, JSONResponse):
             front.metrics.requests.labels("completions", "bad_request").inc()
             return body
-        if isinstance(body.get("prompt"), str):
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
+                                       and isinstance(prompt[0], str)):
+            if front.instances_tokenize:
+                if not isinstance(prompt, str):
+                    body = {**body, "prompt": prompt[0]}  # a batch of one text prompt
+                return await forwarded(request, body, "completions")
             if codec is None:
                 front.metrics.requests.labels("completions", "bad_request").inc()
-                return JSONResponse(error_body(400, "a text prompt needs the Conductor "
+                return JSONResponse(error_body(400, "a text prompt needs instances that "
+                                               "tokenize (vLLM without "
+                                               "--skip-tokenizer-init) or the Conductor "
                                                "started with --tokenizer DIR; send token "
                                                "ids otherwise"), 400)
-            return await codec.completions(front, request, body, _cancel_on_disconnect)
-        reply = await _cancel_on_disconnect(request, front.complete(body, route="completions"))
+            if not isinstance(prompt, str):
+                body = {**body, "prompt": prompt[0]}
+            return await codec.completions(front, request, body, _cancel_on_disconnect,
+                                           session=session_of(
+                                               request.headers.get(SESSION_HEADER)))
+        session = session_of(request.headers.get(SESSION_HEADER))
+        reply = await _cancel_on_disconnect(request, front.complete(
+            body, route="completions", session=session))
         if reply is None:
             front.metrics.requests.labels("completions", "cancelled").inc()
         return _respond(reply)
@@ -97,18 +143,43 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
         if isinstance(body, JSONResponse):
             front.metrics.requests.labels("chat", "bad_request").inc()
             return body
+        if front.instances_tokenize:
+            return await forwarded(request, body, "chat")
         if codec is None or not codec.has_chat_template:
             front.metrics.requests.labels("chat", "bad_request").inc()
-            return JSONResponse(error_body(400, "chat completions need the Conductor "
-                                           "started with --tokenizer DIR whose tokenizer "
-                                           "has a chat template"), 400)
-        return await codec.chat(front, request, body, _cancel_on_disconnect)
+            return JSONResponse(error_body(400, "chat completions need instances that "
+                                           "tokenize (vLLM without --skip-tokenizer-init) "
+                                           "or the Conductor started with --tokenizer DIR "
+                                           "whose tokenizer has a chat template"), 400)
+        return await codec.chat(front, request, body, _cancel_on_disconnect,
+                                session=session_of(request.headers.get(SESSION_HEADER)))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": front.model, "object": "model",
-                                            "owned_by": "conductor",
-                                            "max_model_len": front.max_model_len}]}
+        return front.models_body
+
+    async def to_an_instance(request: Request, path: str) -> Response:
+        """``/tokenize`` and ``/detokenize``: any instance answers (they share the model
+        and tokenizer), verbatim."""
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        inst = front.instances()[0]
+        try:
+            answer = await post_json(inst, path, body, front.timeout())
+        except InstanceAnswer as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+        except UpstreamError as exc:
+            return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
+        return JSONResponse(answer)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await to_an_instance(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await to_an_instance(request, "/detokenize")
 
     @app.get("/health")
     async def health() -> Response:
@@ -150,11 +221,13 @@ async def _poll(front: VllmFront) -> None:
 async def serve(front: VllmFront, *, host: str, port: int, codec: TextCodec | None,
                 stop: asyncio.Event, on_ready: Any = None, check_namespace: bool = True
                 ) -> None:
-    """Starts the front (shape checks, namespace probe), serves until ``stop`` is set.
+    """Starts the front (what the instances say, the probe, whether KV events arrive),
+    serves until ``stop`` is set.
     Signals are the caller's to handle (see ``CallerSignalsServer``)."""
     await front.start()
     if check_namespace:
         await front.check_namespace()
+        await front.check_events()
     config = uvicorn.Config(build_app(front, codec=codec), host=host, port=port,
                             log_level="warning", lifespan="off", timeout_keep_alive=30)
     server = CallerSignalsServer(config)

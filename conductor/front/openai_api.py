@@ -3,7 +3,9 @@ bodies, and the two ways of asking an instance (one JSON answer, or a server-sen
 stream passed through chunk by chunk).
 
 Errors follow OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "param",
-"code"}}``; a rejection also carries ``"reason"`` (the Conductor's sentence).
+"code"}}``; a rejection also carries ``"reason"`` (the Conductor's sentence). An instance
+that refuses the client's request (its own 4xx) is answered verbatim (``InstanceAnswer``):
+a client gets what vLLM's server would have told it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,22 @@ DEFAULT_MAX_TOKENS = 16
 
 class BadRequest(Exception):
     """The client's request is malformed (HTTP 400)."""
+
+
+class InstanceAnswer(Exception):
+    """An instance refused the client's request (its 4xx): ``status`` and ``body`` are
+    its answer, passed to the client unchanged."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+PREFILL_DROPS = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+                 "echo", "best_of", "n", "max_completion_tokens")
+"""Fields of a client's request the prefill's one-token copy leaves out: they shape the
+answer, which the decode instance gives, not the prompt's KV cache."""
 
 
 def error_body(status: int, message: str, *, kind: str | None = None,
@@ -60,12 +78,41 @@ def max_tokens(body: dict[str, Any]) -> int:
     return v
 
 
-def check_sampling(body: dict[str, Any]) -> None:
+def output_tokens(body: dict[str, Any], *, chat: bool) -> int | None:
+    """The output budget the client asked for (chat: ``max_completion_tokens``, else
+    ``max_tokens``), None when it left it to the server (chat's default)."""
+    if chat:
+        for name in ("max_completion_tokens", "max_tokens"):
+            v = body.get(name)
+            if v is not None:
+                return max_tokens({"max_tokens": v})
+        return None
+    return max_tokens(body)
+
+
+def choices(body: dict[str, Any]) -> int:
+    """``n``: how many answers the request asks for (1 when absent)."""
     n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest("n > 1 is not supported by the Conductor")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BadRequest(f"n must be an integer >= 1, got {n!r}")
+    return n
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    choices(body)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("stream must be true or false")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill instance's copy of a client's request: the same prompt (text, chat or
+    token ids, so the instance computes the same tokens as the decode instance will),
+    one output token, not streamed."""
+    pre = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
+    pre.update(max_tokens=1, stream=False)
+    return pre
 
 
 def _upstream_message(inst: VllmInstance, r: httpx.Response) -> str:
@@ -89,15 +136,28 @@ def upstream_errors(inst: VllmInstance) -> Iterator[None]:
                             f"{type(exc).__name__}: {exc}") from exc
 
 
+def _refused(inst: VllmInstance, r: httpx.Response) -> Exception:
+    """An instance's non-200 answer: its own 4xx verbatim (``InstanceAnswer``: the
+    client's request was refused), anything else a 502 naming it."""
+    if 400 <= r.status_code < 500:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict):
+            return InstanceAnswer(r.status_code, body)
+        return InstanceAnswer(r.status_code, error_body(r.status_code,
+                                                        _upstream_message(inst, r)))
+    return UpstreamError(_upstream_message(inst, r), status=502)
+
+
 async def post_json(inst: VllmInstance, path: str, body: dict[str, Any],
                     timeout: httpx.Timeout) -> dict[str, Any]:
-    """One non-streamed call; an instance's own 4xx keeps its status (the client's
-    request was bad), anything else is a 502 (504 on timeout)."""
+    """One non-streamed call (see ``_refused`` for a non-200 answer; 504 on timeout)."""
     with upstream_errors(inst):
         r = await inst.http.post(inst.url + path, json=body, timeout=timeout)
     if r.status_code != 200:
-        status = r.status_code if 400 <= r.status_code < 500 else 502
-        raise UpstreamError(_upstream_message(inst, r), status=status)
+        raise _refused(inst, r)
     return r.json()
 
 
@@ -122,8 +182,7 @@ async def open_stream(inst: VllmInstance, path: str, body: dict[str, Any],
     if r.status_code != 200:
         await r.aread()
         await r.aclose()
-        status = r.status_code if 400 <= r.status_code < 500 else 502
-        raise UpstreamError(_upstream_message(inst, r), status=status)
+        raise _refused(inst, r)
     return OpenStream(inst=inst, response=r)
 
 

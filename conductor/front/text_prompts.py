@@ -1,9 +1,14 @@
-"""Text prompts and chat for the front (``conductor serve --tokenizer DIR``).
+"""Text prompts and chat for the front (``conductor serve --tokenizer DIR``), for
+instances that cannot tokenize.
 
-The instances run with ``--skip-tokenizer-init`` (token ids in, token ids out), so the
-front owns the text side: it encodes the prompt (or renders the chat template and
-encodes that), sends token ids, asks for ``return_token_ids`` and writes the decoded
-text into the answer, streamed or not.
+Instances that tokenize get text and chat requests unchanged (``http_front``); these
+routes are for instances run with ``--skip-tokenizer-init`` (token ids in, token ids out),
+where the front owns the text side: it encodes the prompt (or renders the chat template
+and encodes that), sends token ids, asks for ``return_token_ids`` and writes the decoded
+text into the answer, streamed or not, every choice of it (``n``), and passes the
+usage chunk of ``stream_options.include_usage`` through in the answer's own shape. What
+needs the instance's tokenizer is refused with a 400 (chat ``logprobs``: their tokens'
+text).
 
 ``DIR`` holds a Hugging Face fast tokenizer: ``tokenizer.json`` (read with the
 ``tokenizers`` library, no torch), and optionally ``tokenizer_config.json`` with a
@@ -104,27 +109,34 @@ class TextCodec:
     # ---- the two routes ----------------------------------------------------------------
 
     async def completions(self, front: VllmFront, request: Request, body: dict[str, Any],
-                          run: Callable[..., Any]) -> Response:
+                          run: Callable[..., Any], *, session: str | None = None
+                          ) -> Response:
         ids = self.encode(body["prompt"])
         if not ids:
             return JSONResponse(error_body(400, "the prompt encodes to no tokens"), 400)
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "prompt": ids, "return_token_ids": True}
-        reply: Reply | None = await run(request, front.complete(up, route="completions"))
+        reply: Reply | None = await run(request, front.complete(up, route="completions",
+                                                                session=session))
         return self._respond(reply, want_ids, chat=False, model=front.model)
 
     async def chat(self, front: VllmFront, request: Request, body: dict[str, Any],
-                   run: Callable[..., Any]) -> Response:
+                   run: Callable[..., Any], *, session: str | None = None) -> Response:
         try:
+            if body.get("logprobs") or body.get("top_logprobs"):
+                raise TextError("chat logprobs need instances that tokenize (vLLM without "
+                                "--skip-tokenizer-init): the front cannot name their tokens")
             ids = self.encode(self.render_chat(body.get("messages")))
         except TextError as exc:
             front.metrics.requests.labels("chat", "bad_request").inc()
             return JSONResponse(error_body(400, str(exc)), 400)
-        up = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens")}
-        if "max_completion_tokens" in body and "max_tokens" not in body:
+        up = {k: v for k, v in body.items()
+              if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
+        if body.get("max_completion_tokens") is not None:
             up["max_tokens"] = body["max_completion_tokens"]
         up.update(prompt=ids, return_token_ids=True)
-        reply: Reply | None = await run(request, front.complete(up, route="chat"))
+        reply: Reply | None = await run(request, front.complete(
+            up, route="chat", path="/v1/completions", session=session))
         return self._respond(reply, False, chat=True, model=front.model)
 
     def _respond(self, reply: Reply | None, want_ids: bool, *, chat: bool, model: str
@@ -143,8 +155,8 @@ class TextCodec:
         for c in answer.get("choices", []):
             text = self.decode(c.get("token_ids") or [])
             if chat:
-                choices.append({"index": c.get("index", 0), "finish_reason":
-                                c.get("finish_reason"),
+                choices.append({"index": c.get("index", 0), "logprobs": None,
+                                "finish_reason": c.get("finish_reason"),
                                 "message": {"role": "assistant", "content": text}})
                 continue
             c = {**c, "text": text}
@@ -161,10 +173,12 @@ class TextCodec:
     async def _stream(self, chunks: AsyncIterator[bytes], want_ids: bool, chat: bool,
                       model: str) -> AsyncIterator[bytes]:
         """Rewrites each SSE event as it arrives: decoded text in, ids out if unasked.
-        The text of an event is the decoding of every id so far minus what was sent."""
+        The text of a choice's event is the decoding of every id of that choice so far
+        minus what was sent. An event without choices (the usage chunk) or that is not
+        an answer (an error) passes in the route's shape, or as it is."""
         buf = b""
-        ids: list[int] = []
-        sent = ""
+        ids: dict[int, list[int]] = {}
+        sent: dict[int, str] = {}
         cid = "chatcmpl-" + uuid.uuid4().hex
         async for chunk in chunks:
             buf += chunk
@@ -175,24 +189,36 @@ class TextCodec:
                     yield event + b"\n\n"
                     continue
                 ev = json.loads(line[6:])
-                if "choices" not in ev:
+                if not isinstance(ev.get("choices"), list):
                     yield event + b"\n\n"
                     continue
-                c = ev["choices"][0]
-                ids += c.get("token_ids") or []
-                text = self.decode(ids)
-                delta, sent = text[len(sent):], text
-                if chat:
-                    out = {"id": cid, "object": "chat.completion.chunk",
-                           "created": ev.get("created"), "model": model,
-                           "choices": [{"index": 0, "delta": {"content": delta},
-                                        "finish_reason": c.get("finish_reason")}]}
-                else:
+                out_choices = []
+                for c in ev["choices"]:
+                    i = int(c.get("index", 0))
+                    first = i not in ids
+                    ids.setdefault(i, []).extend(c.get("token_ids") or [])
+                    text = self.decode(ids[i])
+                    delta, sent[i] = text[len(sent.get(i, "")):], text
+                    if chat:
+                        d: dict[str, Any] = {"content": delta}
+                        if first:
+                            d = {"role": "assistant", **d}
+                        out_choices.append({"index": i, "delta": d, "logprobs": None,
+                                            "finish_reason": c.get("finish_reason")})
+                        continue
                     c["text"] = delta
                     if not want_ids:
                         c.pop("token_ids", None)
                         c.pop("prompt_token_ids", None)
-                    out = ev
+                    out_choices.append(c)
+                if chat:
+                    out = {"id": cid, "object": "chat.completion.chunk",
+                           "created": ev.get("created"), "model": model,
+                           "choices": out_choices}
+                    if ev.get("usage") is not None:
+                        out["usage"] = ev["usage"]
+                else:
+                    out = {**ev, "choices": out_choices}
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"
         if buf.strip():
             yield buf

@@ -1,23 +1,33 @@
 """The Conductor in front of vLLM instances: where each request runs, and in what order.
 
+At start (``start``, ``conductor.front.vllm_startup``) the front learns from the
+instances the served model, the connectors' namespace and block size (the keys it
+computes are theirs) and whether they tokenize text themselves.
+
 Disaggregated (``--vllm-prefill`` / ``--vllm-decode``), per request:
 
-1. block keys of the prompt (``kvstore.block_keys`` with the connectors' namespace and
-   block size, no ``extra``: plain token prompts without LoRA or cache salt), one
-   ``prefix_match`` on the store, each instance's load (its ``/metrics``, polled), and the
-   scheduler (``VllmConductor``, Algorithm 1 with per-instance calibrated costs) picks a
-   (prefill, decode) pair or rejects (HTTP 429);
-2. the prefill instance runs the prompt with ``max_tokens=1``;
+1. block keys of the prompt's token ids (``kvstore.block_keys`` with the learnt
+   namespace and block size, no ``extra``: prompts without LoRA or cache salt; a text or
+   chat request's ids come from an instance's own ``/tokenize``), one ``prefix_match``
+   on the store, each instance's load (its ``/metrics``, polled), and the scheduler
+   (``VllmConductor``, Algorithm 1 with per-instance calibrated costs, preferring the
+   session's instance when it meets the SLO) picks a (prefill, decode) pair or rejects
+   (HTTP 429);
+2. the prefill instance runs the client's request with ``max_tokens=1``, on the same
+   route (completions or chat), so it computes the very tokens the decode instance will;
 3. the front waits until every full block of the prompt is in the store (see
-   ``conductor.front.store_view``: polled, bounded by ``durable_timeout_s``; HTTP 504 if not);
+   ``conductor.front.store_view``: woken by the nodes' KV events, or polled; bounded by
+   ``durable_timeout_s``; HTTP 504 if not);
 4. the decode instance (``kv_consumer``) gets the client's request unchanged; its
-   answer, streamed or not, is passed through.
+   answer, streamed or not, is passed through as it comes.
 
 A prompt shorter than one block has nothing to hand over: it goes straight to decode.
 
 Colocated (``--vllm``): the instance with the lowest estimated TTFT = queue + prefill
 of the tokens neither its own prefix cache (what the front sent there) nor the store
-holds; the request goes there unchanged.
+holds (the session's instance when it meets the SLO); the request goes there unchanged.
+
+An instance's own refusal of a request (its 4xx) reaches the client verbatim.
 
 Runs on one asyncio loop: the scheduler's state is touched only from the loop, so it
 needs no lock; store calls run in threads, instance calls are async.
@@ -25,6 +35,7 @@ needs no lock; store calls run in threads, instance calls are async.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -36,36 +47,58 @@ import httpx
 
 from conductor.front.front_metrics import FrontMetrics, reason_label
 from conductor.front.openai_api import (
+    DEFAULT_MAX_TOKENS,
     BadRequest,
+    InstanceAnswer,
     OpenStream,
     check_sampling,
-    max_tokens,
+    choices,
     open_stream,
+    output_tokens,
     post_json,
+    prefill_body,
     prompt_token_ids,
     sse_error,
 )
+from conductor.front.sessions import SessionAffinity
 from conductor.front.store_view import NotDurable, StoreView
 from conductor.front.vllm_instances import UpstreamError, VllmInstance
+from conductor.front.vllm_startup import learn
 from conductor.scheduling.costs import PolyCostModel
+from conductor.scheduling.policies import Candidate, PrefillPolicy, make_policy
 from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.scheduling.types import InstanceId, PrefillPlan, Request, RequestId, Slo
 from kvstore.core.keys import BlockKey, block_keys
 
 LOCAL_CACHE_BLOCKS = 4096
+EVENTS_LIVE_S = 3.0
+"""How long after the start-up probe the first KV event may take before the front polls."""
+TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs",
+                        "tools", "mm_processor_kwargs", "media_io_kwargs", "model")
+"""What of a chat request vLLM's ``/tokenize`` needs to render the prompt the chat route
+will (its chat template options)."""
+
+
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+"""The instance path of each route the front schedules."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class FrontConfig:
-    namespace: str
-    block_tokens: int
+    namespace: str = ""
+    """The connectors' namespace; "": learn it from the instances (``--kv-namespace``)."""
+    block_tokens: int = 0
+    """vLLM's block size; 0: learn it from the instances (``--block-tokens``)."""
     slo: Slo
     policy: str = "global-cache-aware"
     rejection: str = "predictive"
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     durable_timeout_s: float = 30.0
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
 
 
 @dataclass(slots=True, kw_only=True)
@@ -97,6 +130,32 @@ class _KnownPool:
 
     def prefix_len(self, keys: Sequence[Any]) -> int:
         return self.blocks if tuple(keys) == self.keys else 0
+
+
+class PreferSession:
+    """The scheduler's policy, preferring ``preferred`` (the session's instance, set by
+    the front before each decision) when its best plan meets the TTFT SLO."""
+
+    def __init__(self, inner: PrefillPolicy, ttft_slo_s: float) -> None:
+        self.inner = inner
+        self.ttft_slo_s = ttft_slo_s
+        self.preferred: InstanceId | None = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def may_fetch(self) -> bool:
+        return self.inner.may_fetch
+
+    def choose(self, request: Request, candidates: Sequence[Candidate]) -> PrefillPlan:
+        for c in candidates:
+            if self.preferred is not None and c.local.instance == self.preferred:
+                plan = min((c.local, c.fetch), key=lambda p: p.ttft_s)
+                if plan.ttft_s <= self.ttft_slo_s:
+                    return plan
+        return self.inner.choose(request, candidates)
 
 
 class VllmConductor(Conductor):
@@ -140,6 +199,17 @@ class VllmFront:
                           for u in colocated}
         self.model = ""
         self.max_model_len = 0
+        self.namespace = config.namespace
+        """The connectors' namespace (learnt at ``start``, or the flag until then)."""
+        self.block_tokens = config.block_tokens
+        self.instances_tokenize = False
+        """The instances tokenize text: text and chat requests are forwarded unchanged."""
+        self.models_body: dict[str, Any] = {}
+        """An instance's ``/v1/models`` answer (``max_model_len``: the smallest)."""
+        self.sessions = SessionAffinity(max_sessions=config.max_sessions,
+                                        ttl_s=config.session_ttl_s)
+        self._prefer: PreferSession | None = None
+        self._next_tokenizer = itertools.count()
         self._ids = itertools.count(1)
         self._pool = _KnownPool()
         self._conductor: VllmConductor | None = None
@@ -164,57 +234,78 @@ class VllmFront:
     # ---- start-up --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Reads every instance's model and block size; refuses a mismatch."""
-        shapes = {i.url: await i.read_shape() for i in self.instances()}
-        models = {s.model for s in shapes.values()}
-        if len(models) != 1:
-            raise ValueError(f"instances serve different models: "
-                             f"{ {u: s.model for u, s in shapes.items()} }")
-        self.model = models.pop()
-        self.max_model_len = min(s.max_model_len for s in shapes.values())
-        for url, s in shapes.items():
-            if s.block_size is not None and s.block_size != self.config.block_tokens:
-                raise ValueError(f"--block-tokens {self.config.block_tokens} but {url} runs "
-                                 f"vLLM with block size {s.block_size}: they must be equal "
-                                 f"(the store's keys are per block)")
+        """Learns the model, namespace and block size from the instances and checks they
+        agree (``conductor.front.vllm_startup``), then builds the scheduler."""
+        got = await learn(self.instances(), namespace=self.config.namespace,
+                          block_tokens=self.config.block_tokens)
+        self.model, self.max_model_len = got.model, got.max_model_len
+        self.namespace, self.block_tokens = got.namespace, got.block_tokens
+        self.instances_tokenize = got.instances_tokenize
+        first = self.instances()[0]
+        models = (await first.http.get(first.url + "/v1/models", timeout=10.0)).json()
+        for m in models.get("data") or []:
+            if isinstance(m, dict) and m.get("id") == self.model:
+                m["max_model_len"] = self.max_model_len
+        self.models_body = models
+        shapes = got.shapes
         if self.disaggregated:
             costs = {iid: i.calibration.cost() for iid, i in self.prefill.items()}
+            self._prefer = PreferSession(make_policy(self.config.policy),
+                                         self.config.slo.ttft_s)
             self._conductor = VllmConductor(
                 costs=costs,
                 prefill=[PrefillInstance(id=i, cache=LocalPrefixCache(LOCAL_CACHE_BLOCKS))
                          for i in self.prefill],
                 decode=[DecodeInstance(id=i, kv_capacity_tokens=s.kv_tokens or (1 << 20))
                         for i, s in ((i, shapes[d.url]) for i, d in self.decode.items())],
-                cost=self._shared_cost(), policy=self.config.policy,
+                cost=self._shared_cost(), policy=self._prefer,
                 rejection=self.config.rejection, slo=self.config.slo, pool=self._pool)
         else:
             for iid, inst in self.colocated.items():
                 kv = shapes[inst.url].kv_tokens
-                blocks = kv // self.config.block_tokens if kv else LOCAL_CACHE_BLOCKS
+                blocks = kv // self.block_tokens if kv else LOCAL_CACHE_BLOCKS
                 self._local[iid] = LocalPrefixCache(blocks)
         await self.poll_loads()
 
     async def check_namespace(self) -> None:
         """Runs a one-block-plus-one-token prompt on every instance that saves and checks
-        the block reached the store under ``--kv-namespace``: a mismatch would make every
-        request wait for blocks that never come."""
+        the block reached the store under the learnt namespace: the whole path (the
+        connector's keys, its saves, the front's store) works before the first client's
+        request relies on it."""
         savers = list(self.prefill.values()) or list(self.colocated.values())
-        probe = [7 + (time.time_ns() + i) % 200 for i in range(self.config.block_tokens + 1)]
-        keys = block_keys(probe, self.config.block_tokens, self.config.namespace)
+        probe = [7 + (time.time_ns() + i) % 200 for i in range(self.block_tokens + 1)]
+        keys = block_keys(probe, self.block_tokens, self.namespace)
         for inst in savers:
             await post_json(inst, "/v1/completions",
                             {"model": self.model, "prompt": probe, "max_tokens": 1},
                             self.timeout())
             try:
                 await self.store.wait_durable(keys, timeout_s=min(
-                    10.0, self.config.durable_timeout_s), namespace=self.config.namespace)
+                    10.0, self.config.durable_timeout_s), namespace=self.namespace)
             except NotDurable as exc:
                 raise ValueError(f"{inst.url}: a probe prompt's block is not in the store "
-                                 f"under --kv-namespace {self.config.namespace!r} "
-                                 f"(--block-tokens {self.config.block_tokens}): {exc}"
-                                 ) from None
+                                 f"under namespace {self.namespace!r} (block "
+                                 f"{self.block_tokens}): is the Conductor's --store / "
+                                 f"--etcd the connectors' store? {exc}") from None
             probe = probe[1:] + probe[:1]
-            keys = block_keys(probe, self.config.block_tokens, self.config.namespace)
+            keys = block_keys(probe, self.block_tokens, self.namespace)
+
+    async def check_events(self, within_s: float = EVENTS_LIVE_S) -> None:
+        """After the probe (whose saves the nodes announce): when no KV event arrived, the
+        subscription does not reach the nodes (an endpoint bound where the front cannot
+        connect): the durability wait polls instead, said on stdout."""
+        events = self.store.events
+        if events is None:
+            return
+        deadline = time.monotonic() + within_s
+        while events.batches == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if events.batches == 0:
+            print(f"conductor: no KV events arrived from {events.describe()} within "
+                  f"{within_s:g} s of the probe's saves: durability by polling the store",
+                  flush=True)
+            self.store.use_events(None)
+            events.close()
 
     async def poll_loads(self) -> None:
         for inst in self.instances():
@@ -236,37 +327,77 @@ class VllmFront:
 
     # ---- requests --------------------------------------------------------------------
 
-    async def complete(self, body: dict[str, Any], *, route: str) -> Reply:
-        """Answers one ``/v1/completions`` body (token-id prompt)."""
+    async def tokenize(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+        """A text or chat request's prompt token ids, by an instance's own ``/tokenize``
+        (the ids that instance computes: its tokenizer and chat template). Raises
+        ``InstanceAnswer`` with the instance's refusal (the client's request was bad),
+        ``UpstreamError`` when no instance answers."""
+        if chat:
+            ask = {k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}
+        else:
+            ask = {k: body[k] for k in ("prompt", "add_special_tokens") if k in body}
+        ask.setdefault("model", self.model)
+        insts = list(self.prefill.values()) or list(self.colocated.values())
+        inst = insts[next(self._next_tokenizer) % len(insts)]
+        answer = await post_json(inst, "/tokenize", ask, self.timeout())
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise InstanceAnswer(400, _err(400, "the prompt encodes to no tokens"))
+        return [int(t) for t in tokens]
+
+    async def complete(self, body: dict[str, Any], *, route: str,
+                       tokens: list[int] | None = None, session: str | None = None,
+                       path: str | None = None) -> Reply:
+        """Answers one request of ``route`` (``completions`` or ``chat``, the metrics'
+        label). ``tokens``: the prompt's token ids when the body's prompt is text or chat
+        (``tokenize``); None for a token-id prompt. ``session``: the
+        ``X-Session-Affinity`` hint. ``path``: the instances' route it goes to (default
+        the route's own; a chat the front renders itself goes to completions)."""
         t0 = time.monotonic()
+        path = path or ROUTES[route]
+        chat = path == ROUTES["chat"]
         try:
             check_sampling(body)
-            tokens = prompt_token_ids(body)
-            out_tokens = max_tokens(body)
-            if self.max_model_len and len(tokens) + out_tokens > self.max_model_len:
-                raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({out_tokens}) "
+            if tokens is None:
+                tokens = prompt_token_ids(body)
+                body = {**body, "prompt": tokens}
+            asked = output_tokens(body, chat=chat)
+            if (asked is not None and self.max_model_len
+                    and len(tokens) + asked > self.max_model_len):
+                raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({asked}) "
                                  f"> the instances' max_model_len {self.max_model_len}")
+            out_tokens = (asked or DEFAULT_MAX_TOKENS) * choices(body)
         except BadRequest as exc:
             self.metrics.requests.labels(route, "bad_request").inc()
             return JsonReply(status=400, body=_err(400, str(exc)))
-        body = {**body, "prompt": tokens, "model": self.model}
-        keys = block_keys(tokens, self.config.block_tokens, self.config.namespace)
+        body = {"model": self.model, **body}
+        keys = block_keys(tokens, self.block_tokens, self.namespace)
         stored = await self.store.prefix_len(keys)
         self.metrics.prompt_tokens.inc(len(tokens))
-        self.metrics.prefix_tokens.inc(stored * self.config.block_tokens)
+        self.metrics.prefix_tokens.inc(stored * self.block_tokens)
         self._prompt_tokens_seen += len(tokens)
         self._requests_seen += 1
+        job = _Job(body=body, route=route, path=path, tokens=tokens, keys=keys, stored=stored,
+                   out_tokens=out_tokens, t0=t0, session=session)
         try:
             if self.disaggregated:
-                return await self._disaggregated(body, route, tokens, keys, stored,
-                                                 out_tokens, t0)
-            return await self._colocated(body, route, tokens, keys, stored, out_tokens, t0)
+                return await self._disaggregated(job)
+            return await self._colocated(job)
+        except InstanceAnswer as exc:
+            self.metrics.requests.labels(route, "bad_request").inc()
+            return JsonReply(status=exc.status, body=exc.body)
         except UpstreamError as exc:
             self.metrics.requests.labels(route, "upstream_error").inc()
             return JsonReply(status=exc.status, body=_err(exc.status, str(exc)))
         except NotDurable as exc:
             self.metrics.requests.labels(route, "not_durable").inc()
             return JsonReply(status=504, body=_err(504, str(exc)))
+
+    def _follow_session(self, session: str, known: InstanceId | None, went: InstanceId,
+                        now: float) -> None:
+        outcome = "new" if known is None else "kept" if went == known else "moved"
+        self.metrics.sessions.labels(outcome).inc()
+        self.sessions.remember(session, went, now)
 
     def _reject(self, route: str, reason: str) -> JsonReply:
         self.metrics.requests.labels(route, "rejected").inc()
@@ -277,11 +408,11 @@ class VllmFront:
     def _mean_prompt(self) -> float:
         return self._prompt_tokens_seen / max(1, self._requests_seen)
 
-    async def _disaggregated(self, body: dict[str, Any], route: str, tokens: list[int],
-                             keys: list[BlockKey], stored: int, out_tokens: int, t0: float
-                             ) -> Reply:
+    async def _disaggregated(self, job: _Job) -> Reply:
+        body, route, tokens, keys = job.body, job.route, job.tokens, job.keys
+        stored, out_tokens, session = job.stored, job.out_tokens, job.session
         c = self._conductor
-        assert c is not None
+        assert c is not None and self._prefer is not None
         now = time.monotonic()
         for iid, inst in self.prefill.items():
             p = c.prefill_instance(iid)
@@ -293,24 +424,26 @@ class VllmFront:
         rid = RequestId(next(self._ids))
         req = Request(id=rid, arrival_s=now, prompt_tokens=len(tokens),
                       output_tokens=out_tokens, block_keys=tuple(keys),
-                      block_tokens=self.config.block_tokens)
+                      block_tokens=self.block_tokens)
+        self._prefer.preferred = (self.sessions.instance(session, now)
+                                  if session is not None else None)
         decision = c.schedule(req, now)
         if not decision.accepted:
             assert decision.reason is not None
             return self._reject(route, decision.reason)
         assert decision.prefill is not None and decision.decode is not None
         pinst, dinst = self.prefill[decision.prefill], self.decode[decision.decode]
+        if session is not None:
+            self._follow_session(session, self._prefer.preferred, decision.prefill, now)
         forgotten = False
         try:
             if keys:
                 self.metrics.chosen.labels("prefill", pinst.id).inc()
-                pre = {**body, "max_tokens": 1, "stream": False}
-                pre.pop("stream_options", None)
-                pre.pop("min_tokens", None)
+                pre = prefill_body(body)
                 pinst.in_flight += 1
                 tp = time.monotonic()
                 try:
-                    await post_json(pinst, "/v1/completions", pre, self.timeout())
+                    await post_json(pinst, job.path, pre, self.timeout())
                 finally:
                     pinst.in_flight -= 1
                 pinst.calibration.observe_prefill(
@@ -320,8 +453,9 @@ class VllmFront:
                 c.prefill_done(rid, time.monotonic())
                 waited = await self.store.wait_durable(
                     keys, timeout_s=self.config.durable_timeout_s,
-                    namespace=self.config.namespace)
+                    namespace=self.namespace)
                 self.metrics.durability_wait.observe(waited)
+                self.metrics.durability_waits.labels(self.store.waits_by).inc()
             else:
                 c.prefill_done(rid, time.monotonic())
             reason = c.decode_arrival(rid, time.monotonic(), prompt_tokens=len(tokens),
@@ -341,46 +475,53 @@ class VllmFront:
             d.finish(rid)
             c.forget(rid)
 
-        return await self._forward(dinst, body, route, t0, done, out_tokens)
+        return await self._forward(dinst, job, done)
 
-    async def _colocated(self, body: dict[str, Any], route: str, tokens: list[int],
-                         keys: list[BlockKey], stored: int, out_tokens: int, t0: float
-                         ) -> Reply:
-        est, iid = self.choose_colocated(keys, stored, len(tokens))
+    async def _colocated(self, job: _Job) -> Reply:
+        route, tokens, keys, stored, session = (job.route, job.tokens, job.keys, job.stored,
+                                                job.session)
+        now = time.monotonic()
+        prefer = self.sessions.instance(session, now) if session is not None else None
+        est, iid = self.choose_colocated(keys, stored, len(tokens), prefer=prefer)
         if self.config.rejection != "none" and est > self.config.slo.ttft_s:
             return self._reject(route, f"TTFT {est:.2f} s > SLO {self.config.slo.ttft_s:.2f} s")
         inst = self.colocated[iid]
+        if session is not None:
+            self._follow_session(session, prefer, iid, now)
         self._local[iid].use(keys)
         self.metrics.chosen.labels("colocated", inst.id).inc()
-        return await self._forward(inst, body, route, t0, lambda: None, out_tokens,
-                                   prefill_tokens=len(tokens) - min(
-                                       stored * self.config.block_tokens, len(tokens) - 1))
+        return await self._forward(inst, job, lambda: None, prefill_tokens=len(tokens) - min(
+            stored * self.block_tokens, len(tokens) - 1))
 
-    def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int
-                         ) -> tuple[float, InstanceId]:
+    def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
+                         prefer: InstanceId | None = None) -> tuple[float, InstanceId]:
         """The colocated instance with the lowest estimated TTFT and that estimate: its
         queue plus the prefill of what neither its own prefix cache (what the front sent
-        there) nor the store (``stored`` leading blocks) holds. Ties go to the first."""
+        there) nor the store (``stored`` leading blocks) holds. Ties go to the first;
+        ``prefer`` (a session's instance) wins when its estimate meets the TTFT SLO."""
         best: tuple[float, InstanceId] | None = None
         for iid, inst in self.colocated.items():
             local = self._local[iid].prefix_len(keys)
-            cached = min(max(local, stored) * self.config.block_tokens, prompt_tokens - 1)
+            cached = min(max(local, stored) * self.block_tokens, prompt_tokens - 1)
             est = (inst.queue_s(mean_prompt_tokens=self._mean_prompt())
                    + inst.calibration.cost().prefill_s(prompt_tokens - cached, cached))
+            if iid == prefer and est <= self.config.slo.ttft_s:
+                return est, iid
             if best is None or est < best[0]:
                 best = (est, iid)
         assert best is not None
         return best
 
-    async def _forward(self, inst: VllmInstance, body: dict[str, Any], route: str, t0: float,
-                       done: Any, out_tokens: int, prefill_tokens: int = 0) -> Reply:
-        """Sends ``body`` to ``inst``; calls ``done`` exactly once when the request is over
-        (answered, failed, or cancelled by the client)."""
+    async def _forward(self, inst: VllmInstance, job: _Job, done: Callable[[], None],
+                       prefill_tokens: int = 0) -> Reply:
+        """Sends the client's request to ``inst``; calls ``done`` exactly once when the
+        request is over (answered, failed, or cancelled by the client)."""
+        body, route, t0 = job.body, job.route, job.t0
         inst.in_flight += 1
         if not body.get("stream"):
             ts = time.monotonic()
             try:
-                answer = await post_json(inst, "/v1/completions", body, self.timeout())
+                answer = await post_json(inst, job.path, body, self.timeout())
             finally:
                 inst.in_flight -= 1
                 done()
@@ -392,7 +533,7 @@ class VllmFront:
             self.metrics.e2e.observe(time.monotonic() - t0)
             return JsonReply(status=200, body=answer)
         try:
-            stream = await open_stream(inst, "/v1/completions", body, self.timeout())
+            stream = await open_stream(inst, job.path, body, self.timeout())
         except BaseException:
             inst.in_flight -= 1
             done()
@@ -446,8 +587,10 @@ class VllmFront:
     def status(self) -> dict[str, Any]:
         return {
             "mode": "disaggregated" if self.disaggregated else "colocated",
-            "model": self.model, "namespace": self.config.namespace,
-            "block_tokens": self.config.block_tokens,
+            "model": self.model, "namespace": self.namespace,
+            "block_tokens": self.block_tokens, "durability": self.store.waits_by,
+            "text": "instances" if self.instances_tokenize else None,
+            "sessions": len(self.sessions),
             "instances": {i.url: {"role": i.role, "in_flight": i.in_flight,
                                   "load": None if i.load is None else {
                                       "running": i.load.running, "waiting": i.load.waiting,
@@ -455,6 +598,24 @@ class VllmFront:
                                   "calibration": i.calibration.snapshot()}
                           for i in self.instances()},
         }
+
+
+@dataclass(slots=True, kw_only=True)
+class _Job:
+    """One request on its way through the front."""
+
+    body: dict[str, Any]
+    """What the instances get (the client's request; token-id prompts normalised)."""
+    route: str
+    path: str
+    tokens: list[int]
+    keys: list[BlockKey]
+    stored: int
+    """Leading blocks of ``keys`` the store held on arrival."""
+    out_tokens: int
+    """Expected output tokens (all ``n`` answers), for the scheduler."""
+    t0: float
+    session: str | None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,11 @@ the server's own Prometheus ``/metrics`` for its load (``vllm:num_requests_runni
 (``vllm:cache_config_info``: block size and number of blocks), and ``/v1/models`` for
 the served model name and ``max_model_len``.
 
+``read_connector`` asks the instance's kvstore connector for its namespace, block size
+and role (``kvstore.integrations.vllm.describe``: one one-token request), and
+``read_tokenizer`` whether the server tokenizes text itself (``POST /tokenize``; not with
+``--skip-tokenizer-init``).
+
 ``Calibration`` turns what the front observes into a per-instance cost model: prefill
 seconds per computed token (from each prefill's wall time and the tokens it did not
 find cached) and the decode step time (from each streamed or timed decode). Until an
@@ -23,6 +28,7 @@ from typing import Any
 import httpx
 
 from conductor.scheduling.costs import PolyCostModel
+from kvstore.integrations.vllm.describe import DESCRIBE_PARAM, REPLY_KEY
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 """Before the first observation: 1000 prompt tokens/s (a small model on CPU does more)."""
@@ -82,6 +88,28 @@ class InstanceShape:
     """vLLM's block size from ``vllm:cache_config_info`` (None: not exported)."""
     kv_tokens: int | None
     """KV-cache capacity in tokens (num_gpu_blocks * block_size), None if not exported."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ConnectorInfo:
+    """What an instance's kvstore connector says about itself."""
+
+    namespace: str
+    block_tokens: int
+    kv_role: str
+    """vLLM's ``kv_role``: ``kv_both``, ``kv_producer`` (saves) or ``kv_consumer`` (loads)."""
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+
+TOKENIZER_PROBE = "kvstore tokenizer probe: 0123 abc ABC \u00e9\u4e2d"
+"""Text every instance tokenizes at start-up; all must give the same ids (one tokenizer)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,6 +218,48 @@ class VllmInstance:
             block_size=block,
             kv_tokens=block * gpu_blocks if block and gpu_blocks else None)
         return self.shape
+
+    async def read_connector(self, model: str, timeout: float = 60.0) -> ConnectorInfo | None:
+        """The instance's kvstore connector's description (one request of one prompt
+        token and one output token), None when no kvstore connector answers."""
+        body = {"model": model, "prompt": [1], "max_tokens": 1,
+                "kv_transfer_params": {DESCRIBE_PARAM: True}}
+        try:
+            r = await self.http.post(self.url + "/v1/completions", json=body,
+                                     timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{self.role} instance {self.url}: the connector "
+                                f"description request failed: {type(exc).__name__}: "
+                                f"{exc}") from exc
+        if r.status_code != 200:
+            raise UpstreamError(f"{self.role} instance {self.url}: the connector "
+                                f"description request answered HTTP {r.status_code}: "
+                                f"{r.text[:300]}")
+        params = r.json().get("kv_transfer_params") or {}
+        info = params.get(REPLY_KEY) if isinstance(params, dict) else None
+        if not isinstance(info, dict):
+            return None
+        try:
+            return ConnectorInfo(namespace=str(info["namespace"]),
+                                 block_tokens=int(info["block_tokens"]),
+                                 kv_role=str(info["kv_role"]))
+        except (KeyError, TypeError, ValueError):
+            raise UpstreamError(f"{self.role} instance {self.url}: a connector "
+                                f"description it cannot have meant: {info!r}") from None
+
+    async def read_tokenizer(self, model: str, timeout: float = 10.0) -> list[int] | None:
+        """``TOKENIZER_PROBE``'s token ids by the instance's own tokenizer, None when the
+        server has none (``--skip-tokenizer-init``: it refuses ``/tokenize``)."""
+        try:
+            r = await self.http.post(self.url + "/tokenize", timeout=timeout, json={
+                "model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{self.role} instance {self.url}: POST /tokenize failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            return None
+        tokens = r.json().get("tokens")
+        return [int(t) for t in tokens] if isinstance(tokens, list) else None
 
     async def read_load(self, timeout: float = 5.0) -> InstanceLoad:
         m = parse_metrics((await self._get("/metrics", timeout)).text)

@@ -16,12 +16,15 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+"""The work tree: children run from it with it on ``PYTHONPATH``, so they run this tree's
+kvstore and Conductor whatever the environment's editable install points at."""
 VLLM_BLOCK = 32
 """vLLM's CPU attention wants block sizes that are multiples of 32."""
 
@@ -105,13 +108,16 @@ def kv_transfer_config(*, store: str | dict[str, Any], namespace: str, role: str
 def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
                store: str | dict[str, Any] | None,
                namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
-               kv_cache_bytes: int = 64 << 20, port: int | None = None) -> Proc:
-    """A vLLM OpenAI server on ``model`` (no tokenizer: token-id prompts); with ``store``
-    it uses KVStoreConnector in ``role``, without it no connector. Not waited for: call
+               kv_cache_bytes: int = 64 << 20, port: int | None = None,
+               tokenizer: bool = False) -> Proc:
+    """A vLLM OpenAI server on ``model``; with ``store`` it uses KVStoreConnector in
+    ``role``, without it no connector. ``tokenizer``: the server loads the tokenizer in
+    ``model`` (``write_text_tokenizer``) and serves text and chat; otherwise it runs with
+    ``--skip-tokenizer-init`` (token-id prompts). Not waited for: call
     ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
     port = port or free_port()
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--skip-tokenizer-init", "--block-size", str(VLLM_BLOCK),
+            *([] if tokenizer else ["--skip-tokenizer-init"]), "--block-size", str(VLLM_BLOCK),
             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
             "--seed", "0", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
@@ -173,4 +179,50 @@ def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+"""The last ids of ``write_text_tokenizer``'s vocabulary, after the characters."""
+
+
+def _characters(n: int) -> list[str]:
+    """``n`` single characters that are their own text (NFC-stable, not control): the
+    newline and printable ASCII, then Latin-1 letters and signs, then Greek, Cyrillic
+    and on, as many as needed."""
+    out = ["\n", *map(chr, range(0x20, 0x7F)), *map(chr, range(0xA1, 0x100))]
+    cp = 0x391
+    while len(out) < n:
+        c = chr(cp)
+        if c.isprintable() and unicodedata.normalize("NFC", c) == c:
+            out.append(c)
+        cp += 1
+    return out[:n]
+
+
+def write_text_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    """A character-level Hugging Face fast tokenizer into ``out`` (beside the model, so
+    vLLM and the benchmark clients load it from the same directory): one token per
+    character (``_characters``), then ``SPECIAL_TOKENS``, ``vocab_size`` ids in all (the
+    tiny model's), with ``CHAT_TEMPLATE``. Every id the model may generate decodes to
+    visible text, and ids -> text -> ids is exact (random token prompts survive the
+    round trip through text); unknown characters are ``<unk>``. Written locally, nothing
+    downloaded."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    out.mkdir(parents=True, exist_ok=True)
+    chars = _characters(vocab_size - len(SPECIAL_TOKENS))
+    vocab = {c: i for i, c in enumerate([*chars, *SPECIAL_TOKENS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "add_eos_token": False, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}))
     return out

@@ -193,8 +193,12 @@ class KVEventPublisher:
         self.resyncs += 1
 
     def _stats(self) -> dict[str, object]:
-        # Read from other threads without a lock: ints, each at worst one batch old.
-        return {"kv_events_seq": self._next_seq - 1, "kv_events_resyncs": self.resyncs}
+        # Read from other threads without a lock: ints, each at worst one batch old. The
+        # endpoints (as bound: the port chosen for port 0) let a router find the events
+        # from the node's address alone (the Conductor's durability wait does).
+        return {"kv_events_seq": self._next_seq - 1, "kv_events_resyncs": self.resyncs,
+                "kv_events_endpoint": self.endpoint,
+                "kv_events_replay_endpoint": self.replay_endpoint}
 
     def _send(self, events: Sequence[Event | Item]) -> None:
         seq = self._next_seq

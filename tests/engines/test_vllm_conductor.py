@@ -66,11 +66,12 @@ def servers(tiny_llama: Path, store_node: Any, tmp_path_factory: pytest.TempPath
 
 def front(servers: dict[str, Proc], store: str, logs: Path, name: str, *extra: str,
           colocated: bool = False) -> Proc:
-    inst = (["--vllm", servers["C"].url, "--kv-namespace", NS_C] if colocated else
-            ["--vllm-prefill", servers["P"].url, "--vllm-decode", servers["D"].url,
-             "--kv-namespace", NS])
-    return start_conductor(logs, name=name, args=["--store", store, *inst, "--block-tokens",
-                                                  str(BLOCK), *extra])
+    """Disaggregated fronts learn the namespace and block size from the instances;
+    colocated ones are also given both (flags that agree are accepted)."""
+    inst = (["--vllm", servers["C"].url, "--kv-namespace", NS_C, "--block-tokens",
+             str(BLOCK)] if colocated else
+            ["--vllm-prefill", servers["P"].url, "--vllm-decode", servers["D"].url])
+    return start_conductor(logs, name=name, args=["--store", store, *inst, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -264,9 +265,11 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request) -> Response:
         raw = await request.body()
-        if path == "v1/completions":
-            toks = json.loads(raw)["prompt"]
-            keys = block_keys(toks, BLOCK, NS)
+        body = json.loads(raw) if raw else {}
+        # the start-up's connector description request is not a decode
+        describe = (body.get("kv_transfer_params") or {}).get("kvstore_describe")
+        if path == "v1/completions" and not describe:
+            keys = block_keys(body["prompt"], BLOCK, NS)
             seen.append((client.prefix_match(keys), len(keys)))
         async with httpx.AsyncClient() as h:
             r = await h.request(request.method, f"{upstream}/{path}", content=raw,
@@ -306,10 +309,12 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
 
 def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
         servers: dict[str, Proc], store_node: Any, tmp_path: Path) -> None:
-    """A front whose --kv-namespace is not the prefill's (the start-up probe is skipped by
-    starting the front in-process) waits its bound and answers 504; decode is never
-    asked."""
+    """A front whose store is not the connectors' (another node; the start-up probe is
+    skipped by starting the front in-process) waits its bound and answers 504; decode is
+    never asked."""
     import asyncio
+
+    from conftest import start_node
 
     from conductor.front.http_front import serve
     from conductor.front.store_view import StoreView
@@ -317,9 +322,9 @@ def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
     from conductor.front.vllm_procs import free_port
     from conductor.scheduling.types import Slo
 
-    store = Client(store_node.addr)
-    cfg = FrontConfig(namespace="not-the-connectors", block_tokens=BLOCK,
-                      slo=Slo(ttft_s=60, tbt_s=5), durable_timeout_s=1.0)
+    other = start_node(tmp_path, dram="64MiB")
+    store = Client(other.addr)
+    cfg = FrontConfig(slo=Slo(ttft_s=60, tbt_s=5), durable_timeout_s=1.0)
     f = VllmFront(config=cfg, store=StoreView(store), prefill=[servers["P"].url],
                   decode=[servers["D"].url])
     port = free_port()
@@ -340,12 +345,38 @@ def test_blocks_that_never_arrive_end_in_504_without_asking_decode(
         assert r.status_code == 504, r.text
         msg = r.json()["error"]["message"]
         assert "not in the store within 1 s: 0 of 6 blocks stored" in msg
-        assert "--kv-namespace" in msg
+        assert f"none at all under namespace {NS!r}" in msg
+        assert "--store / --etcd" in msg
         assert vllm_metric(servers["D"], "vllm:request_success_total") == before
     finally:
         loop.call_soon_threadsafe(stop.set)
         t.join(30)
         store.close()
+        assert other.stop() == 0
+
+
+def test_the_front_learns_the_namespace_and_refuses_disagreement(
+        disagg: Proc, servers: dict[str, Proc], store_node: Any, tmp_path: Path) -> None:
+    """The disaggregated front was given no namespace: it asked the connectors (the
+    decode instance's too); instances that disagree, or a flag that disagrees with them,
+    stop the start-up with a sentence naming both sides."""
+    h = httpx.get(disagg.url + "/health", timeout=10).json()
+    assert (h["namespace"], h["block_tokens"]) == (NS, BLOCK)
+    p, c = servers["P"].url, servers["C"].url
+    cases = [
+        (["--vllm", f"{p},{c}"], f"instances disagree on the kvstore namespace: {p} has "
+                                 f"{NS!r}, {c} has {NS_C!r}"),
+        (["--vllm-prefill", p, "--vllm-decode", servers["D"].url, "--kv-namespace", "other"],
+         f"--kv-namespace is 'other' but {p}'s connector uses namespace {NS!r}"),
+        (["--vllm-prefill", servers["D"].url, "--vllm-decode", p],
+         f"prefill instance {servers['D'].url} runs its connector with kv_role "
+         f"'kv_consumer', which saves nothing"),
+    ]
+    for i, (args, message) in enumerate(cases):
+        with pytest.raises(RuntimeError) as e:
+            start_conductor(tmp_path, name=f"refused-{i}",
+                            args=["--store", store_node.addr, *args])
+        assert f"conductor serve: error: {message}" in str(e.value), str(e.value)
 
 
 SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>", 500: "<|system|>", 501: "<|user|>",
@@ -422,6 +453,39 @@ def test_chat_completions_render_the_template(text_front: Proc,
                      timeout=30)
     assert bad.status_code == 400
     assert "messages must be" in bad.json()["error"]["message"]
+
+
+def test_streamed_usage_chunks_pass_through_the_text_routes(
+        text_front: Proc, servers: dict[str, Proc]) -> None:
+    """``stream_options.include_usage`` (what ``vllm bench serve`` and AIPerf ask for):
+    vLLM's last chunk has no choices, only the usage; the front's text routes pass it
+    in their own shape (chat: a ``chat.completion.chunk``) instead of failing on it."""
+    user = words(prompt(42, 60))
+    plain = [int(w[1:]) for w in user.split()]
+    chat_ids = [501, *plain, 502]  # <|user|> ... <|assistant|>, rendered by the front
+    for path, body, ids in (("/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": user}]}, chat_ids),
+                            ("/v1/completions", {"prompt": user}, plain)):
+        want = reference(servers["C"], ids, 6)
+        with httpx.stream("POST", text_front.url + path, timeout=120, json={
+                **body, "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert all("error" not in e for e in events), events
+        *answer, usage = events
+        assert usage["choices"] == []
+        assert usage["usage"]["completion_tokens"] == 6
+        assert usage["usage"]["prompt_tokens"] == len(ids)
+        if path == "/v1/chat/completions":
+            assert {e["object"] for e in events} == {"chat.completion.chunk"}
+            assert answer[0]["choices"][0]["delta"]["role"] == "assistant"
+            got = "".join(e["choices"][0]["delta"]["content"] for e in answer)
+        else:
+            got = "".join(e["choices"][0]["text"] for e in answer)
+        assert got.strip() == words(want)
 
 
 def test_chat_without_a_tokenizer_is_a_clear_400(disagg: Proc) -> None:

@@ -85,6 +85,7 @@ from kvstore.core.errors import BufferTooSmall
 from kvstore.core.retention import check_retain_s
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
+from kvstore.integrations.vllm.describe import describe_reply
 
 if not vllm.__version__.startswith("0.32."):
     raise ImportError(
@@ -396,7 +397,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         # Saves were copied out of the paged cache in their step: free the blocks now.
-        return False, None
+        # A router that asks (``kvstore_describe``) learns the namespace and block size.
+        return False, describe_reply(getattr(request, "kv_transfer_params", None),
+                                     namespace=self._namespace, block_tokens=self._block_size,
+                                     kv_role=str(self._kv_transfer_config.kv_role))
 
     # ======================================================================================
     # Worker side

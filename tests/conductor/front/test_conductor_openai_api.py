@@ -8,8 +8,11 @@ from conductor.front.openai_api import (
     DEFAULT_MAX_TOKENS,
     BadRequest,
     check_sampling,
+    choices,
     error_body,
     max_tokens,
+    output_tokens,
+    prefill_body,
     prompt_token_ids,
 )
 
@@ -33,8 +36,11 @@ def test_max_tokens_and_sampling_checks() -> None:
         with pytest.raises(BadRequest, match="max_tokens must be an integer >= 1"):
             max_tokens({"max_tokens": bad})
     check_sampling({"n": 1, "stream": True})
-    with pytest.raises(BadRequest, match="n > 1"):
-        check_sampling({"n": 2})
+    check_sampling({"n": 3})  # vLLM answers n choices; the front passes them through
+    assert choices({"n": 3}) == 3 and choices({}) == 1 and choices({"n": None}) == 1
+    for bad in (0, "2", 1.5, True):
+        with pytest.raises(BadRequest, match="n must be an integer >= 1"):
+            check_sampling({"n": bad})
     with pytest.raises(BadRequest, match="stream must be true or false"):
         check_sampling({"stream": "yes"})
 
@@ -45,3 +51,23 @@ def test_error_body_is_openais_shape() -> None:
         "code": 429, "reason": "x"}}
     assert error_body(400, "bad")["error"]["type"] == "invalid_request_error"
     assert error_body(504, "slow")["error"]["type"] == "timeout"
+
+
+def test_output_budget_of_completions_and_chat() -> None:
+    assert output_tokens({}, chat=False) == DEFAULT_MAX_TOKENS
+    assert output_tokens({}, chat=True) is None  # the server's default: what is left
+    assert output_tokens({"max_tokens": 5}, chat=True) == 5
+    assert output_tokens({"max_completion_tokens": 7, "max_tokens": 5}, chat=True) == 7
+    with pytest.raises(BadRequest):
+        output_tokens({"max_completion_tokens": 0}, chat=True)
+
+
+def test_the_prefill_copy_keeps_the_prompt_and_drops_what_shapes_the_answer() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+            "top_logprobs": 2, "max_completion_tokens": 50, "temperature": 0.5,
+            "kv_transfer_params": {"kvstore_retain_s": 60}}
+    assert prefill_body(body) == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5,
+        "kv_transfer_params": {"kvstore_retain_s": 60}, "max_tokens": 1, "stream": False}
+    assert body["n"] == 3  # the client's request is left as it was

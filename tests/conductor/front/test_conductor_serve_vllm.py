@@ -26,10 +26,6 @@ BASE = ("--kv-namespace", "ns", "--block-tokens", "32")
     (("--vllm", "u", *BASE), "give exactly one of --store HOST:PORT and --etcd HOST:PORT"),
     (("--store", "a:1", "--etcd", "b:2", "--vllm", "u", *BASE),
      "give exactly one of --store HOST:PORT and --etcd HOST:PORT"),
-    (("--store", "a:1", "--vllm", "u", "--block-tokens", "32"),
-     "--kv-namespace is required"),
-    (("--store", "a:1", "--vllm", "u", "--kv-namespace", "ns"),
-     "--block-tokens is required"),
     (("--store", "a:1", "--vllm", "u", "--prefill", "w:1", *BASE),
      "--prefill/--decode (toy workers) cannot be combined with --vllm*"),
     (("--store", "a:1", "--vllm", "u", "--listen", "nowhere", *BASE),
@@ -46,9 +42,11 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: tup
     assert "Traceback" not in err
 
 
-def test_an_unreachable_instance_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flags", [BASE, ()])  # the namespace and block size are optional
+def test_an_unreachable_instance_is_named(capsys: pytest.CaptureFixture[str],
+                                          flags: tuple[str, ...]) -> None:
     port = free_port()
-    code, err = run(capsys, "--store", "127.0.0.1:1", "--vllm", f"127.0.0.1:{port}", *BASE,
+    code, err = run(capsys, "--store", "127.0.0.1:1", "--vllm", f"127.0.0.1:{port}", *flags,
                     "--listen", "127.0.0.1:0")
     assert code == 1
     assert err.startswith(f"conductor serve: error: colocated instance "

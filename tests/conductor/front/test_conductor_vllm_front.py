@@ -97,3 +97,43 @@ def test_an_empty_prompt_is_a_400_before_any_instance_is_asked() -> None:
     assert reply.status == 400
     assert "non-empty list of token ids" in reply.body["error"]["message"]
     asyncio.run(f.close())
+
+
+def test_a_session_keeps_its_colocated_instance_while_it_meets_the_slo() -> None:
+    f = front(A, B)  # TTFT SLO 5 s
+    ks = keys(320)
+    f._local[InstanceId(A)].use(ks)  # A holds the prefix: the better estimate
+    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    assert (iid, est) == (B, pytest.approx(0.33))  # B's 330 tokens meet the SLO
+    f.colocated[InstanceId(B)].calibration = calibrated(0.02)  # B: 6.6 s, over the SLO
+    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    assert iid == A
+
+
+def test_a_session_keeps_its_prefill_instance_while_it_meets_the_slo() -> None:
+    from conductor.front.vllm_front import PreferSession
+    from conductor.scheduling.policies import make_policy
+    from conductor.scheduling.state import DecodeInstance
+
+    fast, slow = InstanceId("p-fast"), InstanceId("p-slow")
+    prefer = PreferSession(make_policy("global-cache-aware"), ttft_slo_s=1.0)
+    c = VllmConductor(
+        costs={fast: calibrated(0.001).cost(), slow: calibrated(0.0015).cost()},
+        prefill=[PrefillInstance(id=i, cache=LocalPrefixCache(64)) for i in (fast, slow)],
+        decode=[DecodeInstance(id=InstanceId("d"), kv_capacity_tokens=1 << 20)],
+        cost=Calibration().cost(), policy=prefer, rejection="none",
+        slo=Slo(ttft_s=1.0, tbt_s=1))
+
+    def schedule(rid: int, n_tokens: int) -> InstanceId:
+        ks = tuple(keys(n_tokens // BT * BT, seed=rid))
+        d = c.schedule(Request(id=RequestId(rid), arrival_s=0, prompt_tokens=n_tokens,
+                               output_tokens=4, block_keys=ks, block_tokens=BT), 0.0)
+        c.prefill_done(RequestId(rid), 0.0)  # each starts on empty queues
+        c.forget(RequestId(rid))
+        assert d.prefill is not None
+        return d.prefill
+
+    assert schedule(1, 650) == fast  # no session: the best estimate
+    prefer.preferred = slow
+    assert schedule(2, 650) == slow  # 0.98 s on slow: within the 1 s SLO
+    assert schedule(3, 700) == fast  # 1.05 s on slow would miss it
