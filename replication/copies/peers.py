@@ -2,7 +2,11 @@
 
 A ``PeerPool`` hands out a ``kvstore.remote.node_client.NodeClient`` per gRPC address, created on
 first use and kept until ``retain`` drops addresses that left the membership or
-``close`` ends them all. Clients are thread-safe, so one per peer is enough.
+``close`` ends them all. Clients are thread-safe, so one per peer is enough. A node's pool
+(built with ``members``) also drops, whenever it creates a client, the clients of
+addresses that are no longer members: a peer that restarts comes back at a new address,
+and the old client would keep its gRPC channel and its mapping of the dead peer's
+shared-memory region (which keeps that memory allocated) for as long as the node runs.
 
 **Only members.** A node's pool is built with ``members`` (a ``KnownMembers``):
 ``get`` then refuses, before any connection is made, every address that is not a
@@ -82,15 +86,21 @@ class PeerPool:
     def get(self, addr: str) -> NodeClient:
         if self.members is not None:
             self.members.check(addr)  # before any connection: the token goes nowhere else
+        gone: list[NodeClient] = []
         with self._lock:
             if self._closed:
                 raise Unavailable("peer pool is closed")
             client = self._clients.get(addr)
             if client is None:
+                if self.members is not None:  # the view that just admitted addr is fresh
+                    known = self.members.addrs()
+                    gone = [self._clients.pop(a) for a in list(self._clients) if a not in known]
                 client = NodeClient(addr, transport=self.transport, timeout=self.timeout,
                                 token=self._token, tls=self._tls, io_timeout=self.io_timeout)
                 self._clients[addr] = client
-            return client
+        for c in gone:  # calls still on them fail as calls to a departed peer do
+            c.close()
+        return client
 
     def retain(self, addrs: Iterable[str]) -> None:
         """Closes the clients of every address not in ``addrs``."""
