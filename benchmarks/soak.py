@@ -182,6 +182,7 @@ def report(cfg: SoakConfig, soak: Soak, workers: Sequence[Worker], chaos: Chaos,
     classes = {}
     for w in workers:
         classes[w.cls] = {"ops": w.stats.ops, "errors": w.stats.errors,
+                          "error_messages": w.stats.error_messages,
                           "live_misses": len(w.stats.live_misses),
                           "live_miss_keys": w.stats.live_misses[:20],
                           "wrong_reads": len(w.stats.wrong_reads),
@@ -223,6 +224,9 @@ def print_report(r: dict[str, Any], out: Callable[[str], None] = print) -> None:
                      c["check"]["lost"], c["check"]["wrong_bytes"] + c["wrong_reads"]])
     out(format_table(["class", "ops", "fill batches", "puts", "gets", "removes", "errors",
                       "live misses", "acked at end", "lost", "wrong bytes"], rows))
+    for cls, c in r["classes"].items():
+        for kind, n in c["errors"].items():
+            out(f"  {cls} {kind} x{n}: {c['error_messages'][kind]}")
     out("")
     rows = [[f["t"], f["what"], f["down_s"], f["recovered_s"], f["settle_s"],
              f["skipped"] or "-"] for f in r["faults"]]

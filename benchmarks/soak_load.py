@@ -69,6 +69,7 @@ class SoakConfig:
 class ClassStats:
     ops: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)  # "op: ErrorType" -> count
+    error_messages: dict[str, str] = field(default_factory=dict)  # the first of each kind
     live_misses: list[str] = field(default_factory=list)  # keys an acked read missed (hex)
     wrong_reads: list[str] = field(default_factory=list)
     windows: dict[int, int] = field(default_factory=dict)  # window index -> ops
@@ -81,6 +82,7 @@ class ClassStats:
     def error(self, op: str, exc: BaseException) -> None:
         k = f"{op}: {type(exc).__name__}"
         self.errors[k] = self.errors.get(k, 0) + 1
+        self.error_messages.setdefault(k, str(exc)[:300])
 
 
 class Clock:
