@@ -27,10 +27,13 @@ plus the pages it touched of its peers' regions, which it maps for same-host cop
 VmRSS moves with the traffic between nodes and is reported, not judged). And the
 shared-memory regions each node maps (``/proc/PID/fd``): more regions than live nodes
 means a node still maps the region of a node that died, which keeps that memory
-allocated. **Verdict**: for every node with a process that lived ``--judge-min-s`` into
-the run's second half past ``--warmup-s`` of its life, the least-squares slope of RssAnon
-over time (one intercept per process) is at most ``--max-slope`` MiB/min; no region of a
-dead node is mapped at the end; nothing acknowledged lost; no wrong byte.
+allocated. **Verdict**: for every spared node (every node if none is spared) whose process
+lived ``--judge-min-s`` into the run's second half past ``--warmup-s`` of its life, the
+least-squares slope of RssAnon over time (one intercept per process) is at most
+``--max-slope`` MiB/min; no region of a dead node is mapped at the end; nothing
+acknowledged lost; no wrong byte. The killed nodes' slopes are reported, not judged: each
+of their processes comes back empty and gains blocks all its short life, so its memory
+follows its data.
 
 Writes ``benchmarks/results/soak.json`` and ``soak.png``; exits 1 if the verdict fails.
 With ``--dir`` the cluster's logs stay there.
@@ -149,7 +152,12 @@ def report(cfg: SoakConfig, soak: Soak, workers: Sequence[Worker], chaos: Chaos,
     wrong = (sum(c["wrong_bytes"] for c in checks.values())
              + sum(len(w.stats.wrong_reads) for w in workers))
     stale_end = sampler.stale[-1] if sampler.stale else None
-    flat = [f for n in NODES if (f := memory[n]["flat"]) is not None]
+    # The spared nodes' processes live the whole run with a steady share of the data. A
+    # killed node's process comes back empty and gains blocks all its short life (repair,
+    # and copies it takes over when the other one dies): its memory follows its data, so
+    # it is reported, not judged (unless nothing is spared).
+    judged_nodes = [n for n in NODES if n in cfg.spare] or list(NODES)
+    flat = [f for n in judged_nodes if (f := memory[n]["flat"]) is not None]
     reasons = list(failures)
     if evictions:
         reasons.append(f"{evictions} evictions: the data did not fit, so a missing block "
@@ -159,10 +167,10 @@ def report(cfg: SoakConfig, soak: Soak, workers: Sequence[Worker], chaos: Chaos,
     if wrong:
         reasons.append(f"{wrong} reads with wrong bytes")
     if not flat:
-        reasons.append(f"no node process lived long enough to judge its memory ("
+        reasons.append(f"no judged node process lived long enough to judge its memory ("
                        f"{cfg.judge_min_s:g} s of samples in the second half after "
                        f"{cfg.warmup_s:g} s of warm-up, at least {MIN_SAMPLES} of them)")
-    for n in NODES:
+    for n in judged_nodes:
         m = memory[n]
         if m["flat"] is False:
             reasons.append(f"{n}: private memory (RssAnon) grows "
@@ -171,7 +179,7 @@ def report(cfg: SoakConfig, soak: Soak, workers: Sequence[Worker], chaos: Chaos,
         reasons.append(f"live nodes still map {stale_end} shared-memory regions of nodes "
                        f"that died: {stale_end} x {cfg.dram_bytes // MIB} MiB kept allocated")
     verdict = {"memory_flat": all(flat) if flat else None,
-               "memory_judged": [n for n in NODES if memory[n]["flat"] is not None],
+               "memory_judged": [n for n in judged_nodes if memory[n]["flat"] is not None],
                "no_stale_regions": stale_end == 0,
                "nothing_lost": lost == 0 and not evictions,
                "no_wrong_byte": wrong == 0,
@@ -241,8 +249,9 @@ def print_report(r: dict[str, Any], out: Callable[[str], None] = print) -> None:
     out(format_table(["process", "processes", "RSS first", "RSS last", "RSS max",
                       "RSS slope", "shmem slope", "anon first", "anon last", "judged",
                       "anon slope", "memory"], rows))
+    judged_by = ", ".join(r["verdict"]["memory_judged"]) or "no node"
     out("(MiB; slopes in MiB/min over the second half, after each process's warm-up; "
-        "the verdict reads the private memory, RssAnon)")
+        f"the verdict reads the private memory, RssAnon, of {judged_by})")
     v = r["verdict"]
     out("")
     out(f"evictions: {r['evictions']}; settled to two copies in "

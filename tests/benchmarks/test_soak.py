@@ -55,4 +55,4 @@ def test_a_short_soak_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFi
     # Seconds of samples cannot show a trend: memory is not judged, so the run cannot pass.
     assert v["memory_flat"] is None and v["pass"] is False and code == 1
     out = capsys.readouterr().out
-    assert "verdict: FAIL" in out and "no node process lived long enough" in out
+    assert "verdict: FAIL" in out and "no judged node process lived long enough" in out
