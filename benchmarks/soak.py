@@ -107,8 +107,9 @@ def run(cfg: SoakConfig, directory: Path, log: Callable[[str], None] = print
         for w in workers:
             with soak.client(w.cls) as c:
                 checks[w.cls] = check(w.ledger, c.get_batch).summary(w.ledger)
-        failures = [f"{t.name}: {t.failure!r}" for t in (*workers, chaos)
-                    if t.failure is not None]
+        failures = [f"{t.name}: {t.failure!r}" for t in workers if t.failure is not None]
+        if chaos.failure is not None:
+            failures.append(f"{chaos.name}: {chaos.failure!r}")
         return report(cfg, soak, workers, chaos, sampler, checks, run_s=run_s,
                       settled=settled, failures=failures)
     finally:

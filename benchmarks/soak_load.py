@@ -280,16 +280,16 @@ class Worker(threading.Thread):
             else:
                 led.acked(i)
         elif op == "remove":
-            i = led.pick_held(rng)
-            if i is None:
+            held = led.pick_held(rng)
+            if held is None:
                 return
             try:
-                client.remove(led.key(i))
+                client.remove(led.key(held))
             except Exception as exc:
-                led.refused(i)
+                led.refused(held)
                 st.error(op, exc)
             else:
-                led.removed(i)
+                led.removed(held)
         else:
             n = 1 if op == "get" else rng.randint(2, 8)
             ids = [j for _ in range(n) if (j := led.pick_live(rng)) is not None]
