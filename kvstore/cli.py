@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV events (vLLM's format, ZeroMQ PUB) there (default: off)")
     s.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
                    help="answer KV event replay and snapshot requests there (ZeroMQ ROUTER)")
+    s.add_argument("--kv-events-secret-key", metavar="FILE",
+                   help="serve KV events over CURVE with this secret key (a .key_secret file "
+                   "of 'kvstore kv-events keygen'); needs --kv-events-client-keys")
+    s.add_argument("--kv-events-client-keys", metavar="PATH",
+                   help="CURVE public keys of the subscribers admitted: a .key file, or a "
+                   "directory of them")
     t = s.add_argument_group("security (see kvstore/auth/security.py)")
     t.add_argument("--tls-cert", help="server certificate (PEM): TLS on gRPC and the channel")
     t.add_argument("--tls-key", help="the certificate's private key (PEM)")
@@ -115,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--peer-token-file", help="file holding the token this node presents to "
                    "its peers (a cluster-role token in their auth files)")
     t.add_argument("--insecure", action="store_const", const=True,
-                   help="allow plaintext on a non-loopback --listen address")
+                   help="allow plaintext on a non-loopback --listen address, and KV events "
+                   "without CURVE keys on a non-loopback endpoint")
     c = s.add_argument_group("cluster (with --etcd)")
     c.add_argument("--etcd", help="join the cluster whose etcd is at HOST:PORT")
     c.add_argument("--etcd-ca", help="reach etcd over TLS: CA of etcd's certificate")
@@ -202,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster_cli.add_parser(sub)
 
+    s = sub.add_parser("kv-events", help="KV event tools: make CURVE keys")
+    kv = s.add_subparsers(dest="kv_events_command", required=True, metavar="ACTION")
+    k = kv.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public) and "
+                      "DIR/NAME.key_secret (mode 0600)")
+    k.add_argument("dir", help="directory for the two files (created if missing)")
+    k.add_argument("--name", default="kv-events",
+                   help="base name of the files (default kv-events)")
+
     s = sub.add_parser("demo", help="store: one node caching prompt prefixes; serving: "
                        "prefill/decode workers and the Conductor on the store")
     s.add_argument("which", nargs="?", choices=["store", "serving"], default="store")
@@ -238,6 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
+        "kv_events_secret_key", "kv_events_client_keys",
         "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
         "prefault", "shm", "grpc_workers", "max_request_bytes", "drain_timeout",
         "read_lease_timeout", "log_level",
@@ -346,11 +362,14 @@ def _start_kv_events(cfg: NodeConfig, node: Node) -> KVEventPublisher | None:
                        f"'kvstore[events]'): {exc}") from None
     try:
         pub = KVEventPublisher(node, KVEventSettings(
-            endpoint=cfg.kv_events_endpoint, replay_endpoint=cfg.kv_events_replay_endpoint))
+            endpoint=cfg.kv_events_endpoint, replay_endpoint=cfg.kv_events_replay_endpoint,
+            secret_key=cfg.kv_events_secret_key, client_keys=cfg.kv_events_client_keys,
+            insecure=cfg.insecure))
     except ValueError as exc:
         raise CliError(str(exc)) from None
     replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
-    announce(f"kvstore: KV events on {pub.endpoint}{replay}", fmt=cfg.log_format)
+    curve = ", CURVE" if cfg.kv_events_secret_key else ""
+    announce(f"kvstore: KV events on {pub.endpoint}{replay}{curve}", fmt=cfg.log_format)
     return pub
 
 
@@ -588,6 +607,24 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_events(args: argparse.Namespace) -> int:
+    """``kvstore kv-events keygen DIR``: a CURVE key pair for a node or a subscriber."""
+    try:
+        from kvstore.auth.curve import write_keypair
+
+        public, secret = write_keypair(args.dir, args.name)
+    except ImportError as exc:
+        raise CliError(f"CURVE keys need the events extra (pip install 'kvstore[events]'): "
+                       f"{exc}") from None
+    except FileExistsError as exc:
+        raise CliError(str(exc)) from None
+    print(f"public key {public} (hand it out: a node's to its subscribers, a subscriber's "
+          f"to --kv-events-client-keys)")
+    print(f"secret key {secret} (keep it: --kv-events-secret-key, or a subscriber's "
+          f"secret_key)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.which == "serving":
         try:
@@ -613,4 +650,5 @@ COMMANDS = {
     "stat": cmd_stat,
     "bench": bench_cli.run,
     "health": cmd_health,
+    "kv-events": cmd_kv_events,
 }

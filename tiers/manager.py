@@ -337,6 +337,7 @@ class TierManager:
             self._add_child(entry.parent)
         if not entry.flags:  # not pinned
             self.levels[entry.level].queue.push(entry.key, entry, tick)
+            self._compact(entry.level)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -368,6 +369,7 @@ class TierManager:
         # An indexed entry is never unlinked: any flag means pinned or moving.
         if not (entry.flags or (self.policy.leaves_only and entry.children > 0)):
             level.queue.push(key, entry, tick)
+            self._compact(entry.level)
         if entry.level > 0 and entry.tier_hits >= PROMOTE_AFTER_HITS and \
                 not entry.flags & MOVING:
             s.promote[key] = None
@@ -515,7 +517,15 @@ class TierManager:
         finally:
             if deferred:
                 queue.restore(deferred)
-            queue.compact(blocks)
+            self._compact(level)
+
+    def _compact(self, level: int) -> None:
+        """Drops a level queue's stale heap items once they outnumber its blocks. Every
+        access and put re-queues a block and only eviction pops: without this a cache that
+        never fills would grow its heap by one item per access, for ever."""
+        lv = self.levels[level]
+        if len(lv.queue) > 2 * lv.blocks + 1024:
+            lv.queue.compact({k: e for k, e in self._s.blocks.items() if e.level == level})
 
     # ---- moves between tiers -------------------------------------------------------------
 

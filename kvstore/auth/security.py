@@ -48,6 +48,12 @@ clientAuth key usages.
 
 **etcd.** ``--etcd-ca``/``--etcd-cert``/``--etcd-key`` reach etcd over TLS, with a
 client certificate when etcd requires one (``--client-cert-auth``).
+
+**KV events.** The ZeroMQ event sockets (``kvstore/node/kv_events.py``) sit outside the
+tokens above: they bind loopback only unless they use CURVE keys
+(``--kv-events-secret-key``, ``--kv-events-client-keys``; the files are
+``kvstore.auth.curve``'s) or ``--insecure`` is given, and with keys admit only the
+listed subscriber keys.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class NodeConfig:
     metrics_listen: str = ""  # HOST:PORT of the Prometheus /metrics endpoint; "": none
     kv_events_endpoint: str = ""  # tcp://HOST:PORT: publish KV events there (kv_events.py)
     kv_events_replay_endpoint: str = ""  # tcp://HOST:PORT: replays and snapshots; "": none
+    kv_events_secret_key: str = ""  # CURVE: the node's .key_secret file; "": no CURVE
+    kv_events_client_keys: str = ""  # CURVE: admitted clients' public .key file or directory
     hbm_bytes: int = 0  # 0: no HBM tier
     hbm_device: str = ""  # "": CUDA when present, else the CPU (and stat says so)
     ssd_path: str = ""  # "": no SSD tier
@@ -62,7 +64,7 @@ class NodeConfig:
     tls_client_auth: bool = False  # require client certificates (mutual TLS)
     auth_file: str = ""  # TOML of tenants and their bearer tokens; "": no auth
     peer_token_file: str = ""  # token this node presents to its peers (a cluster-role token)
-    insecure: bool = False  # allow plaintext on a non-loopback address
+    insecure: bool = False  # allow plaintext gRPC, open KV events, on a non-loopback address
     etcd_ca: str = ""  # etcd over TLS: the CA of etcd's certificate
     etcd_cert: str = ""  # client certificate for etcd (with --client-cert-auth)
     etcd_key: str = ""
@@ -125,6 +127,11 @@ class NodeConfig:
                 check_endpoint(key, getattr(self, key))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if bool(self.kv_events_secret_key) != bool(self.kv_events_client_keys):
+            raise ValueError("kv_events_secret_key and kv_events_client_keys go together "
+                             "(CURVE: the node's secret key and the clients it admits)")
+        if self.kv_events_secret_key and not self.kv_events_endpoint:
+            raise ValueError("kv_events_secret_key needs kv_events_endpoint")
 
 
     def member_addrs(self) -> list[str]:

@@ -25,6 +25,13 @@
   snapshot: one batch, tagged with the seq of the last batch published before it, of
   ``AllBlocksCleared`` and one ``BlockStored`` per block. Events the snapshot includes are
   published first, so the snapshot is exactly the state after that seq.
+* Who may connect: the sockets bind a loopback address, an ``ipc://`` path, or any other
+  address only with CURVE keys (``secret_key`` and ``client_keys``, files of
+  ``kvstore.auth.curve``) or ``insecure``, the rule the node's gRPC port follows for TLS
+  (``tcp://*:PORT``, every interface, is not loopback). With keys both sockets are CURVE
+  servers: traffic is encrypted, and pyzmq's ZAP handler (a thread on the publisher's
+  context) admits only the listed client public keys; any other connection fails its
+  handshake and receives nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.auth.curve import KeyPair, load_keypair, load_public_keys
+from kvstore.auth.security import is_loopback
+from kvstore.core.errors import InvalidArgument
 from kvstore.core.keys import BlockKey
 from kvstore.protocol.kv_event_wire import (
     END_SEQ,
@@ -65,6 +75,46 @@ class KVEventSettings:
     flush_interval_s: float = 0.005  # the longest an event waits for its batch
     buffer_batches: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # PUB high-water mark (messages per subscriber)
+    secret_key: str = ""  # CURVE: this node's .key_secret file; "": no CURVE
+    client_keys: str = ""  # CURVE: the admitted clients' public .key file, or a directory
+    insecure: bool = False  # allow a non-loopback bind without CURVE keys
+
+
+def check_exposure(endpoint: str, *, keyed: bool, insecure: bool) -> None:
+    """Raises InvalidArgument for a bind beyond this host's loopback (``tcp://*``, another
+    interface) without CURVE keys, unless ``insecure``."""
+    if keyed or insecure or endpoint.startswith("ipc://"):
+        return
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if not is_loopback(host):
+        raise InvalidArgument(
+            f"refusing to serve KV events on {endpoint} without authentication: bind a "
+            f"loopback address, give --kv-events-secret-key and --kv-events-client-keys "
+            f"(CURVE), or --insecure to accept anyone who can connect")
+
+
+class _KeyGate:
+    """The ZAP credentials provider: admits the listed client public keys (Z85). pyzmq's
+    authenticator thread calls it once per connection handshake; it alone writes
+    ``denied``. Each refused key is logged once (up to ``_TOLD`` keys): a refused
+    subscriber reconnects every 100 ms."""
+
+    _TOLD = 1_000
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self._allowed = allowed
+        self._told: set[bytes] = set()
+        self.denied = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._allowed:
+            return True
+        self.denied += 1
+        if key not in self._told and len(self._told) < self._TOLD:
+            self._told.add(key)
+            log.warning("KV events: refused a connection with an unknown CURVE client key "
+                        "%s (not in --kv-events-client-keys)", key.decode())
+        return False
 
 
 Item = tuple[BlockKey, BlockKey | None, str] | tuple[BlockKey, str]
@@ -118,12 +168,32 @@ class KVEventPublisher:
         self._s = settings
         self._topic = settings.topic.encode()
         self._encode = encoder(int_hashes=settings.int_hashes, clock=clock)
+        if bool(settings.secret_key) != bool(settings.client_keys):
+            raise InvalidArgument("KV events over CURVE need both a secret key file "
+                                  "(--kv-events-secret-key) and client public keys "
+                                  "(--kv-events-client-keys)")
+        keyed = bool(settings.secret_key)
+        for ep in (settings.endpoint, settings.replay_endpoint):
+            if ep:
+                check_exposure(ep, keyed=keyed, insecure=settings.insecure)
+        pair = load_keypair(settings.secret_key) if keyed else None
+        self._gate = _KeyGate(load_public_keys(settings.client_keys)) if keyed else None
         self._ctx = zmq.Context()
+        self._auth: Any = None
         self._replay: Any = None
         try:
+            if self._gate is not None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                # Started before any bind: a CURVE handshake with no ZAP handler present
+                # admits every client.
+                self._auth = ThreadAuthenticator(self._ctx, log=log.getChild("zap"))
+                self._auth.start()
+                self._auth.configure_curve_callback("*", self._gate)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(settings.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            _curve_server(self._pub, pair)
             self.endpoint = _bind(self._pub, settings.endpoint)
             self.replay_endpoint = ""
             if settings.replay_endpoint:
@@ -131,10 +201,14 @@ class KVEventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # A ROUTER drops what passes its high-water mark: room for a whole replay.
                 self._replay.set_hwm(settings.buffer_batches + 2)
+                _curve_server(self._replay, pair)
                 self.replay_endpoint = _bind(self._replay, settings.replay_endpoint)
         except zmq.ZMQError as exc:
-            self._ctx.destroy(linger=0)
+            self._close_sockets()
             raise ValueError(f"cannot bind KV events endpoint: {exc}") from None
+        except BaseException:
+            self._close_sockets()
+            raise
         self._next_seq = int(clock() * 1_000_000)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
         self._q: deque[Item] = deque()
@@ -198,7 +272,8 @@ class KVEventPublisher:
         # from the node's address alone (the Conductor's durability wait does).
         return {"kv_events_seq": self._next_seq - 1, "kv_events_resyncs": self.resyncs,
                 "kv_events_endpoint": self.endpoint,
-                "kv_events_replay_endpoint": self.replay_endpoint}
+                "kv_events_replay_endpoint": self.replay_endpoint,
+                "kv_events_denied": 0 if self._gate is None else self._gate.denied}
 
     def _send(self, events: Sequence[Event | Item]) -> None:
         seq = self._next_seq
@@ -242,7 +317,22 @@ class KVEventPublisher:
         self._node.observe(None)
         self._stop.set()
         self._thread.join(timeout=5.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.destroy(linger=0)
+
+
+def _curve_server(sock: Any, pair: KeyPair | None) -> None:
+    """Makes ``sock`` a CURVE server with ``pair`` (before it binds); None: left open."""
+    import zmq
+
+    if pair is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
 
 
 def _bind(sock: Any, endpoint: str) -> str:

@@ -8,6 +8,13 @@ order; on a gap (a missed batch, or a node restart, which jumps the sequence) as
 replay endpoint from the last seq + 1, which answers with the missed batches or, when it
 no longer has them, with a snapshot that starts with ``AllBlocksCleared``.
 
+A node that serves its events over CURVE (``--kv-events-secret-key``) admits only the
+client keys it lists: give the subscriber its own ``.key_secret`` file (``secret_key``)
+and the node's public ``.key`` file (``server_key``), files of ``kvstore.auth.curve``
+(``kvstore kv-events keygen`` makes them). Without them, or with a key the node does not
+list, the handshake fails and nothing arrives: ``recv`` times out, ``replay`` raises
+TimeoutError.
+
 Decoding here is schema-free (``msgspec.msgpack.decode``); consumers with vLLM installed
 can decode the same payloads with ``vllm.distributed.kv_events.KVEventBatch``.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.auth.curve import load_keypair, load_public_key
 from kvstore.protocol.kv_event_wire import END_SEQ, SNAPSHOT_SEQ, seq_bytes
 
 Batch = tuple[int, bytes]  # (seq, msgpack payload)
@@ -58,19 +66,34 @@ class BlockLocations:
 class KVEventSubscriber:
     """Sockets to one node's KV events (``endpoint``) and replays (``replay_endpoint``)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str = "", *, topic: bytes = b"") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str = "", *, topic: bytes = b"",
+                 secret_key: str = "", server_key: str = "") -> None:
+        """``secret_key``/``server_key``: CURVE key files (this client's ``.key_secret``,
+        the node's public ``.key``) for a node that requires them; both or neither."""
         import zmq
 
+        if bool(secret_key) != bool(server_key):
+            raise ValueError("CURVE needs both secret_key (this client's .key_secret file) "
+                             "and server_key (the node's public .key file)")
+        curve: list[tuple[int, bytes]] = []
+        if secret_key:
+            pair = load_keypair(secret_key)
+            curve = [(zmq.CURVE_SERVERKEY, load_public_key(server_key)),
+                     (zmq.CURVE_PUBLICKEY, pair.public), (zmq.CURVE_SECRETKEY, pair.secret)]
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        for opt, value in curve:  # before connect: a handshake uses what is set then
+            self._sub.setsockopt(opt, value)
         self._sub.connect(endpoint)
         self._replay: Any = None
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            for opt, value in curve:
+                self._replay.setsockopt(opt, value)
             self._replay.connect(replay_endpoint)
 
     def recv(self, timeout: float) -> Batch | None:

@@ -178,8 +178,16 @@ class NodeClient(SingleKeyCalls):
 
     def _grpc(self, method: str, request: Any) -> Any:
         with self._errors():
-            return getattr(self._stub, method)(request, timeout=self.timeout,
-                                               metadata=self._metadata)
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout,
+                                                   metadata=self._metadata)
+            except ValueError:
+                # gRPC's word for a call on a closed channel. A pool closes the client of a
+                # peer that left while another thread may still call it: that call fails as
+                # calls to a departed node do, never as a bad argument.
+                if self._closed:
+                    raise Unavailable(f"{self.addr}: client is closed") from None
+                raise
 
     # ---- transfer channel ----------------------------------------------------------------
 

@@ -4,7 +4,11 @@ A ``PeerPool`` hands out a ``kvstore.remote.node_client.NodeClient`` per gRPC ad
 first use and kept until ``retain`` drops addresses that left the membership or
 ``close`` ends them all. Clients are thread-safe, so one per peer is enough, plus one per
 peer and tenant whose blocks this node copies there (``get(addr, charge_to=NAME)``: the
-peer charges what that client puts to the tenant, see ``kvstore.auth.tenancy``).
+peer charges what that client puts to the tenant, see ``kvstore.auth.tenancy``). A node's
+pool (built with ``members``) also drops, whenever it creates a client, the clients of
+addresses that are no longer members: a peer that restarts comes back at a new address,
+and the old client would keep its gRPC channel and its mapping of the dead peer's
+shared-memory region (which keeps that memory allocated) for as long as the node runs.
 
 **Only members.** A node's pool is built with ``members`` (a ``KnownMembers``):
 ``get`` then refuses, before any connection is made, every address that is not a
@@ -89,16 +93,22 @@ class PeerPool:
         that tenant (the copies of its blocks)."""
         if self.members is not None:
             self.members.check(addr)  # before any connection: the token goes nowhere else
+        gone: list[NodeClient] = []
         with self._lock:
             if self._closed:
                 raise Unavailable("peer pool is closed")
             client = self._clients.get((addr, charge_to))
             if client is None:
+                if self.members is not None:  # the view that just admitted addr is fresh
+                    known = self.members.addrs()
+                    gone = [self._clients.pop(a) for a in list(self._clients) if a[0] not in known]
                 client = NodeClient(addr, transport=self.transport, timeout=self.timeout,
                                     token=self._token, tls=self._tls,
                                     io_timeout=self.io_timeout, charge_to=charge_to)
                 self._clients[(addr, charge_to)] = client
-            return client
+        for c in gone:  # calls still on them fail as calls to a departed peer do
+            c.close()
+        return client
 
     def peer(self, addr: str) -> PeerFor:
         """``addr``'s clients by the tenant they charge (what ``send_copies`` takes);

@@ -285,3 +285,20 @@ def test_missing_config_file(tmp_path: Path) -> None:
     proc = kvstore("serve", "--config", str(tmp_path / "nope.toml"))
     assert proc.returncode == 1
     assert "nope.toml" in one_error_line(proc, "serve")
+
+
+def test_kv_events_keygen_writes_a_pair_once(tmp_path: Path) -> None:
+    from kvstore.auth.curve import load_keypair, load_public_key
+
+    proc = kvstore("kv-events", "keygen", str(tmp_path / "keys"), "--name", "router")
+    assert proc.returncode == 0, proc.stderr.decode()
+    public, secret = tmp_path / "keys" / "router.key", tmp_path / "keys" / "router.key_secret"
+    assert str(public) in proc.stdout.decode() and str(secret) in proc.stdout.decode()
+    assert load_keypair(secret).public == load_public_key(public)
+    before = secret.read_bytes()
+    again = kvstore("kv-events", "keygen", str(tmp_path / "keys"), "--name", "router")
+    assert again.returncode == 1
+    assert one_error_line(again, "kv-events") == (
+        f"kvstore kv-events: error: {public} exists: not overwriting a key")
+    assert secret.read_bytes() == before
+    assert kvstore("kv-events").returncode == 2  # an action is required

@@ -329,3 +329,22 @@ def test_entry_keeps_no_extent_object_and_its_views_agree(make) -> None:
     m.release_read(e)
     assert e.extent is None and e.location is None
     assert m.tier.used == 0
+
+
+def test_a_cache_that_never_fills_keeps_its_queue_bounded(make) -> None:
+    """Reads and put/remove churn re-queue blocks; only eviction popped the stale heap
+    items, so a tier below its watermark grew its heap by one item per access (found by the
+    soak run: ~100 bytes of node memory per operation)."""
+    m = make(64)
+    for i in range(8):
+        put(m, f"hot{i}")
+    for _ in range(2000):
+        for i in range(8):
+            assert read(m, f"hot{i}") is not None
+    for i in range(5000):
+        put(m, f"churn{i}")
+        assert m.remove(k(f"churn{i}"))
+    bound = 2 * len(m) + 1024
+    assert len(m) == 8 and len(m.levels[0].queue) <= bound + 1
+    assert m.levels[0].counters.evictions == 0
+    assert [read(m, f"hot{i}") is not None for i in range(8)] == [True] * 8

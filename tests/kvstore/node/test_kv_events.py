@@ -314,3 +314,154 @@ def test_bad_endpoints_are_cli_errors(tmp_path: Path) -> None:
         line = serve("--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
         assert line.startswith("kvstore serve: error: cannot bind KV events endpoint: "
                                "Address already in use"), line
+
+
+def keygen(where: Path, name: str) -> tuple[Path, Path]:
+    """``kvstore kv-events keygen``, as an operator runs it: (public .key, .key_secret)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "kvstore", "kv-events", "keygen", str(where),
+                           "--name", name], capture_output=True, cwd=REPO, timeout=60, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return where / f"{name}.key", where / f"{name}.key_secret"
+
+
+def handshake_refused(ctx: Any, endpoint: str, curve: dict[int, bytes]) -> Any:
+    """A raw SUB socket connected to ``endpoint`` with these CURVE options (none: plain
+    ZeroMQ), returned once its monitor reports a failed handshake: the node refused it."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    for opt, value in curve.items():
+        sock.setsockopt(opt, value)
+    monitor = sock.get_monitor_socket()
+    sock.connect(endpoint)
+    failed = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+    while True:
+        assert monitor.poll(10_000), f"no handshake outcome from {endpoint}"
+        event = recv_monitor_message(monitor)["event"]
+        assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, f"admitted with {curve}"
+        if event in failed:
+            return sock
+
+
+def test_curve_admits_only_the_listed_subscriber_keys(tmp_path: Path) -> None:
+    """A node bound on every interface with CURVE keys: a subscriber without keys and one
+    whose key the node does not list both fail their handshakes and receive nothing (nor
+    replays); the listed one receives exactly the events."""
+    import zmq
+    from zmq.auth import load_certificate
+
+    node_pub, node_secret = keygen(tmp_path / "node", "node")
+    router_pub, router_secret = keygen(tmp_path / "router", "router")
+    _, intruder_secret = keygen(tmp_path / "intruder", "intruder")
+    admitted = tmp_path / "admitted"
+    admitted.mkdir()
+    (admitted / "router.key").write_bytes(router_pub.read_bytes())
+    node = start_node(tmp_path, "--kv-events-endpoint", "tcp://*:0",
+                      "--kv-events-replay-endpoint", "tcp://*:0",
+                      "--kv-events-secret-key", str(node_secret),
+                      "--kv-events-client-keys", str(admitted), dram="1MiB")
+    pub, replay = (e.replace("0.0.0.0", "127.0.0.1") for e in endpoints(node))
+    assert ", CURVE" in node.output()
+    server_key = load_certificate(node_pub)[0]
+    intruder = dict(zip(("public", "secret"), load_certificate(intruder_secret), strict=True))
+    ctx = zmq.Context()
+    good = KVEventSubscriber(pub, replay, secret_key=str(router_secret),
+                             server_key=str(node_pub))
+    try:
+        open_sub = handshake_refused(ctx, pub, {})
+        bad_sub = handshake_refused(ctx, pub, {zmq.CURVE_SERVERKEY: server_key,
+                                               zmq.CURVE_PUBLICKEY: intruder["public"],
+                                               zmq.CURVE_SECRETKEY: intruder["secret"]})
+        for curve in ({}, {"secret_key": str(intruder_secret), "server_key": str(node_pub)}):
+            nosy = KVEventSubscriber(pub, replay, **curve)
+            try:
+                with pytest.raises(TimeoutError):
+                    nosy.replay(0, timeout=1.0)
+            finally:
+                nosy.close()
+        start, payload = good.snapshot()
+        assert flat([(start, payload)]) == [("C",)]
+        state = BlockLocations()
+        state.apply(start, payload)
+        with Client(node.addr, transport="grpc") as c:
+            probes: list[bytes] = []
+            join(good, c, state, probes)
+            c.put(key(1), b"a" * 1000)
+            c.put(key(2), b"b" * 1000, parent=key(1))
+            assert c.remove(key(1))
+            denied = c.stats()["node"]["kv_events_denied"]
+        live: list[tuple[int, bytes]] = []
+        while len(flat(live)) < 3:
+            got = good.recv(timeout=10.0)
+            assert got is not None, flat(live)
+            live.append(got)
+        assert flat(live) == [("S", key(1), None, "CPU"), ("S", key(2), key(1), "CPU"),
+                              ("R", key(1), "CPU")]
+        assert flat(replay_all(good, start, 1 + len(probes) + 3)) == (
+            [("C",)] + [("S", p, None, "CPU") for p in probes]
+            + [("S", key(1), None, "CPU"), ("S", key(2), key(1), "CPU"), ("R", key(1), "CPU")])
+        # Everything above was published after both refusals: none of it reached them.
+        assert not open_sub.poll(0) and not bad_sub.poll(0)
+        assert denied >= 2  # the intruder's SUB and replay sockets at least
+        assert (f"refused a connection with an unknown CURVE client key "
+                f"{intruder['public'].decode()}") in node.output()
+    finally:
+        ctx.destroy(linger=0)
+        good.close()
+        code = node.stop()
+    assert code == 0, node.output()
+
+
+def test_exposed_binds_need_keys_or_insecure(tmp_path: Path) -> None:
+    """Past loopback (every interface, ``tcp://*``, or another address) the sockets need
+    CURVE keys, or ``--insecure``; key flags are checked before anything binds."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    def serve(*flags: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen",
+                               f"127.0.0.1:{free_port()}", "--dram-bytes", "1MiB",
+                               "--no-prefault", *flags],
+                              capture_output=True, cwd=REPO, timeout=60, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+        (line,) = proc.stderr.splitlines()
+        return line
+
+    refused = ("kvstore serve: error: refusing to serve KV events on {} without "
+               "authentication: bind a loopback address, give --kv-events-secret-key and "
+               "--kv-events-client-keys (CURVE), or --insecure to accept anyone who can "
+               "connect")
+    assert serve("--kv-events-endpoint", "tcp://*:0") == refused.format("tcp://*:0")
+    assert serve("--kv-events-endpoint", "tcp://0.0.0.0:0") == refused.format("tcp://0.0.0.0:0")
+    assert serve("--kv-events-endpoint", "tcp://127.0.0.1:0",
+                 "--kv-events-replay-endpoint", "tcp://*:0") == refused.format("tcp://*:0")
+    pub, secret = keygen(tmp_path / "keys", "node")
+    assert serve("--kv-events-endpoint", "tcp://*:0", "--kv-events-secret-key", str(secret)) == (
+        "kvstore serve: error: kv_events_secret_key and kv_events_client_keys go together "
+        "(CURVE: the node's secret key and the clients it admits)")
+    assert serve("--kv-events-endpoint", "tcp://*:0", "--kv-events-secret-key", str(pub),
+                 "--kv-events-client-keys", str(pub)) == (
+        f"kvstore serve: error: {pub} holds no secret key: give the .key_secret file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert serve("--kv-events-endpoint", "tcp://*:0", "--kv-events-secret-key", str(secret),
+                 "--kv-events-client-keys", str(empty)) == (
+        f"kvstore serve: error: no *.key files (CURVE public keys) in {empty}")
+    node = start_node(tmp_path, "--kv-events-endpoint", "tcp://*:0", "--insecure")
+    try:
+        assert re.search(r"kvstore: KV events on tcp://0\.0\.0\.0:\d+\n", node.output())
+    finally:
+        code = node.stop()
+    assert code == 0, node.output()

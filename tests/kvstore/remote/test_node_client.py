@@ -1,5 +1,7 @@
 """``NodeClient``: the typed errors it maps a node's refusals to, with and without the
-reason a node sends beside the status code; and the one check every put passes.
+reason a node sends beside the status code; the one check every put passes; and a closed
+client's calls failing as Unavailable (a pool closes a departed peer's client while other
+threads may still call it).
 
 A node before reasons cannot be started from this tree, so ``_ReplyBoundNode`` stands in
 for one: a real gRPC server that refuses every read of more than one key the way a node
@@ -16,6 +18,7 @@ from typing import Any, get_type_hints
 
 import grpc
 import pytest
+from conftest import NodeProcess
 
 from kvstore.core.errors import (
     REASON_HEADER,
@@ -23,6 +26,7 @@ from kvstore.core.errors import (
     InvalidArgument,
     ReplyTooLarge,
     ResourceExhausted,
+    Unavailable,
 )
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -147,3 +151,16 @@ def test_a_checked_batch_keeps_what_was_checked() -> None:
     assert part.keys == [b"c" * 16, b"a" * 16]
     assert [bytes(v) for v in part.values] == [b"333", b"1"]
     assert part.parents == [None, None] and (part.pin, part.retain_s) == (True, 2.5)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "auto"])
+def test_calls_on_a_closed_client_are_unavailable(node: NodeProcess, transport: str) -> None:
+    c = NodeClient(node.addr, transport=transport)
+    assert c.put(b"\x07" * 16, b"v")
+    c.close()
+    with pytest.raises(Unavailable):
+        c.exists([b"\x07" * 16])  # gRPC: ValueError from the closed channel before
+    with pytest.raises(Unavailable):
+        c.get(b"\x07" * 16)
+    with pytest.raises(Unavailable):
+        c.remove(b"\x07" * 16)
