@@ -439,7 +439,7 @@ def shm_regions(pid: int) -> set[int]:
         return out
     for fd in fds:
         try:
-            if "memfd:kvstore" in str(fd.readlink()):
+            if "memfd:kvstore-dram" in str(fd.readlink()):  # not staging areas
                 out.add(fd.stat().st_ino)
         except OSError:
             continue

@@ -34,8 +34,9 @@ def servers() -> Iterator[list[NodeServer]]:
 
 
 def region_mappings() -> int:
-    """Mappings of kvstore DRAM regions (memfds) in this process."""
-    return sum("memfd:kvstore" in line for line in Path("/proc/self/maps").read_text()
+    """Mappings of kvstore DRAM regions (memfds) in this process (not the staging areas a
+    node maps for its same-host writers)."""
+    return sum("memfd:kvstore-dram" in line for line in Path("/proc/self/maps").read_text()
                .splitlines())
 
 
