@@ -70,6 +70,7 @@ the rank), several KV cache groups (hybrid models), non-CPU caches (not tested h
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -79,9 +80,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+import xxhash
 
 from kvstore import Client, block_keys
 from kvstore.core.retention import check_retain_s
+from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 
@@ -175,9 +178,40 @@ def request_retain_s(request: Request) -> float:
         return 0.0
 
 
-def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """Model, KV dtype, shape, block size, layout and platform: engines that could not
-    read each other's blocks never share a key."""
+def engine_identity(vllm_config: VllmConfig, *,
+                    weights: WeightsIdentity | None = None) -> dict[str, str]:
+    """What decides this engine's KV bytes beyond the cache layout, by name: the weights
+    (``kvstore.integrations.identity``: the checkpoint's fingerprint, or ``weights_id``),
+    the model and KV-cache dtypes, quantization, how KV scales are found, config
+    overrides and the parallel shape. Equal for two engines that would compute the same
+    bytes for the same tokens (LoRA, cache salt and media are in each request's keys)."""
+    model, cache, parallel = (vllm_config.model_config, vllm_config.cache_config,
+                              vllm_config.parallel_config)
+    if weights is None:
+        weights = weights_identity(model.model, revision=model.revision,
+                                   cache_dirs=[vllm_config.load_config.download_dir or ""])
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function's effect cannot be named: this process only
+        overrides = f"callable:{process_value()}"
+    scales = ("calculated:" + process_value()  # from the first batch: this engine's own
+              if getattr(cache, "calculate_kv_scales", False) else "checkpoint")
+    return {
+        "weights": str(weights),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quant": str(model.quantization or "none"),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "kv_skip": ",".join(sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])),
+        "kv_scales": scales,
+        "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
+        "tp": str(parallel.tensor_parallel_size),
+        "pp": str(parallel.pipeline_parallel_size),
+    }
+
+
+def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
+                      weights: WeightsIdentity | None = None) -> str:
+    """Model, weights, dtypes, quantization, shape, block size, layout and platform:
+    engines that could not read each other's blocks never share a key."""
     from vllm.platforms import current_platform
 
     group = kv_cache_config.kv_cache_groups[0]
@@ -195,14 +229,24 @@ def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         f"layout={kv_cache_config.kv_cache_layout or ''}",
         f"device={current_platform.device_type}",
     ]
+    parts += [f"{k}={v}" for k, v in engine_identity(vllm_config, weights=weights).items()]
     return "/".join(parts)
+
+
+def header_identity(identity: dict[str, str], *, shard: str) -> int:
+    """The 64-bit identity a worker writes in every value header and requires on load
+    (``kvstore.integrations.vllm.blocks``); never 0, the mark of values written before."""
+    text = "\x00".join(f"{k}={identity[k]}" for k in sorted(identity)) + f"\x00shard={shard}"
+    return xxhash.xxh3_64_intdigest(text.encode()) or 1
 
 
 def request_extra(request: Request) -> bytes:
     """Bytes mixed into every key of ``request``'s blocks (see ``kvstore.core.keys``)."""
     parts = []
-    if request.lora_request is not None:
-        parts.append(f"lora={request.lora_request.lora_name}")
+    lora = request.lora_request
+    if lora is not None:  # its name and where it was loaded from
+        parts.append(f"lora={lora.lora_name}")
+        parts.append(f"lora_path={getattr(lora, 'lora_path', '') or ''}")
     if request.cache_salt:
         parts.append(f"salt={request.cache_salt}")
     for feature in request.mm_features or ():
@@ -233,13 +277,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._addr = self._store.describe()
         self._token = cfg.get_from_extra_config("kvstore_token", None)
         self._timeout = float(cfg.get_from_extra_config("timeout", 30.0))
+        model = vllm_config.model_config
+        weights = weights_identity(
+            model.model, revision=model.revision,
+            weights_id=cfg.get_from_extra_config("weights_id", None),
+            cache_dirs=[vllm_config.load_config.download_dir or ""])
+        self._identity = engine_identity(vllm_config, weights=weights)
         self._namespace = str(cfg.get_from_extra_config("namespace", "")
-                              or default_namespace(vllm_config, kv_cache_config))
+                              or default_namespace(vllm_config, kv_cache_config,
+                                                   weights=weights))
+        rank = int(getattr(parallel, "rank", 0) or 0)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self._header_identity = header_identity(
+            self._identity, shard=f"tp{rank % tp}of{tp}.pp{rank // tp % pp}of{pp}")
         self._do_load = cfg.is_kv_consumer
         self._do_save = cfg.is_kv_producer
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
-        logger.info("KVStoreConnector (%s): store %s, namespace %r, load=%s save=%s",
-                    role.name, self._addr, self._namespace, self._do_load, self._do_save)
+        logger.info("KVStoreConnector (%s): store %s, namespace %r, weights %s, load=%s "
+                    "save=%s", role.name, self._addr, self._namespace, weights,
+                    self._do_load, self._do_save)
         if role == KVConnectorRole.SCHEDULER:
             self._sched_client: Client | None = None
             self._reqs: dict[str, _ReqState] = {}
@@ -407,7 +463,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"no KV cache tensors for layers {missing}")
         self._caches = [kv_caches[n] for n in self._layer_names]
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
-        self._layout = BlockLayout.from_caches(self._caches)
+        self._layout = BlockLayout.from_caches(self._caches, identity=self._header_identity)
         logger.info("KVStoreConnector: %d layers, block shape %s %s, %d bytes per block",
                     self._layout.num_layers, self._layout.layer_shapes[0], self._layout.dtype,
                     self._layout.value_bytes)
