@@ -130,7 +130,8 @@ class TestLMCacheRemotePlugin:
         written = wait_for(lambda: (k := asyncio.run(conn_a.list())) and len(k) == chunks and k,
                            what="remote puts")
         with Client(store_node.addr) as c:
-            assert all(c.exists([lmcache_key(k) for k in written]))
+            assert all(c.exists([lmcache_key(k, conn_a.identity) for k in written]))
+            assert not any(c.exists([lmcache_key(k) for k in written]))  # never bare
 
         b = engines()
         local_b = b.storage_manager.storage_backends["LocalCPUBackend"]
@@ -216,7 +217,8 @@ class TestLMCacheRemotePlugin:
 
         asyncio.run(run())
         with Client(store_node.addr) as c:
-            assert c.exists([lmcache_key(keys[0]), lmcache_key(keys[1])]) == [True, False]
+            assert c.exists([lmcache_key(keys[0], conn.identity),
+                             lmcache_key(keys[1], conn.identity)]) == [True, False]
 
     def test_node_down_is_a_miss(self, engines, tmp_path):
         """A connector whose node is gone answers False / None / 1 and drops puts; the
@@ -331,3 +333,50 @@ class TestDocumentedPath:
         old = importlib.import_module("kvstore.integrations.lmcache_connector")
         new = importlib.import_module("kvstore.integrations.lmcache.connector")
         assert old is new and old.KVStoreRemoteConnector is new.KVStoreRemoteConnector
+
+
+def write_checkpoint(path, seed: int):
+    """A checkpoint directory: a config and one safetensors file of random weights (the
+    same names and shapes for every seed)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(64, 64, generator=g)}, str(path / "model.safetensors"))
+    return path
+
+
+class TestIdentity:
+    __test__ = HAVE_LMCACHE
+
+    def test_weights_overwritten_in_place_miss(self, engines, tmp_path):
+        """Chunks are named after the weights' fingerprint too (LMCache's own key names
+        the model by name only): after the checkpoint is overwritten in place by other
+        weights, an engine finds none of the old chunks; one on the same weights does."""
+        ckpt = write_checkpoint(tmp_path / "model", seed=0)
+        tokens, kv = tokens_and_kv(2 * CHUNK, seed=41)
+        a = engines(kvstore_model_path=str(ckpt))
+        _, conn_a = remote_connector(a)
+        assert conn_a.weights.kind == "fingerprint"
+        a.store(tokens, kvcaches=kv)
+        wait_for(lambda: len(asyncio.run(conn_a.list())) == 2, what="remote puts")
+
+        b = engines(kvstore_model_path=str(ckpt))
+        assert remote_connector(b)[1].identity == conn_a.identity
+        assert b.lookup(tokens) == 2 * CHUNK
+
+        write_checkpoint(ckpt, seed=1)
+        c = engines(kvstore_model_path=str(ckpt))
+        assert remote_connector(c)[1].identity != conn_a.identity
+        assert c.lookup(tokens) == 0
+
+    def test_a_weights_id_names_the_weights(self, engines):
+        a = engines(kvstore_weights_id="ft-7")
+        b = engines(kvstore_weights_id="ft-8")
+        conn_a, conn_b = remote_connector(a)[1], remote_connector(b)[1]
+        assert str(conn_a.weights) == "given:ft-7"
+        assert conn_a.identity != conn_b.identity
