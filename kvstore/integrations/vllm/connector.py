@@ -16,9 +16,10 @@ connector API is marked unstable upstream, so other versions are refused at impo
 ``kvstore_members`` (``"H1:P1,H2:P2,..."``, a fixed cluster), with a cluster ``replicas``
 (copies of each block, default 1) and ``write_quorum`` (copies a save waits for, default
 ``replicas``), see ``kvstore.integrations.store_config``; ``namespace`` (default:
-``default_namespace``), ``kvstore_token`` (bearer token of a node with tenants),
-``max_pending_saves`` (save batches in flight before a step waits, default 4),
-``timeout`` (seconds per store call, default 30).
+``default_namespace``, which names the engine identity: see *Identity* below),
+``weights_id`` (a name for the weights instead of their fingerprint), ``kvstore_token``
+(bearer token of a node with tenants), ``max_pending_saves`` (save batches in flight
+before a step waits, default 4), ``timeout`` (seconds per store call, default 30).
 
 Design
 ------
@@ -64,8 +65,16 @@ retention (those bytes cross the wire once more, for retained requests only). A 
 value (not a number, negative, over 7 days) is logged and ignored: the request runs
 without retention rather than failing.
 
+*Identity.* ``engine_identity`` names what decides the KV bytes beyond the cache layout:
+the weights (``kvstore.integrations.identity``: the checkpoint's fingerprint, or
+``weights_id``), dtypes, quantization, KV scales, config overrides, TP/PP sizes. The
+default namespace includes it, so an engine on other weights (a checkpoint overwritten in
+place, say) never computes the same keys; every value's header carries its hash plus the
+worker's shard, so even under one explicit namespace such an engine refuses the value.
+
 Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
-the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here).
+the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here),
+vLLM 0.33's sleep mode.
 """
 
 from __future__ import annotations
