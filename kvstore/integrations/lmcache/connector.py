@@ -16,6 +16,8 @@ connector.base_connector``), loaded by LMCache's ``remote_storage_plugins`` mech
       # kvstore_transport: auto | grpc | tcp | shm   (default auto)
       # kvstore_token: ...                            (a node with tenants)
       # kvstore_timeout: 30                           (seconds per call)
+      # kvstore_model_path: /models/llama             (the checkpoint to fingerprint)
+      # kvstore_weights_id: llama-ft-7                (a name for the weights instead)
 
 LMCache needs its local CPU backend on (``local_cpu: true``, ``max_local_cpu_size > 0``):
 it is the buffer chunks are read into.
@@ -28,11 +30,19 @@ local CPU backend, reads the value into it and narrows it to the tokens read wit
 with ``save_chunk_meta: false``); shapes and dtypes come from the engine's metadata, so a
 reader must run the same model, TP rank and chunk size (they are part of LMCache's key).
 
-Keys: LMCache's key string (``CacheEngineKey.to_string()``) is stored under
-``kvstore.integrations.mooncake.store.mooncake_key(key_string)``:
-``xxh3_128(b"kvstore-mooncake-v1\\x00" || utf8(key_string))``, 16 bytes. It is the key
-LMCache's own Mooncake connector would use over ``mooncake_compat``, so the data of both
-are interchangeable, and a plain ``kvstore.Client`` reads it with ``lmcache_key(key)``.
+Keys: LMCache's key string (``CacheEngineKey.to_string()``) and this connector's
+``identity`` are stored under ``lmcache_key(key, identity)`` =
+``kvstore.integrations.mooncake.store.mooncake_key(key_string + "#" + identity)``:
+``xxh3_128(b"kvstore-mooncake-v1\\x00" || utf8(that string))``, 16 bytes. ``identity``
+(``i`` and 32 hex digits, ``kvstore.integrations.identity``) stands for what decides a
+chunk's bytes beyond LMCache's key: the weights' fingerprint (the checkpoint at
+``kvstore_model_path``, else at the metadata's model name; ``kvstore_weights_id`` names the
+weights instead; a model whose checkpoint is not found gets this process's own identity,
+with a warning), the KV dtype and shape and MLA. So an engine on other weights (a
+checkpoint overwritten in place under the same name, say) misses instead of loading the
+old weights' KV. A plain ``kvstore.Client`` reads a chunk with ``lmcache_key(key,
+connector.identity)``. (Before issue 23 the key was ``mooncake_key(key_string)``, the one
+LMCache's own Mooncake connector uses; that one has no identity and is not shared.)
 
 Limits: kvstore cannot list its keys and the hash does not invert, so ``list()`` returns
 the key strings this connector instance wrote and has not removed (nothing from other
@@ -56,6 +66,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.core.errors import KVStoreError
+from kvstore.integrations.identity import WeightsIdentity, identity_digest, weights_identity
 from kvstore.integrations.mooncake.store import mooncake_key
 from kvstore.integrations.store_config import store_spec
 
@@ -64,9 +75,26 @@ logger = logging.getLogger(__name__)
 __all__ = ["KVStoreRemoteConnector", "lmcache_key"]
 
 
-def lmcache_key(key: CacheEngineKey | str) -> bytes:
-    """The 16-byte kvstore key under which a chunk of LMCache key ``key`` is stored."""
-    return mooncake_key(key if isinstance(key, str) else key.to_string())
+def lmcache_key(key: CacheEngineKey | str, identity: str = "") -> bytes:
+    """The 16-byte kvstore key under which a chunk of LMCache key ``key`` is stored by a
+    connector of ``identity`` (``KVStoreRemoteConnector.identity``; empty: the key
+    without one, as LMCache's own Mooncake connector names it)."""
+    name = key if isinstance(key, str) else key.to_string()
+    return mooncake_key(f"{name}#{identity}" if identity else name)
+
+
+def engine_identity(metadata: Any, extra: dict) -> tuple[WeightsIdentity, str]:
+    """What decides a chunk's bytes beyond LMCache's key (model name, world size, worker,
+    chunk hash, dtype): the weights (``kvstore.integrations.identity``: the checkpoint at
+    ``kvstore_model_path``, else at the metadata's model name; ``kvstore_weights_id``
+    names them instead), the KV dtype and shape and MLA, as ``i`` + 32 hex digits."""
+    model = str(_setting(extra, "kvstore_model_path", "") or getattr(metadata, "model_name", "")
+                or "")
+    weights = weights_identity(model, weights_id=_setting(extra, "kvstore_weights_id"))
+    parts = {"weights": str(weights), "kv_dtype": str(getattr(metadata, "kv_dtype", "")),
+             "kv_shape": str(tuple(getattr(metadata, "kv_shape", ()) or ())),
+             "mla": str(bool(getattr(metadata, "use_mla", False)))}
+    return weights, "i" + identity_digest(parts)
 
 
 def _setting(extra: dict, name: str, default: Any = None) -> Any:
@@ -96,11 +124,16 @@ class KVStoreRemoteConnector(RemoteConnector):
             client = spec.connect(transport=str(_setting(extra, "kvstore_transport", "auto")),
                                   timeout=float(timeout), token=_setting(extra, "kvstore_token"))
         self.client = client
+        self.weights, self.identity = engine_identity(local_cpu_backend.metadata, extra)
         self._written: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
-        logger.info("KVStoreRemoteConnector on %s (full chunk %d bytes)",
-                    getattr(client, "addr", None) or "the cluster", self.full_chunk_size_bytes)
+        logger.info("KVStoreRemoteConnector on %s (full chunk %d bytes, weights %s, "
+                    "identity %s)", getattr(client, "addr", None) or "the cluster",
+                    self.full_chunk_size_bytes, self.weights, self.identity)
+
+    def _key(self, key: CacheEngineKey | str) -> bytes:
+        return lmcache_key(key, self.identity)
 
     # ---- existence ---------------------------------------------------------------------
 
@@ -108,7 +141,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         if not keys:
             return []
         try:
-            return list(self.client.exists([lmcache_key(k) for k in keys]))
+            return list(self.client.exists([self._key(k) for k in keys]))
         except KVStoreError as exc:
             logger.warning("kvstore exists failed: %s", exc)
             return [False] * len(keys)
@@ -154,7 +187,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         if not objs:
             return out
         try:
-            sizes = self.client.get_batch_into([lmcache_key(keys[i]) for i, _ in objs],
+            sizes = self.client.get_batch_into([self._key(keys[i]) for i, _ in objs],
                                                [memoryview(o.byte_array) for _, o in objs])
         except KVStoreError as exc:
             logger.warning("kvstore get of %d chunks failed: %s", len(objs), exc)
@@ -203,7 +236,7 @@ class KVStoreRemoteConnector(RemoteConnector):
             return
         names = [k.to_string() for k in keys]
         try:
-            self.client.put_batch([mooncake_key(n) for n in names],
+            self.client.put_batch([self._key(n) for n in names],
                                   [memoryview(o.byte_array) for o in objs])
         except KVStoreError as exc:
             logger.warning("kvstore put of %d chunks failed: %s", len(keys), exc)
@@ -224,7 +257,7 @@ class KVStoreRemoteConnector(RemoteConnector):
     def remove_sync(self, key: CacheEngineKey) -> bool:
         name = key.to_string()
         try:
-            removed = bool(self.client.remove(mooncake_key(name)))
+            removed = bool(self.client.remove(self._key(name)))
         except KVStoreError as exc:
             logger.warning("kvstore remove failed: %s", exc)
             return False

@@ -39,6 +39,14 @@ _MOONCAKE_KEYS = frozenset({
     "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
     "client_http_port"})
 _KVSTORE_KEYS = frozenset({"replicas", "write_quorum", "transport", "token", "timeout"})
+# The names the same settings go by in the configs written for Mooncake's older positional
+# setup (Mooncake's own mooncake_config.py, LMCache's and vLLM's Mooncake store connectors),
+# which those callers now pass in the dict as they are. The 0.3.13 wheel ignores them and
+# falls back to its default master (127.0.0.1:50051): a store that is set up against no
+# kvstore at all and whose every put fails while the caller, which does not check setup's
+# code, carries on (LMCache 0.5.6 stored nothing that way). kvstore reads them; the
+# 0.3.13 name wins when both are given.
+ALIASES = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
 
 
 def parse_mooncake_size(text: object) -> int:
@@ -73,7 +81,10 @@ def setup_arguments(config: Mapping[Any, Any]) -> dict[str, Any]:
         raise InvalidArgument(f"setup(config) takes a dict, got {type(config).__name__}")
     raw = {str(k): v for k, v in config.items()}
     text = {k: str(v) for k, v in raw.items() if k in _MOONCAKE_KEYS}
-    unknown = sorted(set(raw) - _MOONCAKE_KEYS - _KVSTORE_KEYS)
+    for alias, name in ALIASES.items():
+        if alias in raw and name not in text:
+            text[name] = str(raw[alias])
+    unknown = sorted(set(raw) - _MOONCAKE_KEYS - _KVSTORE_KEYS - set(ALIASES))
     if unknown:
         log.warning("setup: ignoring config keys Mooncake does not know: %s",
                     ", ".join(unknown))

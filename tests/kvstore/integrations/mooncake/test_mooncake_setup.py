@@ -81,6 +81,19 @@ def test_loose_values_warn(caplog: pytest.LogCaptureFixture) -> None:
     assert "ipc_socket_path is ignored" in caplog.text
 
 
+def test_the_pre_0_3_13_names_are_read() -> None:
+    """LMCache 0.5.6 (and Mooncake's own mooncake_config.py) pass ``master_server_address``
+    and ``device_name`` in the dict: they name the master and the RDMA devices, and the
+    0.3.13 names win when both are given."""
+    args = setup_arguments({**BASE, "master_server_address": "10.0.0.1:7600",
+                            "device_name": "mlx5_0"})
+    assert (args["master_server_addr"], args["rdma_devices"]) == ("10.0.0.1:7600", "mlx5_0")
+    both = setup_arguments({**BASE, "master_server_address": "10.0.0.1:7600",
+                            "master_server_addr": "10.0.0.2:7600",
+                            "device_name": "mlx5_0", "rdma_devices": "mlx5_1"})
+    assert (both["master_server_addr"], both["rdma_devices"]) == ("10.0.0.2:7600", "mlx5_1")
+
+
 @pytest.fixture(scope="module")
 def node_addr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     node = start_node(tmp_path_factory.mktemp("mc-setup"))
@@ -102,3 +115,10 @@ def test_dict_setup_against_a_node(node_addr: str, caplog: pytest.LogCaptureFixt
     assert s.put("dict/k", b"v") == OK and s.get("dict/k") == b"v"
     assert s.remove_all() == 1
     assert s.close() == OK and s.health_check() == 1
+    # LMCache's setup dict, its own key names as it passes them (save_chunk_meta and
+    # transfer_timeout are its own and stay out of it)
+    lmcache = {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+               "master_server_address": node_addr, "global_segment_size": "3355443200",
+               "local_buffer_size": "1073741824", "protocol": "tcp", "device_name": ""}
+    assert s.setup(lmcache) == OK and s.health_check() == 0
+    assert s.close() == OK
