@@ -147,10 +147,21 @@ class LocalCluster:
                 return r
         raise ClusterError(f"no node {node_id!r} in this cluster")
 
-    def signal_node(self, node_id: str, sig: int) -> None:
+    def signal_node(self, node_id: str, sig: int, *, timeout: float = 10.0) -> None:
+        """Sends ``sig``; for SIGSTOP, returns once the process is stopped (a signal is
+        delivered when the process next runs, which on a loaded machine is later than
+        ``kill`` returns, and a caller relies on the node being silent from here on)."""
         rec = self.node(node_id)
-        if self._ours(rec.pid):
-            os.kill(rec.pid, sig)
+        if not self._ours(rec.pid):
+            return
+        os.kill(rec.pid, sig)
+        if sig != signal.SIGSTOP:
+            return
+        deadline = time.monotonic() + timeout
+        while _proc_state(rec.pid) not in ("T", None):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{node_id} (pid {rec.pid}) did not stop in {timeout} s")
+            time.sleep(0.005)
 
     def kill_node(self, node_id: str, *, timeout: float = 20.0) -> None:
         """SIGKILL, as a crash: returns once the process is gone. The node stays in the
@@ -218,12 +229,17 @@ class LocalCluster:
 def _alive(pid: int, procs: dict[int, subprocess.Popen[bytes]]) -> bool:
     if pid in procs:
         return procs[pid].poll() is None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    return _proc_state(pid) not in (None, "Z")  # a zombie has exited
 
 
 def _any_alive(cluster: LocalCluster) -> bool:
     return any(cluster._ours(p) for p in [cluster.etcd_pid, *(r.pid for r in cluster.nodes)])
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``T``: stopped), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]  # the name in parentheses may hold spaces

@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from conductor.front.vllm_instances import ConnectorInfo, InstanceShape, VllmInstance
+
+T = TypeVar("T")
 
 
 class StartupMismatch(ValueError):
@@ -38,7 +41,7 @@ class Learnt:
     shapes: dict[str, InstanceShape]
 
 
-def _agree(what: str, values: Mapping[str, object]) -> object:
+def _agree(what: str, values: Mapping[str, T]) -> T:
     """The one value all instances report; a ``StartupMismatch`` naming two that differ."""
     items = list(values.items())
     first_url, first = items[0]
@@ -90,12 +93,12 @@ def layout_of(infos: dict[str, ConnectorInfo | None], shapes: dict[str, Instance
             url = next(iter(described))
             raise StartupMismatch(f"--kv-namespace is {namespace!r} but {url}'s connector "
                                   f"uses namespace {ns!r}")
-    blocks: dict[str, object] = {u: i.block_tokens for u, i in described.items()}
+    blocks: dict[str, int] = {u: i.block_tokens for u, i in described.items()}
     blocks.update({f"{u} (vLLM --block-size)": s.block_size for u, s in shapes.items()
                    if s.block_size is not None})
     block = block_tokens
     if blocks:
-        block = int(_agree("block size in tokens", blocks))  # type: ignore[call-overload]
+        block = _agree("block size in tokens", blocks)
         if block_tokens and block_tokens != block:
             url = next(iter(blocks))
             raise StartupMismatch(f"--block-tokens is {block_tokens} but {url} uses "

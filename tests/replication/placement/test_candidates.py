@@ -59,7 +59,7 @@ def test_the_cluster_client_and_the_forwarder_keep_one_per_view() -> None:
         assert view.candidates(KEYS[0]) == view.placement.candidates(KEYS[0], 2)
     forwarder = Forwarder(PeerPool())
     try:
-        forwarder.attach(membership, "n0")
+        forwarder.attach(membership, "n0", replicas=2)
         targets = forwarder._targets
         assert isinstance(targets, CandidateCache)
         owners, rest = targets.placement.candidates(KEYS[0], 3)
