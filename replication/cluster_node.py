@@ -8,6 +8,7 @@ afterwards, so requests already routed here still finish.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.auth.security import ClientTls
@@ -47,6 +48,7 @@ class ClusterRole:
                  forwarder: Forwarder | None = None) -> None:
         self.settings = settings
         self.forwarder = forwarder  # takes replicated puts while this node is a member
+        self.peers = peers
         self.member = Member(node_id=NodeId(settings.node_id), addr=settings.addr,
                              zone=settings.zone, weight=settings.weight)
         self.membership = EtcdMembership(settings.etcd, tls=settings.etcd_tls)
@@ -58,6 +60,7 @@ class ClusterRole:
             interval_s=settings.repair_interval_s)
         node.add_stat_source(self.stats)
         self._joined = False
+        self._unsubscribe_peers: Callable[[], None] | None = None
 
     def join(self) -> None:
         try:
@@ -69,6 +72,10 @@ class ClusterRole:
         if self.forwarder is not None:
             self.forwarder.attach(self.membership, self.settings.node_id,
                                   replicas=self.settings.replicas)
+        # A departed peer's clients close when the view changes, not only when the next
+        # client is made (a restarted peer would otherwise keep its dead region mapped).
+        self._unsubscribe_peers = self.membership.subscribe(
+            lambda _view: self.peers.drop_departed())
         self.repair.start()
         log.info("joined the cluster at %s as %s (zone %r, weight %.3g)", self.settings.etcd,
                  self.member.node_id, self.member.zone, self.member.weight)
@@ -77,6 +84,9 @@ class ClusterRole:
         if not self._joined:
             return
         self._joined = False
+        unsubscribe, self._unsubscribe_peers = self._unsubscribe_peers, None
+        if unsubscribe is not None:
+            unsubscribe()
         if self.forwarder is not None:
             self.forwarder.detach()
         try:

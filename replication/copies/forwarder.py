@@ -68,6 +68,7 @@ class Forwarder:
             unsubscribe()
 
     def _on_members(self, view: Sequence[Member]) -> None:
+        self.peers.drop_departed()  # a departed peer's clients go with the view that lost it
         members = tuple(view)
         addrs = {m.node_id: m.addr for m in members}
         with self._lock:

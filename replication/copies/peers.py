@@ -99,9 +99,7 @@ class PeerPool:
                 raise Unavailable("peer pool is closed")
             client = self._clients.get((addr, charge_to))
             if client is None:
-                if self.members is not None:  # the view that just admitted addr is fresh
-                    known = self.members.addrs()
-                    gone = [self._clients.pop(a) for a in list(self._clients) if a[0] not in known]
+                gone = self._pop_departed()  # the view that just admitted addr is fresh
                 client = NodeClient(addr, transport=self.transport, timeout=self.timeout,
                                     token=self._token, tls=self._tls,
                                     io_timeout=self.io_timeout, charge_to=charge_to)
@@ -116,6 +114,24 @@ class PeerPool:
         if self.members is not None:
             self.members.check(addr)
         return lambda owner: self.get(addr, charge_to=owner)
+
+    def drop_departed(self) -> None:
+        """Closes the clients of addresses that are no longer members (a node's pool: call
+        it on every membership change, so a peer restarted at a new address leaves no
+        client, channel or mapping of its dead region behind even if no new client is made
+        after it; ``get`` does it too). No-op for a pool without ``members``."""
+        with self._lock:
+            gone = self._pop_departed()
+        for c in gone:
+            c.close()
+
+    def _pop_departed(self) -> list[NodeClient]:
+        """Under ``_lock``: removes and returns the clients of addresses not in
+        ``members`` (none without ``members``)."""
+        if self.members is None:
+            return []
+        known = self.members.addrs()
+        return [self._clients.pop(a) for a in list(self._clients) if a[0] not in known]
 
     def retain(self, addrs: Iterable[str]) -> None:
         """Closes the clients of every address not in ``addrs``."""

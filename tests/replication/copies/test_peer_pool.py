@@ -59,3 +59,24 @@ def test_a_departed_peers_client_is_closed_when_the_next_one_is_made(
         view = {a, b}
         assert pool.get(a) is not old  # a fresh client, if a comes back at that address
         assert pool.get(b) is new  # a member's client is kept
+
+
+def test_drop_departed_closes_them_without_a_new_client(servers: list[NodeServer]) -> None:
+    """What a node calls on every membership change: a peer that left is let go at once,
+    even if no client is made after it (a fault at the end of a run left one mapped)."""
+    a, b = (s.addresses.grpc for s in servers)
+    view = {a, b}
+    known = KnownMembers()
+    known.follow(lambda: view)
+    before = region_mappings()
+    with PeerPool(members=known) as pool:
+        old = pool.get(a)
+        assert old.put(b"\x02" * 16, b"y" * 100) and region_mappings() == before + 1
+        pool.drop_departed()  # a is still a member: kept
+        assert pool.get(a) is old and region_mappings() == before + 1
+        view = {b}
+        pool.drop_departed()
+        assert region_mappings() == before  # a's client and mapping are gone
+        view = {a, b}
+        assert pool.get(a) is not old
+    assert PeerPool().drop_departed() is None  # a client's pool (no members): nothing to do
