@@ -68,11 +68,11 @@ def check_session_ttl(ttl_s: float) -> float:
     return float(ttl_s)
 
 
-def session_of_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    """The session a request names: its ``X-Session-Affinity`` header, else its
-    ``session_id`` field (a string; anything else names none). Same bounds as the header's
-    (``session_of``). ``headers`` must look names up case-insensitively (HTTP's)."""
-    got = session_of(headers.get(SESSION_HEADER))
+def session_of_request(header: str | None, body: Mapping[str, Any]) -> str | None:
+    """The session a request names: its ``X-Session-Affinity`` header's value (``header``,
+    looked up by the caller: ``SESSION_HEADER``), else its ``session_id`` field (a string;
+    anything else names none). Same bounds as the header's (``session_of``)."""
+    got = session_of(header)
     if got is not None:
         return got
     field = body.get(SESSION_FIELD)
@@ -214,14 +214,6 @@ class SessionCache:
         self._release(gone)
         return n
 
-    def close(self) -> None:
-        """Releases every session's keys (the Conductor stops)."""
-        with self._lock:
-            gone = list(self._refs)
-            self._sessions.clear()
-            self._refs.clear()
-        self._release(gone)
-
     # ---- under the lock ------------------------------------------------------------------
 
     def _hold(self, new: Sequence[bytes], old: Sequence[bytes]) -> list[bytes]:
@@ -299,5 +291,6 @@ def _shared_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> list[bytes]:
     return list(b[:n])
 
 
-__all__ = ["DEFAULT_SESSION_TTL_S", "MAX_SESSION_KEYS", "SESSION_FIELD", "SessionCache",
+__all__ = ["DEFAULT_SESSION_TTL_S", "MAX_SESSION_KEYS", "SESSION_FIELD", "SESSION_HEADER",
+           "SessionCache",
            "SessionCounts", "SessionStore", "check_session_ttl", "session_of_request"]

@@ -173,11 +173,12 @@ def test_long_prompts_are_kept_up_to_the_bound_in_bounded_calls(clock: Clock,
 
 
 def test_the_session_is_named_by_header_or_field() -> None:
-    assert session_of_request({"x-session-affinity": " h "}, {"session_id": "f"}) == "h"
-    assert session_of_request({}, {"session_id": "f"}) == "f"
-    assert session_of_request({}, {"session_id": 7}) is None
-    assert session_of_request({}, {"session_id": "x" * 257}) is None
-    assert session_of_request({}, {}) is None
+    assert session_of_request(" h ", {"session_id": "f"}) == "h"
+    assert session_of_request(None, {"session_id": "f"}) == "f"
+    assert session_of_request("", {"session_id": "f"}) == "f"
+    assert session_of_request(None, {"session_id": 7}) is None
+    assert session_of_request(None, {"session_id": "x" * 257}) is None
+    assert session_of_request(None, {}) is None
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 8 * 24 * 3600.0])
