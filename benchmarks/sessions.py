@@ -96,8 +96,8 @@ def toy_bytes_per_token(cfg: dict[str, Any]) -> int:
 
 def node_size(spec: WorkloadSpec, bytes_per_token: int, args: argparse.Namespace) -> NodeSize:
     ctx = spec.sessions * spec.context_tokens() * bytes_per_token
-    return NodeSize(dram_bytes=max(8 * MIB, math.ceil(args.dram_fraction * ctx / MIB) * MIB),
-                    ssd_bytes=max(16 * MIB, math.ceil(args.ssd_fraction * ctx / MIB) * MIB),
+    return NodeSize(dram_bytes=max(MIB, math.ceil(args.dram_fraction * ctx / MIB) * MIB),
+                    ssd_bytes=max(4 * MIB, math.ceil(args.ssd_fraction * ctx / MIB) * MIB),
                     max_retained_fraction=args.max_retained_fraction)
 
 
