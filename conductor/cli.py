@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from conductor.front.session_cache import DEFAULT_SESSION_TTL_S, check_session_ttl
 from conductor.scheduling.costs import LLAMA2_70B_LAYERS, PolyCostModel, a800_kv_capacity_tokens
 from conductor.scheduling.policies import POLICIES
 from conductor.scheduling.rejection import REJECTION_MODES
@@ -67,6 +68,14 @@ def parse_duration(text: str) -> float:
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _session_ttl(text: str) -> float:
+    """``--session-ttl``: a duration, or 0 (sessions keep no cache)."""
+    try:
+        return check_session_ttl(0.0 if text.strip() in ("0", "0s") else parse_duration(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -406,6 +415,12 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--tbt-slo", type=_duration, default=0.1, help="e.g. 100ms (default 100ms)")
     s.add_argument("--policy", choices=sorted(POLICIES), default="global-cache-aware")
     s.add_argument("--rejection", choices=sorted(REJECTION_MODES), default="predictive")
+    s.add_argument("--session-ttl", type=_session_ttl, default=DEFAULT_SESSION_TTL_S,
+                   metavar="DURATION",
+                   help="keep a session's blocks (X-Session-Affinity or session_id) retained "
+                   "in the store this long after its last turn, prefetched when its next "
+                   f"turn arrives; 0 turns sessions off (default {DEFAULT_SESSION_TTL_S:g}s; "
+                   "docs/conductor.md, Sessions)")
     s.add_argument("--listen", default="127.0.0.1:7700", help="HOST:PORT (default "
                    "127.0.0.1:7700; port 0 picks one)")
     s.set_defaults(func=run_serve)
@@ -445,12 +460,13 @@ def run_serve(args: argparse.Namespace) -> int:
         live = LiveConductor(store=store, prefill=_addrs(args.prefill),
                              decode=_addrs(args.decode),
                              slo=Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
-                             policy=args.policy, rejection=args.rejection)
+                             policy=args.policy, rejection=args.rejection,
+                             session_ttl_s=args.session_ttl)
         service = ConductorService(live, listen=args.listen)
         service.start()
         print(f"conductor: serving on {service.addr} (policy {args.policy}, rejection "
-              f"{args.rejection}, TTFT SLO {args.ttft_slo:g}s, TBT SLO {args.tbt_slo:g}s)",
-              flush=True)
+              f"{args.rejection}, TTFT SLO {args.ttft_slo:g}s, TBT SLO {args.tbt_slo:g}s, "
+              f"session TTL {args.session_ttl:g}s)", flush=True)
         while not stop.wait(0.5):
             pass
         service.stop()

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvstore.client import Client
     from kvstore.core.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
     from kvstore.core.prefetch import PrefetchOutcome
+    from kvstore.core.retention import RetainOutcome
 
 _LAZY = {
     "Client": "kvstore.client",
@@ -21,6 +22,7 @@ _LAZY = {
     "KVStoreError": "kvstore.core.errors",
     "PrefetchOutcome": "kvstore.core.prefetch",
     "ResourceExhausted": "kvstore.core.errors",
+    "RetainOutcome": "kvstore.core.retention",
     "Unavailable": "kvstore.core.errors",
 }
 
@@ -41,6 +43,7 @@ __all__ = [
     "KVStoreError",
     "PrefetchOutcome",
     "ResourceExhausted",
+    "RetainOutcome",
     "Unavailable",
     "block_keys",
     "namespace_root_key",

@@ -189,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help='print a JSON list of {"key": HEX, "outcome": ...} instead of lines')
 
+    s = sub.add_parser("retain", help="keep stored blocks for some seconds, or release them "
+                       "(0) to ordinary eviction (docs/node.md, Retaining stored blocks)")
+    client_args(s)
+    s.add_argument("keys", nargs="+", help="32 hex characters each")
+    s.add_argument("--seconds", type=float, required=True, metavar="S",
+                   help="keep each block S seconds after its last put or read; 0 releases")
+    s.add_argument("--json", action="store_true",
+                   help='print a JSON list of {"key": HEX, "outcome": ...} instead of lines')
+
     s = sub.add_parser("drain", help="a cluster node leaves, hands its blocks to their new "
                        "owners, then stops (rolling upgrades)")
     client_args(s)
@@ -548,6 +557,21 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     return 0 if all(o in up for o in outcomes) else 1
 
 
+def cmd_retain(args: argparse.Namespace) -> int:
+    """One line per key, ``OUTCOME KEY``; exit 1 unless every key was retained (released,
+    with ``--seconds 0``)."""
+    keys = [parse_key(k) for k in args.keys]
+    with _client(args) as c:
+        outcomes = c.retain(keys, args.seconds)
+    if args.json:
+        print(json.dumps([{"key": k.hex(), "outcome": o.value}
+                          for k, o in zip(keys, outcomes, strict=True)], indent=2))
+    else:
+        for k, o in zip(keys, outcomes, strict=True):
+            print(f"{o.value} {k.hex()}")
+    return 0 if all(o in ("retained", "released") for o in outcomes) else 1
+
+
 def cmd_stat(args: argparse.Namespace) -> int:
     with _client(args) as c:
         stats = c.stats()
@@ -647,6 +671,7 @@ COMMANDS = {
     "get": cmd_get,
     "rm": cmd_rm,
     "prefetch": cmd_prefetch,
+    "retain": cmd_retain,
     "stat": cmd_stat,
     "bench": bench_cli.run,
     "health": cmd_health,

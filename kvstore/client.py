@@ -16,6 +16,7 @@ from typing import Any
 from kvstore.core.errors import InvalidArgument
 from kvstore.core.keys import BlockKey
 from kvstore.core.prefetch import MAX_PREFETCH_KEYS, PrefetchOutcome
+from kvstore.core.retention import MAX_RETAIN_KEYS, RetainOutcome
 from kvstore.remote.node_client import TRANSPORTS, NodeClient, SingleKeyCalls, check_put_batch
 from replication.cluster_client import ClusterClient
 
@@ -36,5 +37,6 @@ class Client(NodeClient):
         return super().__new__(cls)
 
 
-__all__ = ["MAX_PREFETCH_KEYS", "TRANSPORTS", "BlockKey", "Client", "ClusterClient", "NodeClient",
-           "PrefetchOutcome", "SingleKeyCalls", "check_put_batch"]
+__all__ = ["MAX_PREFETCH_KEYS", "MAX_RETAIN_KEYS", "TRANSPORTS", "BlockKey", "Client",
+           "ClusterClient", "NodeClient", "PrefetchOutcome", "RetainOutcome", "SingleKeyCalls",
+           "check_put_batch"]

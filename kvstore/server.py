@@ -32,7 +32,7 @@ from kvstore.auth.security import (
 )
 from kvstore.core.errors import REASON_HEADER, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.prefetch import check_prefetch
-from kvstore.core.retention import retain_seconds
+from kvstore.core.retention import check_retain, retain_seconds
 from kvstore.node.channel_server import ChannelServer
 from kvstore.node.request_budget import RequestBudget, default_request_bytes, max_message_bytes
 from kvstore.node.semantics import Node, check_key, check_keys, check_parent
@@ -179,6 +179,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         raw, tier = check_prefetch(request.keys, request.tier)
         outcomes = self.node.prefetch(p.keys(raw), tier, wait=request.wait)
         return pb.PrefetchResponse(outcomes=[o.value for o in outcomes])
+
+    @_rpc
+    def Retain(self, request: pb.RetainRequest, context: grpc.ServicerContext, p: Principal
+               ) -> pb.RetainResponse:
+        # Salted like every call, and charged to the caller as a put's retention is.
+        raw, seconds = check_retain(request.keys, request.retain_s)
+        outcomes = self.node.retain(p.keys(raw), seconds, owner=p.owner, quota=p.quota)
+        return pb.RetainResponse(outcomes=[o.value for o in outcomes])
 
     @_rpc
     @tenancy.cluster_only

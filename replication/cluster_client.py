@@ -14,6 +14,8 @@ these. It watches membership, ranks the live nodes for every key (see
   ``Replicate`` (two trips). Either way the call returns once ``write_quorum``
   copies exist; fewer raise ``QuorumNotMet`` (an ``Unavailable``); the copies
   that were made stay (they are correct bytes, and repair completes them).
+* **retain** (and its release, 0 s) asks every read candidate of each key, as
+  ``holders`` does, so every copy is kept.
 * **get / exists / prefix_match / locate / prefetch**: each key is asked of its read
   candidates in order (owners, then hot-block fan-out nodes, then the next
   ranked node, which still holds keys whose owner changed until repair moves
@@ -51,13 +53,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore.auth.security import ClientTls
 from kvstore.core.checks import check_key
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
+from kvstore.core.retention import RetainOutcome, check_retain, merged_outcome
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
@@ -68,6 +71,7 @@ from replication.placement.rendezvous import Member, NodeId, Placement
 
 log = logging.getLogger("kvstore.cluster")
 
+T = TypeVar("T")
 _COOL_CHECK_S = 1.0
 _FIRST_VIEW_TIMEOUT_S = 10.0
 
@@ -433,26 +437,44 @@ class ClusterClient(SingleKeyCalls):
         """For each key, every read candidate that holds it and in which tier (for the
         Conductor): owners, fan-out copies and the next ranked node, asked in parallel."""
         ks = [check_key(k) for k in keys]
+        got = self._every_candidate(ks, lambda c, idx: c.locate([ks[i] for i in idx]))
+        return [[Holder(node_id=m.node_id, addr=m.addr, tier=t) for m, t in g if t is not None]
+                for g in got]
+
+    def retain(self, keys: Sequence[bytes], retain_s: float) -> list[RetainOutcome]:
+        """Retains (or with 0 releases) every copy of each key: each of its read candidates
+        is asked, in parallel, as ``holders`` asks them, so whichever copy a later read is
+        served from is kept. Per key the best answer of any copy (``merged_outcome``:
+        retained, denied, released, missing); a node that cannot be reached is skipped.
+        At most ``MAX_RETAIN_KEYS`` keys (InvalidArgument before anything is sent)."""
+        ks, seconds = check_retain(keys, retain_s)
+        got = self._every_candidate(ks, lambda c, idx: c.retain([ks[i] for i in idx], seconds))
+        return [merged_outcome([o for _, o in g]) for g in got]
+
+    def _every_candidate(self, ks: list[BlockKey],
+                         call: Callable[[NodeClient, list[int]], list[T]]
+                         ) -> list[list[tuple[Member, T]]]:
+        """Each key's answers from every read candidate that answered, asked in parallel
+        (one call per node); a node that fails is suspected and left out."""
         view = self._current()
         asks: dict[NodeId, list[int]] = {}
         bad = self._suspects_now()
         for i, k in enumerate(ks):
             for n in self._read_candidates(view, k, bad):
                 asks.setdefault(n, []).append(i)
-        out: list[list[Holder]] = [[] for _ in ks]
+        out: list[list[tuple[Member, T]]] = [[] for _ in ks]
         lock = threading.Lock()
 
         def ask(node: NodeId, idx: list[int]) -> None:
             try:
-                tiers = self._client(view, node).locate([ks[i] for i in idx])
+                answers = call(self._client(view, node), idx)
             except Unavailable:
                 self._suspect(node)
                 return
             m = view.by_id[node]
             with lock:
-                for i, t in zip(idx, tiers, strict=True):
-                    if t is not None:
-                        out[i].append(Holder(node_id=m.node_id, addr=m.addr, tier=t))
+                for i, a in zip(idx, answers, strict=True):
+                    out[i].append((m, a))
 
         self._parallel([partial(ask, n, idx) for n, idx in asks.items()])
         return out

@@ -309,6 +309,27 @@ class TierManager:
             self.retention.restore(key, nbytes, retention)
         return True
 
+    def retain(self, key: BlockKey, ask: RetainAsk) -> bool | None:
+        """Retains the stored block ``key`` as a put of it with ``ask`` would: True if
+        retained, False if a cap refused it, None if not stored (``tiers.retention``)."""
+        entry = self._s.blocks.get(key)
+        if entry is None:
+            return None
+        if not self.retention.grant(key, entry.nbytes, ask):
+            return False
+        self._note_kept(entry)
+        return True
+
+    def release(self, key: BlockKey) -> bool:
+        """Ends the stored block ``key``'s retention now (it rejoins eviction); False if not
+        stored."""
+        entry = self._s.blocks.get(key)
+        if entry is None:
+            return False
+        if self.retention.release(key):
+            self._note_kept(entry)
+        return True
+
     def _note_kept(self, entry: BlockEntry) -> None:
         """Queues a durable block's changed retention for its tier to record."""
         if self.levels[entry.level].durable:

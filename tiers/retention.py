@@ -22,6 +22,11 @@ retained refreshes its deadline and never counts against the caps again.
 A later put with ``retain_s`` sets the block's ``S`` (reads then refresh by it) but
 never shortens the deadline already granted. ``retain_s`` of 0 asks for nothing.
 
+Blocks already stored: a ``retain`` call (``TierManager.retain``) grants as a put of the
+stored block would (the same caps, charged to the caller); a release
+(``TierManager.release``, ``retain`` with 0 s) ends the retention now, and the block
+rejoins eviction at its policy priority as if its deadline had passed.
+
 Across a restart: a durable tier (SSD) keeps each retained block's deadline as
 wall-clock time (``kept``, a :class:`Retention`), written with the block and updated as
 reads refresh it; a restarted node ``restore``s it, so the block stays retained until
@@ -189,6 +194,16 @@ class RetentionBook:
         h = self.held.pop(key, None)
         if h is not None:
             self._drop(h)
+
+    def release(self, key: BlockKey) -> bool:
+        """Ends ``key``'s retention now (a caller's release): its bytes leave the caps and the
+        manager queues it for eviction again (``drain_ended``). True if it was retained."""
+        h = self.held.pop(key, None)
+        if h is None:
+            return False
+        self._drop(h)  # its heap item goes stale, as a forgotten key's does
+        self._ended.append(key)
+        return True
 
     def _drop(self, h: _Held) -> None:
         self._bytes -= h.nbytes

@@ -10,8 +10,12 @@ front asks an instance's ``/tokenize`` for the token ids it routes by. Otherwise
 ``--tokenizer DIR``, the front renders and decodes text itself
 (``conductor.front.text_prompts``); without either, prompts must be token ids.
 
-``X-Session-Affinity: ID`` on a request names its session: the front prefers the
-instance of the session's previous request (``conductor.front.sessions``).
+``X-Session-Affinity: ID`` on a request (or a ``session_id`` field in its body, which the
+instances never see) names its session: the front prefers the instance of the session's
+previous request (``conductor.front.sessions``) and, with ``--session-ttl``, keeps the
+session's blocks retained in the store between turns (``conductor.front.session_cache``).
+``DELETE /v1/sessions/{id}`` ends a session: 200, or 404 for a session the front does not
+know.
 
 Everything runs on one event loop; upstream calls use one pooled ``httpx.AsyncClient``,
 so hundreds of requests may be in flight without a thread each. Streamed answers are
@@ -33,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.front.openai_api import InstanceAnswer, error_body, post_json
-from conductor.front.sessions import SESSION_HEADER, session_of
+from conductor.front.session_cache import SESSION_FIELD, SESSION_HEADER, session_of_request
 from conductor.front.sse_reply import StreamedReply
 from conductor.front.text_prompts import TextCodec
 from conductor.front.vllm_front import JsonReply, Reply, VllmFront
@@ -85,9 +89,17 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
             return JSONResponse(error_body(400, "request body must be a JSON object"), 400)
         return body
 
-    async def forwarded(request: Request, body: dict[str, Any], route: str) -> Response:
+    def session_in(request: Request, body: dict[str, Any]) -> tuple[str | None,
+                                                                    dict[str, Any]]:
+        """The session the request names, and its body without the ``session_id`` field."""
+        session = session_of_request(request.headers.get(SESSION_HEADER), body)
+        if SESSION_FIELD in body:
+            body = {k: v for k, v in body.items() if k != SESSION_FIELD}
+        return session, body
+
+    async def forwarded(request: Request, body: dict[str, Any], route: str,
+                        session: str | None) -> Response:
         """A text or chat request the instances answer themselves (they tokenize)."""
-        session = session_of(request.headers.get(SESSION_HEADER))
 
         async def work() -> Reply:
             try:
@@ -111,13 +123,14 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
         if isinstance(body, JSONResponse):
             front.metrics.requests.labels("completions", "bad_request").inc()
             return body
+        session, body = session_in(request, body)
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
                                        and isinstance(prompt[0], str)):
             if front.instances_tokenize:
                 if not isinstance(prompt, str):
                     body = {**body, "prompt": prompt[0]}  # a batch of one text prompt
-                return await forwarded(request, body, "completions")
+                return await forwarded(request, body, "completions", session)
             if codec is None:
                 front.metrics.requests.labels("completions", "bad_request").inc()
                 return JSONResponse(error_body(400, "a text prompt needs instances that "
@@ -128,9 +141,7 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
             if not isinstance(prompt, str):
                 body = {**body, "prompt": prompt[0]}
             return await codec.completions(front, request, body, _cancel_on_disconnect,
-                                           session=session_of(
-                                               request.headers.get(SESSION_HEADER)))
-        session = session_of(request.headers.get(SESSION_HEADER))
+                                           session=session)
         reply = await _cancel_on_disconnect(request, front.complete(
             body, route="completions", session=session))
         if reply is None:
@@ -143,8 +154,9 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
         if isinstance(body, JSONResponse):
             front.metrics.requests.labels("chat", "bad_request").inc()
             return body
+        session, body = session_in(request, body)
         if front.instances_tokenize:
-            return await forwarded(request, body, "chat")
+            return await forwarded(request, body, "chat", session)
         if codec is None or not codec.has_chat_template:
             front.metrics.requests.labels("chat", "bad_request").inc()
             return JSONResponse(error_body(400, "chat completions need instances that "
@@ -152,7 +164,15 @@ def build_app(front: VllmFront, *, codec: TextCodec | None = None) -> FastAPI:
                                            "or the Conductor started with --tokenizer DIR "
                                            "whose tokenizer has a chat template"), 400)
         return await codec.chat(front, request, body, _cancel_on_disconnect,
-                                session=session_of(request.headers.get(SESSION_HEADER)))
+                                session=session)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> Response:
+        if not await front.delete_session(session_id):
+            return JSONResponse(error_body(404, f"no session {session_id!r} is known here "
+                                           "(never seen, ended, or idle past its TTL)"),
+                                status_code=404)
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -216,6 +236,7 @@ async def _poll(front: VllmFront) -> None:
     while True:
         await asyncio.sleep(LOAD_POLL_S)
         await front.poll_loads()
+        await front.sweep_sessions()
 
 
 async def serve(front: VllmFront, *, host: str, port: int, codec: TextCodec | None,

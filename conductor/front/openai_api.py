@@ -45,8 +45,8 @@ answer, which the decode instance gives, not the prompt's KV cache."""
 
 def error_body(status: int, message: str, *, kind: str | None = None,
                reason: str | None = None) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 429: "rate_limit_exceeded", 502: "upstream_error",
-             503: "service_unavailable", 504: "timeout"}
+    kinds = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
+             502: "upstream_error", 503: "service_unavailable", 504: "timeout"}
     err: dict[str, Any] = {"message": message, "type": kind or kinds.get(status, "error"),
                            "param": None, "code": status}
     if reason is not None:

@@ -55,7 +55,8 @@ def run_serve_vllm(args: argparse.Namespace, addrs: Callable[[str], list[str]],
                          slo=Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo),
                          policy=args.policy, rejection=args.rejection,
                          upstream_timeout_s=args.upstream_timeout,
-                         durable_timeout_s=args.durable_timeout)
+                         durable_timeout_s=args.durable_timeout,
+                         session_retain_s=args.session_ttl)
     view = StoreView(store, write_quorum=quorum)
     front = VllmFront(config=config, store=view,
                       prefill=addrs(args.vllm_prefill) if args.vllm_prefill else (),
@@ -72,7 +73,8 @@ def run_serve_vllm(args: argparse.Namespace, addrs: Callable[[str], list[str]],
         print(f"conductor: serving on {addr} ({mode} vLLM, model {front.model}, namespace "
               f"{front.namespace!r}, block {front.block_tokens}, policy {args.policy}, "
               f"rejection {args.rejection}, TTFT SLO {args.ttft_slo:g}s, "
-              f"TBT SLO {args.tbt_slo:g}s, text {text}, durability by {durability})",
+              f"TBT SLO {args.tbt_slo:g}s, text {text}, durability by {durability}, "
+              f"session TTL {args.session_ttl:g}s)",
               flush=True)
 
     async def main() -> None:

@@ -14,9 +14,11 @@ a new session id per request cannot grow it without bound.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from conductor.scheduling.types import InstanceId
+from conductor.scheduling.policies import Candidate, PrefillPolicy
+from conductor.scheduling.types import InstanceId, PrefillPlan, Request
 
 SESSION_HEADER = "x-session-affinity"
 """The request header naming a session (HTTP headers are case-insensitive)."""
@@ -62,6 +64,10 @@ class SessionAffinity:
             return None
         return got[0]
 
+    def forget(self, session: str) -> bool:
+        """Drops ``session`` (``DELETE /v1/sessions/{id}``); False if it was not known."""
+        return self._where.pop(session, None) is not None
+
     def remember(self, session: str, instance: InstanceId, now: float) -> None:
         """``session``'s latest request went to ``instance`` at ``now``."""
         self._where[session] = (instance, now)
@@ -77,3 +83,29 @@ class SessionAffinity:
             if now - used <= self.ttl_s:
                 return
             del self._where[session]
+
+
+class PreferSession:
+    """The scheduler's policy, preferring ``preferred`` (the session's instance, set by
+    the front before each decision) when its best plan meets the TTFT SLO."""
+
+    def __init__(self, inner: PrefillPolicy, ttft_slo_s: float) -> None:
+        self.inner = inner
+        self.ttft_slo_s = ttft_slo_s
+        self.preferred: InstanceId | None = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def may_fetch(self) -> bool:
+        return self.inner.may_fetch
+
+    def choose(self, request: Request, candidates: Sequence[Candidate]) -> PrefillPlan:
+        for c in candidates:
+            if self.preferred is not None and c.local.instance == self.preferred:
+                plan = min((c.local, c.fetch), key=lambda p: p.ttft_s)
+                if plan.ttft_s <= self.ttft_slo_s:
+                    return plan
+        return self.inner.choose(request, candidates)

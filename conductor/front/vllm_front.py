@@ -36,6 +36,7 @@ needs no lock; store calls run in threads, instance calls are async.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -60,12 +61,14 @@ from conductor.front.openai_api import (
     prompt_token_ids,
     sse_error,
 )
+from conductor.front.session_cache import SessionCache
+from conductor.front.sessions import PreferSession as PreferSession  # re-exported
 from conductor.front.sessions import SessionAffinity
 from conductor.front.store_view import NotDurable, StoreView
 from conductor.front.vllm_instances import UpstreamError, VllmInstance
 from conductor.front.vllm_startup import learn
 from conductor.scheduling.costs import PolyCostModel
-from conductor.scheduling.policies import Candidate, PrefillPolicy, make_policy
+from conductor.scheduling.policies import make_policy
 from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.scheduling.types import InstanceId, PrefillPlan, Request, RequestId, Slo
@@ -98,7 +101,11 @@ class FrontConfig:
     connect_timeout_s: float = 5.0
     durable_timeout_s: float = 30.0
     session_ttl_s: float = 600.0
+    """How long the front remembers a session's instance (routing affinity)."""
     max_sessions: int = 100_000
+    session_retain_s: float = 0.0
+    """``--session-ttl``: how long a session's blocks stay retained in the store after its
+    last turn (``conductor.front.session_cache``); 0: sessions keep no cache."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -130,32 +137,6 @@ class _KnownPool:
 
     def prefix_len(self, keys: Sequence[Any]) -> int:
         return self.blocks if tuple(keys) == self.keys else 0
-
-
-class PreferSession:
-    """The scheduler's policy, preferring ``preferred`` (the session's instance, set by
-    the front before each decision) when its best plan meets the TTFT SLO."""
-
-    def __init__(self, inner: PrefillPolicy, ttft_slo_s: float) -> None:
-        self.inner = inner
-        self.ttft_slo_s = ttft_slo_s
-        self.preferred: InstanceId | None = None
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def may_fetch(self) -> bool:
-        return self.inner.may_fetch
-
-    def choose(self, request: Request, candidates: Sequence[Candidate]) -> PrefillPlan:
-        for c in candidates:
-            if self.preferred is not None and c.local.instance == self.preferred:
-                plan = min((c.local, c.fetch), key=lambda p: p.ttft_s)
-                if plan.ttft_s <= self.ttft_slo_s:
-                    return plan
-        return self.inner.choose(request, candidates)
 
 
 class VllmConductor(Conductor):
@@ -208,6 +189,9 @@ class VllmFront:
         """An instance's ``/v1/models`` answer (``max_model_len``: the smallest)."""
         self.sessions = SessionAffinity(max_sessions=config.max_sessions,
                                         ttl_s=config.session_ttl_s)
+        self.session_cache = SessionCache(store.store, ttl_s=config.session_retain_s,
+                                          max_sessions=config.max_sessions)
+        self._session_work: set[asyncio.Future[None]] = set()
         self._prefer: PreferSession | None = None
         self._next_tokenizer = itertools.count()
         self._ids = itertools.count(1)
@@ -315,7 +299,59 @@ class VllmFront:
                 inst.load = None  # unknown: the front's own in-flight count still counts
 
     async def close(self) -> None:
+        await self.sessions_settled()
         await self.http.aclose()
+
+    # ---- sessions --------------------------------------------------------------------
+
+    def _session_arrival(self, session: str | None, keys: list[BlockKey]
+                         ) -> asyncio.Future[int] | None:
+        """Starts the prefetch of a session's last turn's blocks (``SessionCache.arrive``)
+        beside the request's own store lookup; never waited for by the request."""
+        if session is None or not self.session_cache.enabled:
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(self.session_cache.arrive, session,
+                                                       keys))
+
+    def _turn_over(self, job: _Job) -> None:
+        """The request reached an instance and is over: its session's blocks are retained
+        in the background (``_end_turn``)."""
+        if job.session is None or not self.session_cache.enabled:
+            return
+        work = asyncio.ensure_future(self._end_turn(job))
+        self._session_work.add(work)
+        work.add_done_callback(self._session_work.discard)
+
+    async def _end_turn(self, job: _Job) -> None:
+        if job.arrival is not None:
+            with contextlib.suppress(Exception):
+                await job.arrival
+        if self.colocated and job.keys:
+            # The connector saves as the request runs and may finish after it: the blocks
+            # to retain must be stored first (disaggregated, the decode already waited).
+            with contextlib.suppress(NotDurable):
+                await self.store.wait_durable(job.keys, timeout_s=min(
+                    10.0, self.config.durable_timeout_s), namespace=self.namespace)
+        await asyncio.to_thread(self.session_cache.end_turn, job.session, job.keys)
+
+    async def sessions_settled(self) -> None:
+        """Returns once every turn's session work started so far is done."""
+        while self._session_work:
+            await asyncio.gather(*list(self._session_work), return_exceptions=True)
+
+    async def sweep_sessions(self) -> int:
+        """Releases sessions idle past ``--session-ttl`` (``SessionCache.sweep``)."""
+        if not self.session_cache.enabled:
+            return 0
+        return await asyncio.to_thread(self.session_cache.sweep)
+
+    async def delete_session(self, session: str) -> bool:
+        """``DELETE /v1/sessions/{id}``: forgets its instance and releases its blocks;
+        False if neither was known."""
+        await self.sessions_settled()  # a turn that just ended is part of the session
+        routed = self.sessions.forget(session)
+        kept = await asyncio.to_thread(self.session_cache.delete, session)
+        return routed or kept
 
     def _shared_cost(self) -> PolyCostModel:
         """The scheduler's decode-side model: the slowest decode instance's step time."""
@@ -372,13 +408,14 @@ class VllmFront:
             return JsonReply(status=400, body=_err(400, str(exc)))
         body = {"model": self.model, **body}
         keys = block_keys(tokens, self.block_tokens, self.namespace)
+        arrival = self._session_arrival(session, keys)
         stored = await self.store.prefix_len(keys)
         self.metrics.prompt_tokens.inc(len(tokens))
         self.metrics.prefix_tokens.inc(stored * self.block_tokens)
         self._prompt_tokens_seen += len(tokens)
         self._requests_seen += 1
         job = _Job(body=body, route=route, path=path, tokens=tokens, keys=keys, stored=stored,
-                   out_tokens=out_tokens, t0=t0, session=session)
+                   out_tokens=out_tokens, t0=t0, session=session, arrival=arrival)
         try:
             if self.disaggregated:
                 return await self._disaggregated(job)
@@ -512,11 +549,17 @@ class VllmFront:
         assert best is not None
         return best
 
-    async def _forward(self, inst: VllmInstance, job: _Job, done: Callable[[], None],
+    async def _forward(self, inst: VllmInstance, job: _Job, request_done: Callable[[], None],
                        prefill_tokens: int = 0) -> Reply:
-        """Sends the client's request to ``inst``; calls ``done`` exactly once when the
-        request is over (answered, failed, or cancelled by the client)."""
+        """Sends the client's request to ``inst``; calls ``request_done`` exactly once when
+        the request is over (answered, failed, or cancelled by the client), and then ends
+        its session's turn (``_turn_over``)."""
         body, route, t0 = job.body, job.route, job.t0
+
+        def done() -> None:
+            request_done()
+            self._turn_over(job)
+
         inst.in_flight += 1
         if not body.get("stream"):
             ts = time.monotonic()
@@ -591,6 +634,7 @@ class VllmFront:
             "block_tokens": self.block_tokens, "durability": self.store.waits_by,
             "text": "instances" if self.instances_tokenize else None,
             "sessions": len(self.sessions),
+            "session_cache": self.session_cache.snapshot(),
             "instances": {i.url: {"role": i.role, "in_flight": i.in_flight,
                                   "load": None if i.load is None else {
                                       "running": i.load.running, "waiting": i.load.waiting,
@@ -616,6 +660,8 @@ class _Job:
     """Expected output tokens (all ``n`` answers), for the scheduler."""
     t0: float
     session: str | None
+    arrival: asyncio.Future[int] | None = None
+    """The session's prefetch, started on arrival (``_session_arrival``)."""
 
 
 @dataclass(slots=True)

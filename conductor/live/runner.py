@@ -18,8 +18,16 @@ What the scheduler sees of the world:
   time measured on the requests run so far (a conservative default before the
   first), KV bytes per token from the model's shape.
 
+Sessions (``session``, from ``X-Session-Affinity`` or a ``session_id`` field): a turn
+prefers its session's previous prefill worker while that meets the TTFT SLO
+(``conductor.front.sessions``), and with ``session_ttl_s`` the session's blocks (every
+layer's object of each full block of its prompt) stay retained in the store between turns,
+the shared prefix is prefetched to DRAM when the next turn arrives
+(``conductor.front.session_cache``).
+
 Threads: one lock guards the Conductor and its instance states (they are
-single-owner); worker calls run outside it, so requests proceed in parallel.
+single-owner); worker calls run outside it, so requests proceed in parallel. The session
+cache has its own lock and calls the store outside it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from conductor.front.session_cache import SessionCache
+from conductor.front.sessions import PreferSession, SessionAffinity
 from conductor.scheduling.costs import PolyCostModel
+from conductor.scheduling.policies import make_policy
 from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.scheduling.types import CacheKey, InstanceId, Request, RequestId, Slo
@@ -76,24 +87,32 @@ class _Speed:
 class LiveConductor:
     def __init__(self, *, store: Any, prefill: Sequence[str], decode: Sequence[str],
                  slo: Slo, policy: str = "global-cache-aware", rejection: str = "predictive",
-                 clock: Callable[[], float] = time.monotonic, seed: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int = 0,
+                 session_ttl_s: float = 0.0, max_sessions: int = 100_000) -> None:
+        """``session_ttl_s``: how long a session's blocks stay retained after its last turn
+        (``conductor serve --session-ttl``; 0: sessions keep no cache, only affinity)."""
         self.prefill_workers = {InstanceId(a): WorkerClient(a) for a in prefill}
         self.decode_workers = {InstanceId(a): WorkerClient(a) for a in decode}
         shape = self._agreed_shape()
         self.block_tokens = int(shape["block_tokens"])
         self.namespace = str(shape["namespace"])
         self.kv_bytes_per_token = int(shape["kv_bytes_per_token"])
+        self.n_layers = int(shape["n_layers"])
+        self.session_cache = SessionCache(store, ttl_s=session_ttl_s,
+                                          max_sessions=max_sessions, clock=clock)
         self._clock = clock
         self._prefill_speed = _Speed()
         self._step_s = _Speed()
         self._lock = threading.Lock()
         # guarded by _lock:
+        self.sessions = SessionAffinity(max_sessions=max_sessions)
+        self._prefer = PreferSession(make_policy(policy, seed), slo.ttft_s)
         self.conductor = Conductor(
             prefill=[PrefillInstance(id=i, cache=LocalPrefixCache(LOCAL_CACHE_BLOCKS))
                      for i in self.prefill_workers],
             decode=[DecodeInstance(id=i, kv_capacity_tokens=DECODE_KV_TOKENS)
                     for i in self.decode_workers],
-            cost=self._cost(), policy=policy, rejection=rejection, slo=slo,
+            cost=self._cost(), policy=self._prefer, rejection=rejection, slo=slo,
             pool=StorePool(store, int(shape["n_layers"])), seed=seed)
         self._ids = itertools.count(1)
 
@@ -116,9 +135,10 @@ class LiveConductor:
             kv_bytes_per_token=self.kv_bytes_per_token, net_bytes_per_s=NET_BYTES_PER_S)
 
     def submit(self, token_ids: Sequence[int], max_new_tokens: int, *,
-               use_cache: bool = True) -> dict[str, Any]:
+               use_cache: bool = True, session: str | None = None) -> dict[str, Any]:
         """Runs one request: generated tokens and timings, or ``{"rejected": True,
-        "reason": ...}`` at once when no worker pair meets the SLOs."""
+        "reason": ...}`` at once when no worker pair meets the SLOs. ``session``: the
+        session it is a turn of (see the module docstring)."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("token_ids must not be empty")
@@ -126,23 +146,47 @@ class LiveConductor:
             raise ValueError("max_new_tokens must be >= 1")
         t0 = self._clock()
         keys = block_keys(tokens, self.block_tokens, self.namespace)
+        stored = self.store_keys(keys) if session is not None else []
+        prefetched = self.session_cache.arrive(session, stored)
         with self._lock:
             rid = RequestId(next(self._ids))
             req = Request(id=rid, arrival_s=t0, prompt_tokens=len(tokens),
                           output_tokens=max_new_tokens, block_keys=tuple(keys),
                           block_tokens=self.block_tokens)
+            known = self.sessions.instance(session, t0) if session is not None else None
+            self._prefer.preferred = known
             decision = self.conductor.schedule(req, t0)
-        base = {"request_id": int(rid), "est_ttft_s": decision.est_ttft_s,
-                "est_tbt_s": decision.est_tbt_s}
+            if session is not None and decision.prefill is not None:
+                self.sessions.remember(session, decision.prefill, t0)
+        base: dict[str, Any] = {"request_id": int(rid), "est_ttft_s": decision.est_ttft_s,
+                                "est_tbt_s": decision.est_tbt_s}
+        if session is not None:
+            base["session"] = {"id": session, "previous_prefill": known,
+                               "prefetched_keys": prefetched}
         if not decision.accepted:
             return {**base, "rejected": True, "reason": decision.reason}
         assert decision.prefill is not None and decision.decode is not None
         try:
-            return self._run(rid, req, tokens, decision.prefill, decision.decode, use_cache,
-                             base, t0)
+            out = self._run(rid, req, tokens, decision.prefill, decision.decode, use_cache,
+                            base, t0)
         finally:
             with self._lock:
                 self.conductor.forget(rid)
+        if not out.get("rejected"):
+            self.session_cache.end_turn(session, stored)
+        return out
+
+    def store_keys(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """The store objects of these blocks: every layer's, block by block (the workers
+        store one object per block and layer)."""
+        return [layer_key(k, layer) for k in keys for layer in range(self.n_layers)]
+
+    def delete_session(self, session: str) -> bool:
+        """Forgets ``session``'s worker and releases its blocks; False if neither was
+        known."""
+        with self._lock:
+            routed = self.sessions.forget(session)
+        return self.session_cache.delete(session) or routed
 
     def _run(self, rid: RequestId, req: Request, tokens: list[int], p_id: InstanceId,
              d_id: InstanceId, use_cache: bool, base: dict[str, Any], t0: float
@@ -187,4 +231,6 @@ class LiveConductor:
                     out[role][addr] = {"error": str(exc)}
         with self._lock:
             out["queue_s"] = {p.id: p.queue_s(self._clock()) for p in self.conductor.prefill}
+            out["sessions"] = len(self.sessions)
+        out["session_cache"] = self.session_cache.snapshot()
         return out

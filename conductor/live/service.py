@@ -6,7 +6,15 @@ Endpoints (one JSON object per request and reply):
   200 with ``{"tokens", "ttft_s", "tbt_s", "cached_tokens", "prefill", "decode", ...}``;
   429 with ``{"rejected": true, "reason": ...}`` when no worker pair can meet the SLOs
   (decided before any work is done); 400 for a malformed request; 502 if a worker failed.
-* ``GET /health``: every worker's status and the scheduler's queue estimates.
+  A turn of a session names it by the ``X-Session-Affinity`` header or a ``session_id``
+  field (``conductor.live.runner``, "Sessions").
+* ``DELETE /v1/sessions/{id}``: ends a session (its blocks released to ordinary
+  eviction): 200 ``{"id", "object": "session.deleted", "deleted": true}``, or 404 with an
+  OpenAI-shaped error for a session not known here.
+* ``GET /health``: every worker's status, the scheduler's queue estimates and the
+  sessions' counts.
+
+Sessions idle past the TTL are released by a sweep once a second (``SWEEP_S``).
 
 The same shape of server as the workers' (``ThreadingHTTPServer``): one thread per
 request, SIGTERM lets requests in flight finish.
@@ -21,14 +29,19 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.error import HTTPError, URLError
+from urllib.parse import quote, unquote
 from urllib.request import Request as UrlRequest
 from urllib.request import urlopen
 
+from conductor.front.openai_api import error_body
+from conductor.front.session_cache import SESSION_FIELD, SESSION_HEADER, session_of_request
 from conductor.live.runner import LiveConductor
 from workers.client import WorkerError
 
 log = logging.getLogger("conductor.live.service")
 MAX_BODY = 64 << 20
+SWEEP_S = 1.0
+SESSIONS_PATH = "/v1/sessions/"
 
 
 class ConductorService:
@@ -43,14 +56,26 @@ class ConductorService:
         self.addr = f"{host}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
                                         name="conductor-http")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, daemon=True,
+                                         name="conductor-sessions")
 
     def start(self) -> None:
         self._thread.start()
+        if self.live.session_cache.enabled:
+            self._sweeper.start()
 
     def stop(self) -> None:
+        self._stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()  # joins the request threads
         self._thread.join()
+        if self._sweeper.is_alive():
+            self._sweeper.join()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(SWEEP_S):
+            self.live.session_cache.sweep()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -91,14 +116,15 @@ class _Handler(BaseHTTPRequestHandler):
             use_cache = body.get("use_cache", True)
             if not isinstance(use_cache, bool):
                 raise ValueError("use_cache must be true or false")
-            unknown = set(body) - {"token_ids", "max_new_tokens", "use_cache"}
+            unknown = set(body) - {"token_ids", "max_new_tokens", "use_cache", SESSION_FIELD}
             if unknown:
                 raise ValueError(f"unknown fields: {sorted(unknown)}")
+            session = session_of_request(self.headers.get(SESSION_HEADER), body)
         except ValueError as exc:
             self._reply(400, {"error": str(exc)})
             return
         try:
-            out = self.live.submit(tokens, n, use_cache=use_cache)
+            out = self.live.submit(tokens, n, use_cache=use_cache, session=session)
         except WorkerError as exc:
             self._reply(502, {"error": f"worker failed: {exc}"})
             return
@@ -110,6 +136,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(502, {"error": f"{type(exc).__name__}: {exc}"})
             return
         self._reply(429 if out.get("rejected") else 200, out)
+
+    def do_DELETE(self) -> None:
+        if not self.path.startswith(SESSIONS_PATH) or self.path == SESSIONS_PATH:
+            self._reply(404, error_body(404, f"no such endpoint: DELETE {self.path}"))
+            return
+        session = unquote(self.path[len(SESSIONS_PATH):])
+        if not self.live.delete_session(session):
+            self._reply(404, error_body(404, f"no session {session!r} is known here (never "
+                                        "seen, ended, or idle past its TTL)"))
+            return
+        self._reply(200, {"id": session, "object": "session.deleted", "deleted": True})
 
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -132,10 +169,14 @@ class ConductorClient:
         self.timeout = timeout
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int, *,
-                 use_cache: bool = True) -> dict[str, Any]:
-        """The service's answer: tokens and timings, or ``rejected`` with a ``reason``."""
-        data = json.dumps({"token_ids": list(token_ids), "max_new_tokens": max_new_tokens,
-                           "use_cache": use_cache}).encode()
+                 use_cache: bool = True, session: str | None = None) -> dict[str, Any]:
+        """The service's answer: tokens and timings, or ``rejected`` with a ``reason``.
+        ``session``: the session this request is a turn of (its ``session_id``)."""
+        body: dict[str, Any] = {"token_ids": list(token_ids),
+                                "max_new_tokens": max_new_tokens, "use_cache": use_cache}
+        if session is not None:
+            body[SESSION_FIELD] = session
+        data = json.dumps(body).encode()
         req = UrlRequest(self.base + "/generate", data=data, method="POST",
                          headers={"Content-Type": "application/json"})
         try:
@@ -148,6 +189,17 @@ class ConductorClient:
             raise WorkerError(exc.code, body.get("error", str(exc))) from None
         except URLError as exc:
             raise WorkerError(0, f"{self.base}: {exc.reason}") from exc
+
+    def delete_session(self, session: str) -> bool:
+        """Ends ``session`` (``DELETE /v1/sessions/{id}``); False if it was not known."""
+        req = UrlRequest(self.base + SESSIONS_PATH + quote(session, safe=""), method="DELETE")
+        try:
+            with urlopen(req, timeout=self.timeout) as resp:
+                return bool(json.loads(resp.read())["deleted"])
+        except HTTPError as exc:
+            if exc.code == 404:
+                return False
+            raise WorkerError(exc.code, str(exc)) from None
 
     def health(self) -> dict[str, Any]:
         with urlopen(self.base + "/health", timeout=self.timeout) as resp:

@@ -46,6 +46,7 @@ from kvstore.core.prefetch import (
     MAX_PREFETCH_KEYS,
     PrefetchOutcome,
 )
+from kvstore.core.retention import MAX_RETAIN_KEYS, RetainOutcome
 from kvstore.node.fit import check_fits
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
@@ -540,6 +541,26 @@ class Node:
         answer = plan.answer()  # before the worker moves its outcomes on
         self._mover.submit_prefetch(plan)
         return answer
+
+    def retain(self, keys: Sequence[BlockKey], retain_s: float, *, owner: str | None = None,
+               quota: int | None = None) -> list[RetainOutcome]:
+        """Retains the stored blocks of ``keys`` for ``retain_s`` seconds as a put of each
+        would (the node's cap, ``owner``'s share of ``quota``), or with 0 releases them to
+        ordinary eviction; one ``RetainOutcome`` per key, in order (docs/node.md,
+        "Retaining stored blocks"). InvalidArgument for more than ``MAX_RETAIN_KEYS`` keys
+        or a bad ``retain_s``. Keys are stored keys (a transport salts a tenant's first)."""
+        if len(keys) > MAX_RETAIN_KEYS:
+            raise InvalidArgument(f"at most {MAX_RETAIN_KEYS} keys per retain, got {len(keys)}")
+        ask = retain_ask(retain_s, owner=owner, quota=quota,
+                         fraction=self.settings.max_retained_fraction)
+        with self._lock:
+            m = self._manager
+            if ask is None:
+                return [RetainOutcome.RELEASED if m.release(k) else RetainOutcome.MISSING
+                        for k in keys]
+            got = [m.retain(k, ask) for k in keys]
+        return [RetainOutcome.MISSING if g is None else
+                RetainOutcome.RETAINED if g else RetainOutcome.DENIED for g in got]
 
     def remove(self, key: BlockKey) -> bool:
         with self._lock:

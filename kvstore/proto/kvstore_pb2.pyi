@@ -210,6 +210,20 @@ class PrefetchResponse(_message.Message):
     outcomes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, outcomes: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("keys", "retain_s")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_S_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    retain_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., retain_s: _Optional[float] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outcomes: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class OpenChannelRequest(_message.Message):
     __slots__ = ("client_host_id",)
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Retain',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -188,6 +193,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Retain blocks this node already holds for some seconds, or release them (see
+        RetainRequest). Added after Prefetch: an older node answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +268,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.RetainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +626,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Prefetch',
             kvstore_dot_proto_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Retain',
+            kvstore_dot_proto_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.RetainResponse.FromString,
             options,
             channel_credentials,
             insecure,

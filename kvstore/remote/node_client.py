@@ -46,7 +46,7 @@ from kvstore.core.errors import (
 from kvstore.core.keys import BlockKey
 from kvstore.core.logs import REQUEST_ID_HEADER
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
-from kvstore.core.retention import retain_seconds
+from kvstore.core.retention import RetainOutcome, check_retain, retain_seconds
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol.grpc_options import GRPC_OPTIONS, host_id
@@ -445,6 +445,17 @@ class NodeClient(SingleKeyCalls):
         ks, name = check_prefetch(keys, tier)
         reply = self._grpc("Prefetch", pb.PrefetchRequest(keys=ks, tier=name, wait=wait))
         return [PrefetchOutcome(o) for o in reply.outcomes]
+
+    def retain(self, keys: Sequence[bytes], retain_s: float) -> list[RetainOutcome]:
+        """Retains the blocks of ``keys`` the node already holds for ``retain_s`` seconds
+        after their last put or read, capped and charged as a put's retention is; 0
+        releases them to ordinary eviction. One ``RetainOutcome`` per key, in order. At
+        most ``MAX_RETAIN_KEYS`` keys (InvalidArgument before anything is sent). Always
+        over gRPC; a node older than the call answers KVStoreError (UNIMPLEMENTED).
+        Semantics: docs/node.md, "Retaining stored blocks"."""
+        ks, seconds = check_retain(keys, retain_s)
+        reply = self._grpc("Retain", pb.RetainRequest(keys=ks, retain_s=seconds))
+        return [RetainOutcome(o) for o in reply.outcomes]
 
     def remove(self, key: bytes) -> bool:
         """Removes ``key``: True if it was stored."""

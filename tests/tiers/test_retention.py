@@ -308,3 +308,50 @@ def test_a_block_adopted_after_a_restart_is_retained_until_its_kept_deadline() -
     assert m.retention.retains(k("kept")) and not m.retention.retains(k("gone"))
     clock.now += 20
     assert not m.retention.retains(k("kept"))
+
+
+def test_retain_of_a_stored_block_is_a_put_time_grant_and_release_ends_it_now() -> None:
+    clock = Clock()
+    m = one_level(clock, max_bytes=2 * B)
+    for n in "abcd":
+        put(m, n)
+    assert m.retain(k("a"), RetainAsk(seconds=10)) is True
+    assert m.retain(k("zz"), RetainAsk(seconds=10)) is None  # not stored
+    assert m.retain(k("b"), RetainAsk(seconds=10)) is True
+    assert m.retain(k("c"), RetainAsk(seconds=10)) is False  # the node's cap: 2 blocks
+    assert m.retention.stats()["retention_denied"] == 1
+    # LRU would take "a" then "b"; both retained, so "c" and "d" go first.
+    assert put(m, "e") == ["c"]
+    assert put(m, "f") == ["d"]
+    clock.now += 5
+    assert m.retain(k("a"), RetainAsk(seconds=1)) is True
+    assert m.retention.held[k("a")].until == 1010.0  # never shortened
+    assert m.release(k("a")) is True
+    assert m.release(k("zz")) is False
+    assert k("a") not in m.retention.held
+    assert m.retention.stats()["retained_bytes"] == B  # "b" only: a's bytes left the cap
+    assert put(m, "g") == ["a"]  # ordinary again, and the LRU block
+    assert m.release(k("e")) is True  # stored, never retained: released is a no-op
+    assert put(m, "h") == ["e"]
+
+
+def test_a_released_block_that_left_the_queue_rejoins_it() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=2)
+    put(m, "a", retain_s=60)
+    put(m, "b")
+    assert put(m, "c") == ["b"]  # the round passed "a" over: it left the queue
+    assert m.release(k("a")) is True
+    assert put(m, "d") == ["a"]
+
+
+def test_retain_charges_the_owner_cap_like_a_put() -> None:
+    clock = Clock()
+    m = one_level(clock, blocks=8)
+    for n in "abc":
+        put(m, n)
+    ask = RetainAsk(seconds=10, owner="t1", owner_cap=2 * B)
+    assert [m.retain(k(n), ask) for n in "abc"] == [True, True, False]
+    assert m.retention.stats()["namespace_retained_bytes"] == {"t1": 2 * B}
+    m.release(k("a"))
+    assert m.retain(k("c"), ask) is True

@@ -55,3 +55,31 @@ def test_the_server_leaves_sigterm_and_sigint_to_its_caller() -> None:
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_delete_session_answers_200_or_an_openai_shaped_404() -> None:
+    import httpx
+
+    from conductor.front.http_front import build_app
+    from conductor.front.store_view import StoreView
+    from conductor.front.vllm_front import FrontConfig, VllmFront
+    from conductor.scheduling.types import InstanceId, Slo
+
+    front = VllmFront(config=FrontConfig(namespace="ns", block_tokens=16, slo=Slo()),
+                      store=StoreView(None), colocated=["http://a:1"])
+    front.sessions.remember("conv-1", InstanceId("http://a:1"), 0.0)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as c:
+            out = [await c.delete("/v1/sessions/conv-1"), await c.delete("/v1/sessions/conv-1")]
+        await front.close()
+        return out
+
+    ok, gone = asyncio.run(run())
+    assert (ok.status_code, ok.json()) == (200, {"id": "conv-1", "object": "session.deleted",
+                                                 "deleted": True})
+    assert gone.status_code == 404
+    err = gone.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("not_found_error", 404, None)
+    assert "conv-1" in err["message"]

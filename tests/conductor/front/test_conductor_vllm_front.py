@@ -137,3 +137,56 @@ def test_a_session_keeps_its_prefill_instance_while_it_meets_the_slo() -> None:
     prefer.preferred = slow
     assert schedule(2, 650) == slow  # 0.98 s on slow: within the 1 s SLO
     assert schedule(3, 700) == fast  # 1.05 s on slow would miss it
+
+
+def test_a_sessions_turn_is_retained_prefetched_and_released_through_the_front() -> None:
+    from conductor.front.vllm_front import _Job
+    from kvstore.core.keys import BlockKey
+    from kvstore.node.semantics import Node, NodeSettings
+
+    node = Node(NodeSettings(dram_bytes=64 << 10, prefault=False))  # a real store, in process
+    cfg = FrontConfig(namespace="ns", block_tokens=BT, slo=Slo(ttft_s=5, tbt_s=1),
+                      session_retain_s=60)
+    f = VllmFront(config=cfg, store=StoreView(node), colocated=[A])
+    turn1, turn2 = keys(100), keys(170)  # 3 full blocks, then 5 (the same first 3)
+    for k in turn2:
+        assert node.put(BlockKey(k), memoryview(b"x" * 64))
+
+    def retained() -> int:
+        return int(node.stats()["node"]["retained_blocks"])
+
+    def job(ks: list[bytes], arrival: asyncio.Future[int] | None) -> _Job:
+        return _Job(body={}, route="completions", path="/v1/completions", tokens=[], keys=ks,
+                    stored=len(ks), out_tokens=1, t0=0.0, session="s", arrival=arrival)
+
+    async def run() -> None:
+        assert f._session_arrival(None, turn1) is None  # no session: nothing asked
+        first = f._session_arrival("s", turn1)
+        assert first is not None
+        f._turn_over(job(turn1, first))
+        await f.sessions_settled()
+        assert await first == 0  # nothing known of the session yet
+        assert retained() == 3
+        second = f._session_arrival("s", turn2)
+        assert second is not None and await second == 3  # its first turn, to DRAM
+        f._turn_over(job(turn2, second))
+        await f.sessions_settled()
+        assert retained() == 5
+        assert f.status()["session_cache"]["prefetched_keys"] == 3
+        f.sessions.remember("s", InstanceId(A), 0.0)
+        assert await f.delete_session("s") is True
+        assert retained() == 0 and f.sessions.instance("s", 0.0) is None
+        assert await f.delete_session("s") is False
+        await f.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        node.close()
+
+
+def test_sessions_off_ask_nothing_of_the_store() -> None:
+    f = front(A)  # session_retain_s defaults to 0
+    assert not f.session_cache.enabled
+    assert f._session_arrival("s", keys(100)) is None
+    assert asyncio.run(f.sweep_sessions()) == 0
