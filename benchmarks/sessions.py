@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -160,7 +161,10 @@ def conductor_metrics(url: str) -> dict[str, float]:
 
 
 def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespace,
-             root: Path, supported: bool) -> dict[str, Any]:
+             root: Path, supported: bool, start: threading.Barrier | None = None
+             ) -> dict[str, Any]:
+    """One mode's run on its own processes; with ``start``, its replay begins when every
+    mode sharing the barrier has started its processes."""
     on = mode == "on"
     logdir = root / f"{backend}-{mode}"
     logdir.mkdir(parents=True)
@@ -177,20 +181,16 @@ def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespa
     plans = sessions(spec)
     others = background(spec, 4 * nominal_duration_s(spec))
     try:
-        node = stack.start_node(size)
-        if backend == "toy":
-            conductor = stack.start_toy(model_file, block, flags)
-            ask: Any = functools.partial(_ask_toy, url=conductor.url)
-        else:
-            ctx_tokens = spec.context_tokens() + spec.output_tokens
-            max_len = max(1024, math.ceil(ctx_tokens / 256) * 256)
-            cache = max(max_len, int(args.vllm_cache_contexts * ctx_tokens)) * bpt
-            conductor = stack.start_vllm(args.vllm_python, root / "model",
-                                         instances=args.vllm_instances,
-                                         namespace=f"sessions-{mode}-{time.time_ns()}",
-                                         max_model_len=max_len, kv_cache_bytes=cache,
-                                         conductor_args=flags)
-            ask = functools.partial(_ask_vllm, url=conductor.url, model=str(root / "model"))
+        try:
+            node, conductor, ask = _start(stack, backend, mode, spec, args, root, flags,
+                                          size, model_file if backend == "toy" else None,
+                                          block)
+        except BaseException:
+            if start is not None:
+                start.abort()  # the other modes stop waiting
+            raise
+        if start is not None:
+            start.wait()
         with Client(node.url) as client:
             writer = BackgroundWriter(client, block, block * bpt)
             replay = Replay(spec=spec, sessions=plans, background=others, ask=ask,
@@ -221,19 +221,43 @@ def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespa
     return out
 
 
+def _start(stack: Stack, backend: str, mode: str, spec: WorkloadSpec,
+           args: argparse.Namespace, root: Path, flags: list[str], size: NodeSize,
+           model_file: Path | None, block: int) -> tuple[Any, Any, Any]:
+    """Starts the node, the backend and the Conductor: (node, conductor, ask)."""
+    node = stack.start_node(size)
+    if backend == "toy":
+        assert model_file is not None
+        conductor = stack.start_toy(model_file, block, flags)
+        return node, conductor, functools.partial(_ask_toy, url=conductor.url)
+    ctx_tokens = spec.context_tokens() + spec.output_tokens
+    max_len = max(1024, math.ceil(ctx_tokens / 256) * 256)
+    cache = max(max_len, int(args.vllm_cache_contexts * ctx_tokens)) * VLLM_BYTES_PER_TOKEN
+    conductor = stack.start_vllm(args.vllm_python, root / "model",
+                                 instances=args.vllm_instances,
+                                 namespace=f"sessions-{mode}-{time.time_ns()}",
+                                 max_model_len=max_len, kv_cache_bytes=cache,
+                                 conductor_args=flags)
+    return node, conductor, functools.partial(_ask_vllm, url=conductor.url,
+                                              model=str(root / "model"))
+
+
 def run_modes(backend: str, spec: WorkloadSpec, args: argparse.Namespace, root: Path,
               supported: bool) -> dict[str, dict[str, Any]]:
     """Both modes of one backend: at once, each on its own processes (the machine's load
     drifts under both alike), or one after the other with ``--sequential``."""
+    start = None if args.sequential else threading.Barrier(len(MODES))
+
     def one(mode: str) -> dict[str, Any]:
-        r = run_mode(backend, mode, spec, args, root, supported)
+        r = run_mode(backend, mode, spec, args, root, supported, start)
         o = r["overall"]
         print(f"   {backend}, sessions {mode}: {o['ok']}/{o['requests']} ok in {r['wall_s']} "
               f"s, hit {o['hit_rate']}, TTFT p90 {o['ttft_p90_s']}", flush=True)
         return r
 
     print(f"-- {backend}: sessions {' and '.join(MODES)}"
-          + (", one after the other" if args.sequential else ", at once"), flush=True)
+          + (", one after the other" if args.sequential else
+             ", at once (each replay starts when both stacks are up)"), flush=True)
     if args.sequential:
         return {mode: one(mode) for mode in MODES}
     with ThreadPoolExecutor(len(MODES)) as pool:

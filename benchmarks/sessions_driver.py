@@ -187,4 +187,7 @@ def node_sample(stats: dict[str, Any]) -> Sample:
     tiers = {name: int(t.get("used", 0)) for name, t in stats.get("tiers", {}).items()}
     return Sample(t_s=0.0, retained_bytes=int(node.get("retained_bytes", 0)), tier_bytes=tiers,
                   prefetch_blocks={k: int(v)
-                                   for k, v in (node.get("prefetch_blocks") or {}).items()})
+                                   for k, v in (node.get("prefetch_blocks") or {}).items()},
+                  tier_evictions={name: int(t.get("evictions", 0))
+                                  for name, t in stats.get("tiers", {}).items()},
+                  retention_denied=int(node.get("retention_denied", 0)))

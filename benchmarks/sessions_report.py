@@ -57,6 +57,10 @@ class Sample:
     retained_bytes: int
     tier_bytes: dict[str, int] = field(default_factory=dict)
     prefetch_blocks: dict[str, int] = field(default_factory=dict)
+    tier_evictions: dict[str, int] = field(default_factory=dict)
+    """Blocks each tier evicted so far (the last tier's left the node)."""
+    retention_denied: int = 0
+    """Retention asks the node refused so far (its retained bytes at their cap)."""
 
 
 def _pcts(ttfts: Sequence[float]) -> tuple[float | None, float | None]:
@@ -110,10 +114,13 @@ def node_summary(samples: Sequence[Sample]) -> dict[str, Any]:
     """Peak and last retained bytes, and the prefetch outcomes at the end."""
     if not samples:
         return {"retained_peak_bytes": None, "retained_last_bytes": None,
-                "prefetch_blocks": {}, "promoted_ahead": None}
+                "prefetch_blocks": {}, "promoted_ahead": None, "tier_evictions": {},
+                "retention_denied": None}
     last = samples[-1]
     return {"retained_peak_bytes": max(s.retained_bytes for s in samples),
             "retained_last_bytes": last.retained_bytes,
+            "tier_evictions": dict(last.tier_evictions),
+            "retention_denied": last.retention_denied,
             "prefetch_blocks": dict(last.prefetch_blocks),
             "promoted_ahead": last.prefetch_blocks.get("promoted", 0)
             + last.prefetch_blocks.get("queued", 0)}
@@ -166,12 +173,15 @@ def summary_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     for mode, r in results.items():
         o, n = r["overall"], r["node"]
         peak = n["retained_peak_bytes"]
+        evicted = list(n["tier_evictions"].values())
         rows.append([mode, f"{o['ok']}/{o['requests']}", _pct(o["hit_rate"]),
                      _pct(o["min_hit"]), _ms(o["ttft_p50_s"]), _ms(o["ttft_p90_s"]),
                      _ms(o["ttft_p90_all_s"]), n["promoted_ahead"],
-                     None if peak is None else f"{peak / 2**20:.1f}"])
+                     None if peak is None else f"{peak / 2**20:.1f}",
+                     evicted[-1] if evicted else None, n["retention_denied"]])
     return format_table(["mode", "ok", "hit (turns>0)", "min hit", "TTFT p50 ms", "p90 ms",
-                         "p90 all turns ms", "promoted ahead", "retained peak MiB"], rows)
+                         "p90 all turns ms", "promoted ahead", "retained peak MiB",
+                         "dropped blocks", "retain denied"], rows)
 
 
 def plot(path: Path, results: Mapping[str, Mapping[str, Any]], title: str) -> Path:

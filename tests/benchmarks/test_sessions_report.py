@@ -84,12 +84,14 @@ SAMPLES = [Sample(t_s=0.0, retained_bytes=0, tier_bytes={"dram": 0, "ssd": 0}),
            Sample(t_s=1.0, retained_bytes=300, tier_bytes={"dram": 10, "ssd": 5},
                   prefetch_blocks={"promoted": 2}),
            Sample(t_s=2.0, retained_bytes=100, tier_bytes={"dram": 10, "ssd": 7},
-                  prefetch_blocks={"promoted": 4, "present": 3, "no_room": 1})]
+                  prefetch_blocks={"promoted": 4, "present": 3, "no_room": 1},
+                  tier_evictions={"dram": 0, "ssd": 9}, retention_denied=2)]
 
 
 def test_node_summary() -> None:
     assert node_summary(SAMPLES) == {
         "retained_peak_bytes": 300, "retained_last_bytes": 100,
+        "tier_evictions": {"dram": 0, "ssd": 9}, "retention_denied": 2,
         "prefetch_blocks": {"promoted": 4, "present": 3, "no_room": 1}, "promoted_ahead": 4}
     assert node_summary([])["promoted_ahead"] is None
 
