@@ -160,6 +160,18 @@ def conductor_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def session_cache_counts(url: str) -> dict[str, Any]:
+    """The Conductor's ``session_cache`` counts from ``GET /health`` (``missing_keys``: a
+    turn's blocks no longer in the store when the turn ended; ``denied_keys``: past the
+    node's retention cap); empty where it has none."""
+    try:
+        got = httpx.get(url + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    cache = got.get("session_cache") if isinstance(got, dict) else None
+    return dict(cache) if isinstance(cache, dict) else {}
+
+
 def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespace,
              root: Path, supported: bool, start: threading.Barrier | None = None
              ) -> dict[str, Any]:
@@ -202,6 +214,7 @@ def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespa
             wall = time.monotonic() - t0
             final = sampler(client)
         front = conductor_metrics(conductor.url)
+        cache_counts = session_cache_counts(conductor.url)
     finally:
         codes = stack.stop()
     if final is not None:
@@ -216,7 +229,8 @@ def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespa
                        "requests_failed": replay.background_failed,
                        "bytes_written": writer.bytes_written,
                        "per_s": spec.background_per_s},
-        "released": replay.released, "conductor": front, "session_flags": flags,
+        "released": replay.released, "conductor": front, "session_cache": cache_counts,
+        "session_flags": flags,
         "exit_codes": codes})
     return out
 
@@ -390,6 +404,13 @@ def report(results: dict[str, dict[str, Any]], settings: str, args: argparse.Nam
         print(turn_table(r["runs"]))
         print(f"\n{backend}: per run")
         print(summary_table(r["runs"]))
+        for mode, run in r["runs"].items():
+            c = run["session_cache"]
+            if c:
+                print(f"{mode}: conductor session_cache " + ", ".join(
+                    f"{k} {c[k]}" for k in ("turns", "prefetched_keys", "retained_keys",
+                                            "missing_keys", "denied_keys", "deleted",
+                                            "store_errors") if k in c))
         x = r["ratios"]
         p90, p50 = x["ttft_p90_off_over_on"], x["ttft_p50_off_over_on"]
         print(f"TTFT p90 off/on {p90 and f'{p90:.2f}'}x (target >= 1.5: "
@@ -400,9 +421,12 @@ def report(results: dict[str, dict[str, Any]], settings: str, args: argparse.Nam
         "benchmark": "sessions", "settings": settings, "session_ttl_flag": supported,
         "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": results})
+    title = (f"{args.sessions} sessions x {args.turns} turns, DRAM {args.dram_fraction:g} / "
+             f"SSD {args.ssd_fraction:g} of their contexts, one-off writes "
+             f"{args.background_factor:g}x")
     try:
         for backend, r in results.items():
-            plot(args.out / f"sessions_{backend}.png", r["runs"], f"{backend}: {settings}"[:160])
+            plot(args.out / f"sessions_{backend}.png", r["runs"], f"{backend}: {title}")
     except ImportError:
         print("matplotlib missing: no plot")
     print(f"wrote {path} and the plots")
