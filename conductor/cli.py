@@ -75,7 +75,9 @@ def _duration(text: str) -> float:
 def _session_ttl(text: str) -> float:
     """``--session-ttl``: a duration, or 0 (sessions keep no cache)."""
     try:
-        return check_session_ttl(0.0 if text.strip() in ("0", "0s") else parse_duration(text))
+        if re.fullmatch(r"0+(\.0*)?(s|ms|us|m)?", text.strip()):
+            return 0.0
+        return check_session_ttl(parse_duration(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conductor.cli import main, parse_duration
+from conductor.cli import build_parser, main, parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = {"avg_ttft_s", "p90_ttft_s", "p90_tbt_s", "tail_tbt_s", "slo_attainment",
@@ -118,11 +118,23 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     ["capacity", "--trace", "x", "--tbt-slo", "100ms,soon"],
     ["capacity", "--trace", "x", "--instances", "0"],
     ["teleport"],
+    ["serve", "--session-ttl", "-5s"],
+    ["serve", "--session-ttl", "8d"],
+    ["serve", "--session-ttl", "700000"],                     # past 7 days
 ])
 def test_bad_flags_exit_2_without_traceback(args: list[str]) -> None:
     p = run_cli(*args)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and "error:" in p.stderr
+
+
+def test_session_ttl_is_a_duration_or_zero_for_off() -> None:
+    def ttl(*args: str) -> float:
+        return build_parser().parse_args(["serve", *args]).session_ttl
+
+    assert ttl() == 300.0
+    assert [ttl("--session-ttl", t) for t in ("0", "0s", "0.0", "90s", "2m", "45")] == [
+        0.0, 0.0, 0.0, 90.0, 120.0, 45.0]
 
 
 def test_missing_trace_is_one_line_exit_1(tmp_path: Path) -> None:

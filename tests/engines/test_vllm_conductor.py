@@ -214,6 +214,61 @@ def test_colocated_tokens_equal_and_store_prefix_reused(colocated: Proc,
         len(tokens) // BLOCK * BLOCK
 
 
+def _session_cache(front: Proc) -> dict[str, Any]:
+    return httpx.get(front.url + "/health", timeout=10).json()["session_cache"]
+
+
+def _after_turns(front: Proc, turns: int) -> dict[str, Any]:
+    """The front's session counts once ``turns`` turns ended (a turn's blocks are retained
+    in the background after its answer was sent)."""
+    deadline = time.monotonic() + 30
+    while (got := _session_cache(front))["turns"] < turns:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)  # another process's background work: no barrier reaches it
+    return got
+
+
+def test_sessions_keep_their_blocks_between_turns_until_deleted(
+        disagg: Proc, colocated: Proc, store_node: Any) -> None:
+    """``--session-ttl`` is on by default (300 s): a turn's blocks are retained at its end,
+    the next turn of the session prefetches them, DELETE releases them."""
+    def retained() -> int:
+        with Client(store_node.addr) as c:
+            return int(c.stats()["node"]["retained_blocks"])
+
+    base, before = retained(), _session_cache(disagg)
+    first = prompt(41, 130)  # 4 full blocks of 32
+    r = complete(disagg.url, first, 4, session_id="agent-1")  # the field names it
+    assert r.status_code == 200, r.text
+    after = _after_turns(disagg, before["turns"] + 1)
+    assert after["retained_keys"] - before["retained_keys"] == 4
+    assert retained() == base + 4
+    second = first + r.json()["choices"][0]["token_ids"] + prompt(42, 60)  # 6 blocks
+    r = httpx.post(disagg.url + "/v1/completions", timeout=120,
+                   headers={"X-Session-Affinity": "agent-1"},
+                   json={"prompt": second, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    after = _after_turns(disagg, before["turns"] + 2)
+    assert after["prefetched_keys"] - before["prefetched_keys"] == 4  # the first turn's
+    assert after["store_errors"] == 0
+    assert retained() == base + 6
+    gone = httpx.delete(disagg.url + "/v1/sessions/agent-1", timeout=10)
+    assert gone.json() == {"id": "agent-1", "object": "session.deleted", "deleted": True}
+    assert retained() == base
+    again = httpx.delete(disagg.url + "/v1/sessions/agent-1", timeout=10)
+    assert again.status_code == 404 and again.json()["error"]["type"] == "not_found_error"
+    # Colocated: the instance saves as it runs, the front retains once the blocks are in.
+    before = _session_cache(colocated)
+    r = complete(colocated.url, prompt(43, 100), 4, session_id="agent-2")  # 3 blocks
+    assert r.status_code == 200, r.text
+    after = _after_turns(colocated, before["turns"] + 1)
+    assert after["retained_keys"] - before["retained_keys"] == 3
+    assert after["missing_keys"] == before["missing_keys"]
+    assert retained() == base + 3
+    assert httpx.delete(colocated.url + "/v1/sessions/agent-2", timeout=10).status_code == 200
+    assert retained() == base
+
+
 def test_bad_requests_get_400(disagg: Proc) -> None:
     r = httpx.post(disagg.url + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400
