@@ -66,6 +66,7 @@ from benchmarks.sessions_workload import (
 from benchmarks.stats import write_json
 from conductor.front.vllm_procs import REPO, VLLM_BLOCK
 from kvstore import Client, block_keys
+from kvstore.core.errors import KVStoreError
 
 RESULTS = REPO / "benchmarks" / "results"
 MODES = ("on", "off")
@@ -130,7 +131,7 @@ class BackgroundWriter:
         try:
             done = self.client.put_batch(keys, [self.value] * len(keys),
                                          parents=[None, *keys[:-1]])
-        except Exception:  # a full node refuses: counted as failed, not fatal
+        except KVStoreError:  # a full or busy node refuses: counted as failed, not fatal
             return False
         self.bytes_written += sum(len(self.value) for ok in done if ok)
         return all(done)
@@ -139,7 +140,7 @@ class BackgroundWriter:
 def sampler(client: Any) -> Sample | None:
     try:
         return node_sample(client.stats())
-    except Exception:  # a sample missed is a gap in the curve, not a failed run
+    except KVStoreError:  # a sample missed is a gap in the curve, not a failed run
         return None
 
 
