@@ -18,6 +18,7 @@ import sys
 import time
 import unicodedata
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,18 +110,20 @@ def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
                store: str | dict[str, Any] | None,
                namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
                kv_cache_bytes: int = 64 << 20, port: int | None = None,
-               tokenizer: bool = False) -> Proc:
+               tokenizer: bool = False, extra_args: Sequence[str] = ()) -> Proc:
     """A vLLM OpenAI server on ``model``; with ``store`` it uses KVStoreConnector in
     ``role``, without it no connector. ``tokenizer``: the server loads the tokenizer in
     ``model`` (``write_text_tokenizer``) and serves text and chat; otherwise it runs with
-    ``--skip-tokenizer-init`` (token-id prompts). Not waited for: call
+    ``--skip-tokenizer-init`` (token-id prompts). ``extra_args``: more server flags (e.g.
+    ``--enable-prompt-tokens-details``). Not waited for: call
     ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
     port = port or free_port()
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             *([] if tokenizer else ["--skip-tokenizer-init"]), "--block-size", str(VLLM_BLOCK),
             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
             "--seed", "0", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+            *extra_args]
     if store is not None:
         args += ["--kv-transfer-config",
                  kv_transfer_config(store=store, namespace=namespace, role=role)]
