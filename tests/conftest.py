@@ -161,9 +161,8 @@ def native_channel_status() -> tuple[bool, str | None]:
     if mod is None:
         build = subprocess.run([sys.executable, "-m", "cffi_build.channel_build"], cwd=REPO,
                                capture_output=True, text=True, timeout=120)
-        if "not building" not in build.stderr:
-            why = f"{why}; rebuilt it: start a new test session to load it"
-        else:
+        mod, why = native_channel.load(retry=True)
+        if mod is None:
             why = f"{why}; build output: {build.stderr.strip()[-500:]}"
     return mod is not None, why
 

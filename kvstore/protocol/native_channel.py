@@ -43,9 +43,13 @@ _why: str | None = None
 _loaded = False
 
 
-def load() -> tuple[ModuleType | None, str | None]:
-    """The native module, or None and why not (imported once)."""
+def load(*, retry: bool = False) -> tuple[ModuleType | None, str | None]:
+    """The native module, or None and why not (imported once; ``retry``: try again after a
+    failure, as after building it)."""
     global _module, _why, _loaded
+    if retry and _module is None:
+        _loaded, _why = False, None
+        importlib.invalidate_caches()
     if not _loaded:
         _loaded = True
         try:

@@ -335,3 +335,35 @@ def test_an_error_reply_raises_its_error_with_its_text(
     with pytest.raises(KVStoreError, match="too big"):
         stream.call(Op.EXISTS, 1, b"k" * 16)
     t.join()
+
+
+# ---- the fallback: where the native path is not taken -------------------------------------
+
+
+def test_the_environment_switch_selects_the_python_path(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = pair
+    monkeypatch.setenv(native_channel.ENV, "0")
+    assert not native_channel.enabled()
+    assert native_channel.client_stream(a) is None
+    assert native_channel.server_stream(a, SIZES, MAX_BATCH) is None
+    monkeypatch.setenv(native_channel.ENV, "1")
+    assert native_channel.enabled()
+    assert native_channel.client_stream(a) is not None
+
+
+def test_a_build_that_cannot_load_leaves_the_python_path(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    a, _ = pair
+    monkeypatch.setitem(sys.modules, "kvstore.protocol._channel", None)  # as if never built
+    monkeypatch.setattr(native_channel, "_module", None)
+    monkeypatch.setattr(native_channel, "_loaded", False)
+    monkeypatch.setattr(native_channel, "_why", None)
+    got, reason = native_channel.load()
+    assert got is None and reason is not None and "cffi_build.channel_build" in reason
+    assert not native_channel.enabled()
+    assert native_channel.client_stream(a) is None
