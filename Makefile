@@ -4,14 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint typecheck bench proto docs clean test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
+.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint typecheck bench proto docs clean native asan-channel test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs,typecheck,bench,torch,serve,events]'
 	$(PY) -m cffi_build.uring_build
+	$(PY) -m cffi_build.channel_build
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -45,6 +46,25 @@ lint: $(STAMP)
 # when little changed.
 typecheck: $(STAMP)
 	$(PY) -m mypy
+
+# The native helpers again (after a change to cffi_build/): each is optional, and a build
+# without a C compiler warns and leaves the pure-Python paths.
+native: $(STAMP)
+	$(PY) -m cffi_build.uring_build
+	$(PY) -m cffi_build.channel_build
+
+# The transfer channel's native helper under AddressSanitizer + UBSan (the runtime preloaded
+# into pytest and the node processes it starts): its fuzz tests, the old/new interop test and
+# the garbage-at-every-door fuzz suite on a real node; then the -O2 build goes back in place,
+# whatever the outcome. (tests/kvstore/node/test_hostile_channel.py runs its node under
+# RLIMIT_AS, where ASan cannot reserve its shadow memory.)
+ASAN_RT = $$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)
+asan-channel: $(STAMP)
+	$(PY) -m cffi_build.channel_build --asan
+	LD_PRELOAD="$(ASAN_RT)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/kvstore/protocol/test_native_channel.py \
+	  tests/kvstore/remote/test_channel_interop.py tests/kvstore/test_bad_input.py; \
+	  rc=$$?; $(PY) -m cffi_build.channel_build; exit $$rc
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstore bench api

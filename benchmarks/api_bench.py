@@ -127,13 +127,18 @@ class Systems:
 
     def cells(self, d: Data, *, batch: bool) -> list[Cell]:
         out: list[Cell] = []
+        pid = self.info.get("kvstore", {}).get("pid")
         for t, c in self.kv.items():
             sysname = f"kvstore-{t}"
-            out += kvstore_batch_cells(c, sysname, d) if batch else kvstore_cells(c, sysname, d)
+            out += (kvstore_batch_cells(c, sysname, d, pid) if batch
+                    else kvstore_cells(c, sysname, d, pid))
         if self.redis is not None:
-            out += redis_batch_cells(self.redis, d) if batch else redis_cells(self.redis, d)
+            pid = self.info["redis"]["pid"]
+            out += (redis_batch_cells(self.redis, d, pid) if batch
+                    else redis_cells(self.redis, d, pid))
         if self.raw is not None:
-            out += raw_batch_cells(self.raw, d) if batch else raw_cells(self.raw, d)
+            pid = self.info["raw-tcp"]["pid"]
+            out += raw_batch_cells(self.raw, d, pid) if batch else raw_cells(self.raw, d, pid)
         out += memcpy_batch_cells(d) if batch else memcpy_cells(d)
         return out
 
@@ -243,6 +248,17 @@ def _ratio(cells: dict[str, Cell], num: str, den: str) -> float | None:
     if a is None or b is None or a.error or b.error:
         return None
     return paired_median_ratio(a.stats.round_ops_per_s(), b.stats.round_ops_per_s())
+
+
+def _cpu_ratio(cells: dict[str, Cell], num: str, den: str) -> float | None:
+    """Median of per-round ratios of CPU per MiB (both ends) to the baseline's."""
+    a, b = cells.get(num), cells.get(den)
+    if a is None or b is None or a.error or b.error:
+        return None
+    ca, cb = a.stats.cpu_ms_per_mib, b.stats.cpu_ms_per_mib
+    if not ca or len(ca) != len(cb):
+        return None
+    return paired_median_ratio(ca, cb)
 
 
 def baseline_ids(cell: Cell) -> dict[str, str | None]:
@@ -357,12 +373,21 @@ def build_results(groups: Sequence[tuple[str, list[Cell]]], sizes: Sequence[int]
                 "x_redis": _ratio(by_id, c.id, bl["redis"]) if bl["redis"] else None,
                 "x_raw": _ratio(by_id, c.id, bl["raw"]) if bl["raw"] else None,
                 "x_memcpy": _ratio(by_id, c.id, bl["memcpy"]) if bl["memcpy"] else None,
+                "cpu_x_raw": _cpu_ratio(by_id, c.id, bl["raw"]) if bl["raw"] else None,
             })
     targets = []
     for t in targets_for(sizes, batch=any(g == BATCH for g, _ in groups)):
         r = _ratio(by_id, t.num, t.den)
         targets.append({"target": t.label, "cell": t.num, "baseline": t.den, "need": t.need,
                         "ratio": r, "verdict": verdict(r, t.need)})
+    channel = []
+    for t in channel_targets(sizes):
+        r = (_ratio(by_id, t.num, t.den) if t.label.endswith("throughput")
+             else _cpu_ratio(by_id, t.num, t.den))
+        ok = verdict(r, t.need) if t.label.endswith("throughput") else (
+            "n/a" if r is None else "pass" if r <= t.need else "miss")
+        channel.append({"target": t.label, "cell": t.num, "baseline": t.den, "need": t.need,
+                        "ratio": r, "verdict": ok})
     return {
         "benchmark": "api",
         "meta": {
@@ -375,11 +400,32 @@ def build_results(groups: Sequence[tuple[str, list[Cell]]], sizes: Sequence[int]
             "sizes": list(sizes), "batch": {"count": BATCH_COUNT, "item": BATCH_ITEM},
             "peers": info, "left_out": errors,
             "method": "ops/s: median over rounds of ops / summed op latency; p50/p99: all "
-                      "ops pooled; x_*: median of per-round ops/s ratios to the baseline",
+                      "ops pooled; x_*: median of per-round ops/s ratios to the baseline; "
+                      "cpu_ms_per_mib: CPU of both ends (this process and the server's) "
+                      "per MiB moved, median over rounds; cpu_x_raw: median of per-round "
+                      "ratios of it to the raw peer's",
         },
         "cells": rows,
         "targets": targets,
+        "channel_targets": channel,
     }
+
+
+CHANNEL_SIZES = (64 << 10, 1 << 20)
+
+
+def channel_targets(sizes: Sequence[int]) -> list[Target]:
+    """The transfer channel's own targets (issue 27): over TCP at 64 KiB and 1 MiB, put and
+    get_into at >= 0.9x the raw peer's throughput ("throughput"), spending <= 1.5x its CPU
+    per MiB, both ends counted ("CPU per MiB", a ratio that must stay at or below need)."""
+    out: list[Target] = []
+    for size in (s for s in sizes if s in CHANNEL_SIZES):
+        g, sl = str(size), size_label(size)
+        for op, raw_op in (("put", "put"), ("get_into", "get_into"), ("get", "get_into")):
+            num, den = f"kvstore-tcp/{op}/{g}", f"raw-tcp/{raw_op}/{g}"
+            out.append(Target(f"tcp {op} {sl} vs raw TCP throughput", num, den, 0.9))
+            out.append(Target(f"tcp {op} {sl} vs raw TCP CPU per MiB", num, den, 1.5))
+    return out
 
 
 def _group_label(group: str) -> str:
@@ -389,14 +435,21 @@ def _group_label(group: str) -> str:
 
 def format_results(res: dict[str, Any]) -> str:
     rows = [[_group_label(r["group"]), r["system"], r["op"], r["ops_per_s"], r["gbps"],
-             r["p50_ms"], r["p99_ms"], r["x_redis"], r["x_raw"], r["x_memcpy"]]
+             r["p50_ms"], r["p99_ms"], r["x_redis"], r["x_raw"], r["x_memcpy"],
+             r.get("cpu_ms_per_mib"), r.get("cpu_x_raw")]
             for r in res["cells"]]
     main = format_table(["size", "system", "op", "ops/s", "GB/s", "p50 ms", "p99 ms",
-                         "x redis", "x raw-tcp", "x memcpy"], rows, align="lllrrrrrrr")
+                         "x redis", "x raw-tcp", "x memcpy", "CPU ms/MiB", "CPU x raw"], rows,
+                        align="lllrrrrrrrrr")
     trows = [[t["target"], t["ratio"], f">= {t['need']}", t["verdict"]]
              for t in res["targets"]]
     tt = format_table(["target (median of paired per-round ratios)", "ratio", "need",
                        "verdict"], trows, align="lrrl")
+    crows = [[t["target"], t["ratio"], ("<= " if "CPU" in t["target"] else ">= ")
+              + f"{t['need']}", t["verdict"]] for t in res.get("channel_targets", [])]
+    if crows:
+        tt += "\n\n" + format_table(["transfer channel (issue 27)", "ratio", "need", "verdict"],
+                                     crows, align="lrrl")
     m = res["meta"]
     head = (f"kvstore api bench: {m['settings']['rounds']} rounds x "
             f"{m['settings']['cell_seconds']} s per cell, python {m['python']}, "

@@ -53,6 +53,7 @@ class Cell:
     end: Callable[[int], None] = _noop  # untimed, after a round that did n ops
     stats: CellStats = field(init=False)
     error: str | None = None  # set when an op failed: the cell is dropped from later rounds
+    peer_pid: int | None = None  # the server process: its CPU is counted with this one's
 
     def __post_init__(self) -> None:
         self.stats = CellStats(self.nbytes)
@@ -69,6 +70,7 @@ def run_round(cell: Cell, s: Settings, *, record: bool = True, ops: int | None =
     lat: list[float] = []
     cell.begin(limit)
     clock = time.perf_counter
+    cpu0 = _cpu_s(cell.peer_pid)
     try:
         deadline = clock() + s.cell_seconds
         for i in range(limit):
@@ -79,10 +81,28 @@ def run_round(cell: Cell, s: Settings, *, record: bool = True, ops: int | None =
             if t1 >= deadline and i + 1 >= s.min_ops:
                 break
     finally:
+        cpu1 = _cpu_s(cell.peer_pid)
         cell.end(len(lat))
     if record:
-        cell.stats.add_round(lat)
+        cell.stats.add_round(lat, cpu1 - cpu0)
     return lat
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(peer_pid: int | None) -> float:
+    """CPU seconds of this process (every thread), plus the peer's (``/proc``, at clock-tick
+    resolution: rounds of a quarter second or more keep that within a few percent)."""
+    total = time.process_time()
+    if peer_pid is not None:
+        try:
+            with open(f"/proc/{peer_pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 class BenchError(RuntimeError):
@@ -124,7 +144,7 @@ def _fresh_keys(holder: list[bytes], n: int) -> None:
 # ---- cells per system ----------------------------------------------------------------------
 
 
-def kvstore_cells(client: Any, system: str, d: Data) -> list[Cell]:
+def kvstore_cells(client: Any, system: str, d: Data, pid: int | None = None) -> list[Cell]:
     size, keys, values, n = d.size, d.keys, d.values, len(d.keys)
     dst = d.dst
     fresh: list[bytes] = []
@@ -147,11 +167,14 @@ def kvstore_cells(client: Any, system: str, d: Data) -> list[Cell]:
             raise BenchError(f"{system}: get_into returned a wrong length")
 
     g = str(size)
-    return [Cell(system, "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end),
-            Cell(system, "get", g, size, get), Cell(system, "get_into", g, size, get_into)]
+    return [Cell(system, "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end,
+                 peer_pid=pid),
+            Cell(system, "get", g, size, get, peer_pid=pid),
+            Cell(system, "get_into", g, size, get_into, peer_pid=pid)]
 
 
-def kvstore_batch_cells(client: Any, system: str, d: Data) -> list[Cell]:
+def kvstore_batch_cells(client: Any, system: str, d: Data, pid: int | None = None
+                        ) -> list[Cell]:
     keys, dsts, total = d.keys, d.dsts, d.size * len(d.keys)
 
     def get_batch(_i: int) -> None:
@@ -164,11 +187,11 @@ def kvstore_batch_cells(client: Any, system: str, d: Data) -> list[Cell]:
         if any(x != d.size for x in ns):
             raise BenchError(f"{system}: get_batch_into returned wrong lengths")
 
-    return [Cell(system, "get_batch", BATCH, total, get_batch),
-            Cell(system, "get_batch_into", BATCH, total, get_batch_into)]
+    return [Cell(system, "get_batch", BATCH, total, get_batch, peer_pid=pid),
+            Cell(system, "get_batch_into", BATCH, total, get_batch_into, peer_pid=pid)]
 
 
-def redis_cells(r: Any, d: Data) -> list[Cell]:
+def redis_cells(r: Any, d: Data, pid: int | None = None) -> list[Cell]:
     size, keys, values, n = d.size, d.keys, d.values, len(d.keys)
     fresh: list[bytes] = []
 
@@ -185,11 +208,12 @@ def redis_cells(r: Any, d: Data) -> list[Cell]:
             raise BenchError(f"redis: GET returned {None if v is None else len(v)} bytes")
 
     g = str(size)
-    return [Cell("redis", "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end),
-            Cell("redis", "get", g, size, get)]
+    return [Cell("redis", "put", g, size, put, lambda m: _fresh_keys(fresh, m), put_end,
+                 peer_pid=pid),
+            Cell("redis", "get", g, size, get, peer_pid=pid)]
 
 
-def redis_batch_cells(r: Any, d: Data) -> list[Cell]:
+def redis_batch_cells(r: Any, d: Data, pid: int | None = None) -> list[Cell]:
     keys, total = d.keys, d.size * len(d.keys)
 
     def pipelined(_i: int) -> None:
@@ -203,11 +227,11 @@ def redis_batch_cells(r: Any, d: Data) -> list[Cell]:
         if any(v is None for v in r.mget(keys)):
             raise BenchError("redis: MGET missed stored keys")
 
-    return [Cell("redis", "pipeline_get", BATCH, total, pipelined),
-            Cell("redis", "mget", BATCH, total, mget)]
+    return [Cell("redis", "pipeline_get", BATCH, total, pipelined, peer_pid=pid),
+            Cell("redis", "mget", BATCH, total, mget, peer_pid=pid)]
 
 
-def raw_cells(cl: peers.RawTcpClient, d: Data) -> list[Cell]:
+def raw_cells(cl: peers.RawTcpClient, d: Data, pid: int | None = None) -> list[Cell]:
     size, n = d.size, len(d.values)
     srcs = [memoryview(v) for v in d.values]
     dst = memoryview(d.dst)
@@ -220,17 +244,19 @@ def raw_cells(cl: peers.RawTcpClient, d: Data) -> list[Cell]:
         cl.get_into(dst, size, i % n)
 
     g = str(size)
-    return [Cell("raw-tcp", "put", g, size, put), Cell("raw-tcp", "get_into", g, size, get)]
+    return [Cell("raw-tcp", "put", g, size, put, peer_pid=pid),
+            Cell("raw-tcp", "get_into", g, size, get, peer_pid=pid)]
 
 
-def raw_batch_cells(cl: peers.RawTcpClient, d: Data) -> list[Cell]:
+def raw_batch_cells(cl: peers.RawTcpClient, d: Data, pid: int | None = None) -> list[Cell]:
     views = [memoryview(b) for b in d.dsts]
 
     def get_many(_i: int) -> None:
         cl.get_many_into(views, d.size)
 
     # One request, one scattered reply: how a store answers a batch, at the limit.
-    return [Cell("raw-tcp", "get_batch_into", BATCH, d.size * len(views), get_many)]
+    return [Cell("raw-tcp", "get_batch_into", BATCH, d.size * len(views), get_many,
+                 peer_pid=pid)]
 
 
 def memcpy_cells(d: Data) -> list[Cell]:

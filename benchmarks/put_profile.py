@@ -1,11 +1,13 @@
-"""Where a remote put's time goes: CPU per put on each side of the transfer channel.
+"""Where a remote put's (or get's) time goes: CPU per op on each side of the channel.
 
 Starts a node's transfer-channel server (no gRPC) in a child process, sends N puts
-of SIZE bytes over TCP from this process, and prints the client's user/system CPU
-per put, the server connection thread's CPU per put, and the server's cProfile
-(top functions by own time). Used to explain ``kvstore bench api``'s put figures.
+(``--op get``: N gets of stored values, into a preallocated buffer) of SIZE bytes over
+TCP from this process, and prints the client's user/system CPU per op, the server
+connection thread's CPU per op, and the server's cProfile (top functions by own time);
+``--client-profile`` adds the client's. Used to explain ``kvstore bench api``'s figures.
 
     python -m benchmarks.put_profile --size 1MiB --count 1200
+    python -m benchmarks.put_profile --op get --size 64KiB --count 8000 --client-profile
 """
 
 from __future__ import annotations
@@ -24,28 +26,35 @@ from multiprocessing.connection import Connection
 
 from kvstore.core.sizes import parse_size
 
+PROFILE_LINES = 40
 
-def _serve(port: int, region: int, ops: int, ready: Connection) -> None:
+
+def _serve(port: int, region: int, ops: int, profile: bool, ready: Connection) -> None:
     """The child: a node's channel server; sends its HELLO token over ``ready`` once up."""
     from kvstore.auth.tenancy import OPEN
     from kvstore.node import channel_server
     from kvstore.node.semantics import Node, NodeSettings
 
     class ProfiledServer(channel_server.ChannelServer):
-        """Profiles each connection's thread (its HELLO, then every request it serves)."""
+        """Times (and with ``profile``, profiles) each connection's thread: its HELLO,
+        then every request it serves."""
 
         def serve_connection(self, sock: socket.socket) -> None:
-            prof = cProfile.Profile()
+            # CPU time, not wall time: on a loaded machine wall time is mostly waiting.
+            prof = cProfile.Profile(time.thread_time) if profile else None
             start = time.thread_time()
-            prof.enable()
+            if prof is not None:
+                prof.enable()
             try:
                 super().serve_connection(sock)
             finally:
-                prof.disable()
+                if prof is not None:
+                    prof.disable()
                 cpu = time.thread_time() - start
-                print(f"server connection thread: {cpu / ops * 1e6:.0f} us CPU per put "
-                      "(cProfile on: Python parts inflated)", flush=True)
-                pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+                print(f"server connection thread: {cpu / ops * 1e6:.1f} us CPU per op"
+                      + (" (cProfile on: Python parts inflated)" if prof else ""), flush=True)
+                if prof is not None:
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(PROFILE_LINES)
                 sys.stdout.flush()
 
     node = Node(NodeSettings(dram_bytes=region))
@@ -60,7 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.put_profile")
     p.add_argument("--size", default="1MiB")
     p.add_argument("--count", type=int, default=1200)
+    p.add_argument("--op", choices=("put", "get"), default="put",
+                   help="get: get_into of stored values (default put)")
     p.add_argument("--port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--no-server-profile", action="store_true",
+                   help="time the server thread without cProfile (true CPU per op)")
+    p.add_argument("--client-profile", action="store_true",
+                   help="also print the client's cProfile (top functions by own time)")
     args = p.parse_args(argv)
     size = parse_size(args.size)
     from benchmarks.peers import free_port
@@ -70,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = args.port or free_port()
     region = max(64 << 20, 2 * size * args.count // 4)
     ready, child_end = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.Process(target=_serve, args=(port, region, args.count, child_end))
+    child = multiprocessing.Process(
+        target=_serve, args=(port, region, args.count, not args.no_server_profile, child_end))
     child.start()
     try:
         if not ready.poll(60):
@@ -81,24 +97,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  region_bytes=region)
         conn = ChannelConnection(session, Mode.TCP, timeout=30)
         value = memoryview(os.urandom(size))
+        dst = memoryview(bytearray(size))
         per_round = args.count // 4
+        prof = cProfile.Profile(time.thread_time) if args.client_profile else None
+        stored_keys = [os.urandom(16) for _ in range(16)]
+        if args.op == "get":
+            conn.put(stored_keys, [value] * len(stored_keys), [None] * len(stored_keys), False)
         for _ in range(4):
             keys = [os.urandom(16) for _ in range(per_round)]
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
-            stored = 0
-            for k in keys:
-                stored += conn.put([k], [value], [None], False)[0]
+            done = 0
+            if prof is not None:
+                prof.enable()
+            if args.op == "put":
+                for k in keys:
+                    done += conn.put([k], [value], [None], False)[0]
+            else:
+                for i in range(per_round):
+                    done += conn.get([stored_keys[i & 15]], [dst])[0] == size
+            if prof is not None:
+                prof.disable()
             dt = time.perf_counter() - t0
             r1 = resource.getrusage(resource.RUSAGE_SELF)
-            if stored != per_round:  # a refused put (no room) would flatter the figures
-                raise SystemExit(f"put_profile: {per_round - stored} of {per_round} puts "
-                                 "were not stored")
-            print(f"client: {per_round / dt:,.0f} puts/s, {per_round * size / dt / 1e9:.2f} GB/s;"
-                  f" user {(r1.ru_utime - r0.ru_utime) / per_round * 1e6:.0f} us, "
-                  f"system {(r1.ru_stime - r0.ru_stime) / per_round * 1e6:.0f} us CPU per put")
-            conn.remove(keys)
+            if done != per_round:  # a refused put (no room) would flatter the figures
+                raise SystemExit(f"put_profile: {per_round - done} of {per_round} "
+                                 f"{args.op}s failed")
+            print(f"client: {per_round / dt:,.0f} {args.op}s/s, "
+                  f"{per_round * size / dt / 1e9:.2f} GB/s; "
+                  f"user {(r1.ru_utime - r0.ru_utime) / per_round * 1e6:.1f} us, "
+                  f"system {(r1.ru_stime - r0.ru_stime) / per_round * 1e6:.1f} us CPU per op")
+            if args.op == "put":
+                conn.remove(keys)
         conn.close()
+        if prof is not None:
+            print("client cProfile (all rounds):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(PROFILE_LINES)
         time.sleep(1.0)  # the server prints its profile when the connection ends
     finally:
         child.kill()

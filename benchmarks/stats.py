@@ -93,12 +93,17 @@ class CellStats:
     nbytes: int
     rounds: list[Round] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)  # seconds, all rounds pooled
+    cpu_ms_per_mib: list[float] = field(default_factory=list)  # per round, when measured
 
-    def add_round(self, latencies: Sequence[float]) -> None:
+    def add_round(self, latencies: Sequence[float], cpu_s: float | None = None) -> None:
+        """``cpu_s``: CPU seconds both ends spent on the round (None: not measured)."""
         # A round's throughput is its ops over the time they took (not over loop
         # overhead), so a single slow op lowers it as it would for a real caller.
         self.rounds.append(Round(len(latencies), float(sum(latencies)), self.nbytes))
         self.latencies.extend(latencies)
+        moved = len(latencies) * self.nbytes / (1 << 20)
+        if cpu_s is not None and moved > 0:
+            self.cpu_ms_per_mib.append(cpu_s * 1e3 / moved)
 
     def round_ops_per_s(self) -> list[float]:
         return [r.ops_per_s for r in self.rounds]
@@ -118,6 +123,9 @@ class CellStats:
             "p50_ms": percentile(self.latencies, 50) * 1e3,
             "p99_ms": percentile(self.latencies, 99) * 1e3,
             "round_ops_per_s": self.round_ops_per_s(),
+            **({"cpu_ms_per_mib": median(self.cpu_ms_per_mib),
+                "round_cpu_ms_per_mib": list(self.cpu_ms_per_mib)}
+               if self.cpu_ms_per_mib else {}),
         }
 
 

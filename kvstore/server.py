@@ -38,7 +38,7 @@ from kvstore.node.request_budget import RequestBudget, default_request_bytes, ma
 from kvstore.node.semantics import Node, check_key, check_keys, check_parent
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.protocol import wire
+from kvstore.protocol import native_channel, wire
 from kvstore.protocol.grpc_options import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # re-exported
 from kvstore.protocol.grpc_options import host_id
 
@@ -382,9 +382,10 @@ class NodeServer:
     def start(self) -> None:
         self._grpc.start()
         self.channel.start()
-        log.info("serving gRPC on %s, channel on %s:%d%s", self.addresses.grpc,
-                 *self.addresses.channel,
-                 f", same-host {self.addresses.unix_path}" if self.addresses.unix_path else "")
+        log.info("serving gRPC on %s, channel on %s:%d%s (channel I/O: %s)",
+                 self.addresses.grpc, *self.addresses.channel,
+                 f", same-host {self.addresses.unix_path}" if self.addresses.unix_path else "",
+                 "native" if native_channel.enabled() else "pure Python")
 
     def stop(self, grace: float = 10.0) -> bool:
         """Refuses new requests, lets in-flight ones finish, then closes everything.

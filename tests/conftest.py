@@ -149,6 +149,46 @@ def uring_status() -> tuple[bool, str | None]:
     return ok, reason
 
 
+CHANNEL_PATHS = ["native", "python"]
+
+
+@pytest.fixture(scope="session")
+def native_channel_status() -> tuple[bool, str | None]:
+    """Whether the transfer channel's native helper loads; builds it if needed (once)."""
+    from kvstore.protocol import native_channel
+
+    mod, why = native_channel.load()
+    if mod is None:
+        build = subprocess.run([sys.executable, "-m", "cffi_build.channel_build"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        mod, why = native_channel.load(retry=True)
+        if mod is None:
+            why = f"{why}; build output: {build.stderr.strip()[-500:]}"
+    return mod is not None, why
+
+
+@pytest.fixture(scope="module", params=CHANNEL_PATHS)
+def channel_path(request: pytest.FixtureRequest,
+                 native_channel_status: tuple[bool, str | None]) -> Iterator[str]:
+    """Runs a module's tests on both paths of the transfer channel: the native helper and
+    the pure-Python fallback (``KVSTORE_NATIVE_CHANNEL``, which the node processes it
+    starts inherit and clients read as they connect). A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("channel_path")``, or names it before ``node``."""
+    from kvstore.protocol import native_channel
+
+    if request.param == "native" and not native_channel_status[0]:
+        pytest.skip(f"native channel helper unavailable: {native_channel_status[1]}")
+    before = os.environ.get(native_channel.ENV)
+    os.environ[native_channel.ENV] = "1" if request.param == "native" else "0"
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            del os.environ[native_channel.ENV]
+        else:
+            os.environ[native_channel.ENV] = before
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[NodeProcess]:
     """A fresh node (64 MiB DRAM, LRU) for one test; must exit 0 on SIGTERM."""

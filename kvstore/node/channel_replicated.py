@@ -35,7 +35,7 @@ class _Connection(Protocol):
 
     node: Node
     p: Principal
-    reader: wire.StreamReader
+    reader: wire.FrameReader
     reservations: ReservationSet
     forwarder: Forwarding | None
 

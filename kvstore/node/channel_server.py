@@ -37,7 +37,7 @@ from kvstore.node import channel_replicated as replicated
 from kvstore.node.client_holds import LeaseSet, ReservationSet
 from kvstore.node.semantics import MAX_BATCH, Node
 from kvstore.node.staging import Staging
-from kvstore.protocol import wire
+from kvstore.protocol import native_channel, wire
 from kvstore.protocol.wire import HEADER, Mode, Op, ProtocolError
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ log = logging.getLogger("kvstore.channel")
 
 _SCRATCH = 1 << 20
 MAX_CONNECTIONS = 1024
+
+
+_OPS = {int(op): op for op in Op}
 
 
 class _Abandon(Exception):
@@ -79,7 +82,6 @@ class _Connection:
         self.leases = LeaseSet(node)
         self.staging = staging  # None: the client writes its reservations in the region
         self.reservations = ReservationSet(node, staging=staging)
-        self.reader = wire.StreamReader(sock)
         self.scratch: memoryview | None = None
         self.handlers: dict[int, Callable[[int, bytes], None]] = {
             Op.GET: self.on_get,
@@ -102,6 +104,16 @@ class _Connection:
         # Ops whose handler is marked ``@tenancy.cluster_only``: refused to tenants.
         self.cluster_ops = frozenset(op for op, h in self.handlers.items()
                                      if tenancy.is_cluster_only(h))
+        # The native helper frames, parses and moves this stream's requests (None: the
+        # pure-Python path, the same bytes on the wire).
+        self.native = native_channel.server_stream(
+            sock, {op: wire.meta_item_size(Op(op)) for op in self.handlers}, MAX_BATCH)
+        self.stream: wire.StreamReader | None = None
+        if self.native is None:
+            self.stream = wire.StreamReader(sock)
+            self.reader: wire.FrameReader = self.stream
+        else:
+            self.reader = self.native
         if metrics is not None:  # each op's dispatch timed under its name
             self.handlers = {op: metrics.timed_channel_op(Op(op).name, handler)
                              for op, handler in self.handlers.items()}
@@ -114,19 +126,16 @@ class _Connection:
                 if shm:
                     self.expire()
                 try:
-                    op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
+                    op, count, meta = self.next_request()
                 except wire.PeerClosed:
                     return
                 except wire.STALLED:
                     if reader.buffered:
-                        return  # stalled inside a header
+                        return  # stalled inside a frame
                     continue  # idle between requests (SHM: expire what it holds, above)
-                try:
-                    op = self.check_frame(op_code, count, meta_len)
                 except ProtocolError as exc:
                     self.reply_error(InvalidArgument(str(exc)))
                     return
-                meta = reader.read(meta_len)
                 payload = self.payload_bytes(op, meta)
                 try:
                     with self.node.request():
@@ -151,6 +160,27 @@ class _Connection:
         finally:
             self.leases.close()
             self.reservations.close()
+
+    def next_request(self) -> tuple[Op, int, bytes]:
+        """The next request's (op, count, meta), its header checked before the meta is read.
+        PeerClosed at a frame boundary, STALLED while idle or inside a frame (``reader.
+        buffered``), ProtocolError for a header past its bounds."""
+        native = self.native
+        if native is not None:
+            try:
+                code, count, meta = native.next_request()
+            except native_channel.FrameRejected as bad:
+                self.check_frame(bad.op, bad.count, bad.meta_len)  # words the error
+                raise
+            return _OPS[code], count, meta
+        reader = self.stream
+        assert reader is not None
+        op_code, count, meta_len = HEADER.unpack(reader.read(HEADER.size))
+        op = self.check_frame(op_code, count, meta_len)
+        try:
+            return op, count, reader.read(meta_len)
+        except wire.STALLED as exc:  # inside a frame: never "idle", the stream is lost
+            raise ConnectionError("stalled inside a request's metadata") from exc
 
     def expire(self) -> None:
         """Ends the leases and reservations this client has held past the timeout."""
@@ -184,6 +214,9 @@ class _Connection:
         return op
 
     def reply(self, count: int, meta: bytes, values: list[memoryview] | None = None) -> None:
+        if self.native is not None:
+            self.native.send_frame(0, count, meta, values or ())
+            return
         frames: list[bytes | memoryview] = [HEADER.pack(0, count, len(meta)), meta]
         if values:
             frames.extend(values)

@@ -87,7 +87,7 @@ import ssl
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import cast
+from typing import Protocol, cast
 
 import grpc
 
@@ -243,6 +243,18 @@ def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
 
 
 _IOV_MAX = 1024
+
+
+class FrameReader(Protocol):
+    """What a node's connection reads a stream through: ``StreamReader`` (pure Python) or
+    ``kvstore.protocol.native_channel.ServerStream``."""
+
+    @property
+    def buffered(self) -> int: ...
+
+    def read_into(self, dest: memoryview) -> None: ...
+
+    def discard(self, n: int, scratch: memoryview) -> None: ...
 
 
 class StreamReader:

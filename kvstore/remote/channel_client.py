@@ -24,7 +24,7 @@ import grpc
 
 from kvstore.core.checks import byte_view
 from kvstore.core.errors import BufferTooSmall, InternalError, InvalidArgument, error_for_code
-from kvstore.protocol import wire
+from kvstore.protocol import native_channel, wire
 from kvstore.protocol.wire import HEADER, Mode, Op
 
 SHM_PUT_MIN_BYTES = 64 << 10
@@ -119,6 +119,8 @@ class ChannelConnection:
         if io_timeout is not None:
             wire.set_stall_timeout(sock, io_timeout)
         self._header = memoryview(bytearray(HEADER.size))
+        # TCP calls through the native helper (None: the pure-Python path, the same bytes).
+        self._native = native_channel.client_stream(sock) if mode is Mode.TCP else None
 
     def _hello(self, timeout: float | None) -> None:
         caps = wire.CAP_STAGED_PUTS if self._ask_staged else 0
@@ -172,6 +174,9 @@ class ChannelConnection:
 
     def _send(self, op: Op, count: int, meta: bytes,
               values: Sequence[memoryview] = ()) -> None:
+        if self._native is not None:
+            self._native.send_frame(op, count, meta, values)
+            return
         head = HEADER.pack(op, count, len(meta)) + meta
         if values:
             wire.send_buffers(self.sock, [head, *values])
@@ -185,6 +190,8 @@ class ChannelConnection:
         else:
             head = self._staged_header()
         status, count, meta_len = HEADER.unpack(head)
+        if meta_len > wire.MAX_META:  # bounded before use, as the native path does
+            raise wire.ProtocolError(f"reply with {meta_len} bytes of metadata")
         meta = wire.recv_bytes(self.sock, meta_len) if meta_len else b""
         if status:
             raise wire.error_of(status, meta.decode("utf-8", "replace"), count)
@@ -206,6 +213,8 @@ class ChannelConnection:
 
     def _call(self, op: Op, count: int, meta: bytes,
               values: Sequence[memoryview] = ()) -> tuple[int, bytes]:
+        if self._native is not None:
+            return self._native.call(op, count, meta, values)
         self._send(op, count, meta, values)
         return self._response()
 
@@ -220,8 +229,14 @@ class ChannelConnection:
 
     def _get_stream(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                     ) -> list[bytes | int | None]:
+        if self._native is not None:
+            return self._native.get(keys, outs)
         count, meta = self._call(Op.GET, len(keys), wire.pack_keys(keys))
+        if count != len(keys) or len(meta) != 8 * count:
+            raise wire.ProtocolError("the reply does not answer the request")
         lengths = wire.unpack_ids(meta, count)
+        if any(n != wire.MISS and n > wire.MAX_REPLY_BYTES for n in lengths):
+            raise wire.ProtocolError("the reply does not answer the request")
         results: list[bytes | int | None] = []
         too_small: str | None = None
         for i, n in enumerate(lengths):

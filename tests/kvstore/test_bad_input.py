@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from conftest import TRANSPORTS, NodeProcess, wait_until
+from conftest import TRANSPORTS, NodeProcess, start_node, wait_until
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -57,11 +57,19 @@ class Channel:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(shared_node: NodeProcess) -> Iterator[NodeProcess]:
-    """The module's node, holding KNOWN (pinned) before any test sends garbage."""
-    with Client(shared_node.addr, transport="tcp") as c:
-        assert c.put_batch(list(KNOWN), list(KNOWN.values()), pin=True) == [True] * len(KNOWN)
-    yield shared_node
+def fuzzed(channel_path: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[NodeProcess]:
+    """The module's node (one per channel path: native helper, pure Python), holding KNOWN
+    (pinned) before any test sends garbage."""
+    node = start_node(tmp_path_factory.mktemp(f"fuzzed-{channel_path}"), dram="256MiB")
+    try:
+        with Client(node.addr, transport="tcp") as c:
+            assert c.put_batch(list(KNOWN), list(KNOWN.values()), pin=True) == [True] * len(
+                KNOWN)
+        yield node
+    finally:
+        code = node.stop()
+    assert code == 0, node.output()
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol import wire
 from kvstore.server import NodeServer, host_id
 
+# Every test on both paths of the transfer channel: the native helper, pure Python.
+pytestmark = pytest.mark.usefixtures("channel_path")
+
 MiB = 1 << 20
 ALIGN = 64  # the DRAM tier hands out extents in multiples of 64 bytes
 

@@ -38,7 +38,7 @@ SMALL_VALUE = b"small value " * 50
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+def node(channel_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     n = start_node(tmp_path_factory.mktemp("hostile-channel"), "--read-lease-timeout", "1",
                    dram="128MiB", limit_as=LIMIT_AS)
     with Client(n.addr, transport="grpc") as c:
