@@ -59,6 +59,7 @@ from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreErro
 from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
+from kvstore.remote.pipelined import PendingPut, start_put
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
@@ -269,7 +270,14 @@ class ClusterClient(SingleKeyCalls):
                 groups.setdefault(self._demote(alive, bad)[0], []).append(i)
             retry: list[int] = []
 
-            def put_group(master: NodeId, idx: list[int], retry: list[int] = retry) -> None:
+            def master_down(master: NodeId, idx: list[int], exc: Unavailable,
+                            retry: list[int] = retry) -> None:
+                self._suspect(master)
+                down.add(master)
+                errors.append(str(exc))
+                retry.extend(idx)
+
+            def put_group(master: NodeId, idx: list[int]) -> None:
                 client = self._client(view, master)
                 part = batch.pick(idx)
                 try:
@@ -294,19 +302,73 @@ class ClusterClient(SingleKeyCalls):
                 except QuorumNotMet:
                     raise
                 except Unavailable as exc:  # the master is down (or died before replicating)
-                    self._suspect(master)
-                    down.add(master)
-                    errors.append(str(exc))
-                    retry.extend(idx)
+                    master_down(master, idx, exc)
                     return
                 for i, f in zip(idx, flags, strict=True):
                     stored[i] = f
 
+            def finish_group(master: NodeId, idx: list[int], sent: PendingPut) -> None:
+                try:
+                    flags, copies, failed = sent.finish()
+                except FailedPrecondition:  # not an etcd member: the two-trip path
+                    with self._lock:
+                        self._no_forward.add(master)
+                    put_group(master, idx)
+                    return
+                except Unavailable as exc:
+                    master_down(master, idx, exc)
+                    return
+                if copies < self.write_quorum:
+                    raise QuorumNotMet(f"write quorum not met: {copies} of "
+                                       f"{self.write_quorum} copies ({'; '.join(failed)})")
+                for i, f in zip(idx, flags, strict=True):
+                    stored[i] = f
+
+            # Stream connections pipeline: every master gets its part before any reply is
+            # read (kvstore/remote/pipelined.py); the others are called as before.
+            sent = self._start_puts(view, batch, groups)
             # Replicated puts wait on their masters' forwards (no GIL): those overlap.
-            self._parallel([partial(put_group, m, idx) for m, idx in groups.items()],
-                           serial=self.replicas == 1 and self._all_mapped(view, groups))
+            try:
+                self._parallel([partial(put_group, m, idx) for m, idx in groups.items()
+                                if m not in sent],
+                               serial=self.replicas == 1 and self._all_mapped(view, groups))
+            finally:  # every pending reply is read, whatever the other masters did
+                self._finish_all([partial(finish_group, m, groups[m], p)
+                                  for m, p in sent.items()])
             pending = retry
         return stored
+
+    def _start_puts(self, view: _View, batch: PutBatch, groups: dict[NodeId, list[int]]
+                    ) -> dict[NodeId, PendingPut]:
+        """Sends each master its part on a stream connection without reading any reply;
+        the masters that cannot pipeline (shared memory, gRPC, a failed send, a master
+        that refused to forward before) are left out, for the ordinary call."""
+        sent: dict[NodeId, PendingPut] = {}
+        copies = self.replicas
+        for master, idx in groups.items():
+            if copies > 1 and master in self._no_forward:
+                continue
+            try:
+                p = start_put(self._client(view, master), batch.pick(idx), copies=copies,
+                              write_quorum=self.write_quorum)
+            except KVStoreError:
+                p = None  # the ordinary call meets the same error and handles it
+            if p is not None:
+                sent[master] = p
+        return sent
+
+    @staticmethod
+    def _finish_all(calls: list[Callable[[], None]]) -> None:
+        """Runs every call (each reads one pending put's replies, which must be read
+        whatever the others do); re-raises the first error."""
+        first: BaseException | None = None
+        for call in calls:
+            try:
+                call()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _put_forwarded(self, client: NodeClient, batch: PutBatch) -> list[bool]:
         """One trip: the master stores the blocks and forwards them to the owners it
