@@ -123,7 +123,10 @@ class ClusterClient(SingleKeyCalls):
                  fanout: int = 2,
                  suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  token: str | None = None, tls: ClientTls | None = None,
-                 etcd_tls: ClientTls | None = None) -> None:
+                 etcd_tls: ClientTls | None = None, pipeline: bool = True) -> None:
+        """``pipeline``: a batch put sends every master its part before reading any reply
+        (stream connections; ``kvstore/remote/pipelined.py``); False: one thread per master,
+        each sending then reading (what puts did before, kept for comparison)."""
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
         if replicas < 1:
@@ -135,6 +138,7 @@ class ClusterClient(SingleKeyCalls):
             raise InvalidArgument(f"fanout must be >= 0, got {fanout}")
         self.replicas = replicas
         self.write_quorum = quorum
+        self.pipeline = pipeline
         self.fanout = fanout
         self.timeout = timeout
         self._clock = clock
@@ -344,6 +348,8 @@ class ClusterClient(SingleKeyCalls):
         the masters that cannot pipeline (shared memory, gRPC, a failed send, a master
         that refused to forward before) are left out, for the ordinary call."""
         sent: dict[NodeId, PendingPut] = {}
+        if not self.pipeline:
+            return sent
         copies = self.replicas
         for master, idx in groups.items():
             if copies > 1 and master in self._no_forward:
