@@ -5,9 +5,10 @@ these. It watches membership, ranks the live nodes for every key (see
 ``replication/placement/rendezvous.py``), and:
 
 * **put**: sends each key once to its master (the top-ranked live node; if that
-  node is unreachable, the next ranked node stands in), a batch's masters
-  concurrently. With ``replicas > 1`` it is a replicated put on the transfer
-  channel: the master stores the bytes and forwards them itself to the other
+  node is unreachable, the next ranked node stands in); a batch's masters all get
+  their parts before any reply is read (``kvstore/remote/pipelined.py``). With
+  ``replicas > 1`` it is a replicated put on the transfer channel: the master stores
+  the bytes and forwards them itself (cut-through, as they arrive) to the other
   owners, ranked by its own membership (``replication/copies/forwarder.py``), and
   answers once they settled. A master outside an etcd cluster (a static member
   list) refuses that; then the put is stored and the master asked to
@@ -59,7 +60,7 @@ from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreErro
 from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
-from kvstore.remote.pipelined import PendingPut, start_put
+from kvstore.remote.pipelined import PendingPut, finish_all, start_puts
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
@@ -124,9 +125,8 @@ class ClusterClient(SingleKeyCalls):
                  suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  token: str | None = None, tls: ClientTls | None = None,
                  etcd_tls: ClientTls | None = None, pipeline: bool = True) -> None:
-        """``pipeline``: a batch put sends every master its part before reading any reply
-        (stream connections; ``kvstore/remote/pipelined.py``); False: one thread per master,
-        each sending then reading (what puts did before, kept for comparison)."""
+        """``pipeline=False``: a batch put calls its masters on a thread each, not pipelined
+        (``kvstore/remote/pipelined.py``): what puts did before, kept for comparison."""
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
         if replicas < 1:
@@ -317,74 +317,42 @@ class ClusterClient(SingleKeyCalls):
                 except FailedPrecondition:  # not an etcd member: the two-trip path
                     with self._lock:
                         self._no_forward.add(master)
-                    put_group(master, idx)
-                    return
+                    return put_group(master, idx)
                 except Unavailable as exc:
-                    master_down(master, idx, exc)
-                    return
-                if copies < self.write_quorum:
-                    raise QuorumNotMet(f"write quorum not met: {copies} of "
-                                       f"{self.write_quorum} copies ({'; '.join(failed)})")
+                    return master_down(master, idx, exc)
+                self._check_quorum(copies, failed)
                 for i, f in zip(idx, flags, strict=True):
                     stored[i] = f
 
             # Stream connections pipeline: every master gets its part before any reply is
             # read (kvstore/remote/pipelined.py); the others are called as before.
-            sent = self._start_puts(view, batch, groups)
+            sent = start_puts({m: (self._client(view, m), batch.pick(idx))
+                               for m, idx in groups.items()
+                               if self.replicas == 1 or m not in self._no_forward},
+                              copies=self.replicas, write_quorum=self.write_quorum
+                              ) if self.pipeline else {}
             # Replicated puts wait on their masters' forwards (no GIL): those overlap.
             try:
                 self._parallel([partial(put_group, m, idx) for m, idx in groups.items()
                                 if m not in sent],
                                serial=self.replicas == 1 and self._all_mapped(view, groups))
             finally:  # every pending reply is read, whatever the other masters did
-                self._finish_all([partial(finish_group, m, groups[m], p)
-                                  for m, p in sent.items()])
+                finish_all([partial(finish_group, m, groups[m], p) for m, p in sent.items()])
             pending = retry
         return stored
-
-    def _start_puts(self, view: _View, batch: PutBatch, groups: dict[NodeId, list[int]]
-                    ) -> dict[NodeId, PendingPut]:
-        """Sends each master its part on a stream connection without reading any reply;
-        the masters that cannot pipeline (shared memory, gRPC, a failed send, a master
-        that refused to forward before) are left out, for the ordinary call."""
-        sent: dict[NodeId, PendingPut] = {}
-        if not self.pipeline:
-            return sent
-        copies = self.replicas
-        for master, idx in groups.items():
-            if copies > 1 and master in self._no_forward:
-                continue
-            try:
-                p = start_put(self._client(view, master), batch.pick(idx), copies=copies,
-                              write_quorum=self.write_quorum)
-            except KVStoreError:
-                p = None  # the ordinary call meets the same error and handles it
-            if p is not None:
-                sent[master] = p
-        return sent
-
-    @staticmethod
-    def _finish_all(calls: list[Callable[[], None]]) -> None:
-        """Runs every call (each reads one pending put's replies, which must be read
-        whatever the others do); re-raises the first error."""
-        first: BaseException | None = None
-        for call in calls:
-            try:
-                call()
-            except BaseException as exc:
-                first = first or exc
-        if first is not None:
-            raise first
 
     def _put_forwarded(self, client: NodeClient, batch: PutBatch) -> list[bool]:
         """One trip: the master stores the blocks and forwards them to the owners it
         ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
         flags, copies, failed = client.put_checked_replicated(
             batch, copies=self.replicas, write_quorum=self.write_quorum)
+        self._check_quorum(copies, failed)
+        return flags
+
+    def _check_quorum(self, copies: int, failed: list[str]) -> None:
         if copies < self.write_quorum:
             raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
                                f"({'; '.join(failed)})")
-        return flags
 
     def _replicate(self, client: NodeClient, batch: PutBatch, targets: list[str],
                    orders: list[list[int]]) -> None:

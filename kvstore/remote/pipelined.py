@@ -17,7 +17,9 @@ channel. ``start_put`` returns None for those, and when the send fails at the tr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstore.core.checks import MAX_BATCH
 from kvstore.core.errors import KVStoreError, Unavailable
@@ -25,7 +27,9 @@ from kvstore.protocol.wire import Mode
 from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
 
-__all__ = ["PendingPut", "start_put"]
+K = TypeVar("K", bound=Hashable)
+
+__all__ = ["PendingPut", "finish_all", "start_put", "start_puts"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -101,3 +105,32 @@ def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quo
         conn.close()
         raise
     return PendingPut(client=client, conn=conn, counts=counts, copies=copies)
+
+
+def start_puts(parts: dict[K, tuple[NodeClient, PutBatch]], *, copies: int = 1,
+               write_quorum: int = 1) -> dict[K, PendingPut]:
+    """``start_put`` of every part, each to its own node, before any reply is read; the
+    parts that did not start (see ``start_put``, or any error the node's client raised) are
+    left out, for the caller's ordinary call, which meets the same error and handles it."""
+    sent: dict[K, PendingPut] = {}
+    for name, (client, batch) in parts.items():
+        try:
+            p = start_put(client, batch, copies=copies, write_quorum=write_quorum)
+        except KVStoreError:
+            p = None
+        if p is not None:
+            sent[name] = p
+    return sent
+
+
+def finish_all(calls: list[Callable[[], None]]) -> None:
+    """Runs every call (each reads one pending put's replies, which must be read whatever
+    the others do); then re-raises the first error."""
+    first: BaseException | None = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
