@@ -266,6 +266,10 @@ def build_results(cells: dict[tuple[str, int, int], list[Sample]], sizes: Sequen
         xs = cells.get((system, size, n))
         return None if xs is None else statistics.median(x.server_cpu_per_mib() for x in xs)
 
+    def client_cpu(size: int, n: int) -> float:
+        xs = cells[("kvstore", size, n)]
+        return statistics.median(1e3 * x.client_cpu / (x.moved / (1 << 20)) for x in xs)
+
     rows = []
     one = min(clients)
     for size in sizes:
@@ -275,6 +279,7 @@ def build_results(cells: dict[tuple[str, int, int], list[Sample]], sizes: Sequen
             base = samples.get(("kvstore-base", size, n))
             rows.append({
                 "server_cpu_ms_per_mib": 1e3 * (cpu("kvstore", size, n) or 0.0),
+                "clients_cpu_ms_per_mib": client_cpu(size, n),
                 "redis_cpu_ms_per_mib": None if rd is None else 1e3 * (
                     cpu("redis", size, n) or 0.0),
                 "base_cpu_ms_per_mib": None if base is None else 1e3 * (
@@ -300,7 +305,8 @@ def format_results(res: dict[str, Any]) -> str:
             ("x_redis", "x redis"), ("x_1_client", "x 1 client"),
             ("redis_x_1_client", "redis x 1"), ("x_base", "x base"),
             ("base_x_redis", "base x redis"), ("base_x_1_client", "base x 1"),
-            ("server_cpu_ms_per_mib", "node ms/MiB"), ("redis_cpu_ms_per_mib", "redis ms/MiB"),
+            ("server_cpu_ms_per_mib", "node ms/MiB"), ("clients_cpu_ms_per_mib", "clients ms/MiB"),
+            ("redis_cpu_ms_per_mib", "redis ms/MiB"),
             ("base_cpu_ms_per_mib", "base ms/MiB")]
     shown = [c for c in cols if any(r[c[0]] is not None for r in res["rows"])]
     lines = ["size     clients  " + "  ".join(f"{h:>12}" for _, h in shown)]
