@@ -12,7 +12,7 @@ import importlib
 from kvstore.core.errors import KVStoreError
 
 BENCHMARKS = {"api": "benchmarks.api_bench", "tiers": "benchmarks.tier_bench",
-              "cluster": "benchmarks.cluster_bench",
+              "cluster": "benchmarks.cluster_bench", "clients": "benchmarks.clients_bench",
               "trace": "benchmarks.trace_replay"}
 """``kvstore bench NAME`` runs ``main(argv)`` of these modules."""
 
@@ -24,7 +24,8 @@ class BenchUnavailable(KVStoreError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("bench", help="benchmarks (not tests)")
     s.add_argument("which", choices=sorted(BENCHMARKS),
-                   help="api: put/get vs Redis and raw TCP; tiers: each tier vs its limit")
+                   help="api: put/get vs Redis and raw TCP; tiers: each tier vs its limit; "
+                        "clients: N client processes reading over TCP vs Redis")
     s.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
 
 

@@ -93,7 +93,8 @@ TRANSPORTS = ("tcp", "auto")
 TARGETS = {"cluster r=1": (0.8, 0.8), "cluster r=2 w=2": (0.4, 0.8)}  # (put, get) vs one node
 
 
-def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: int
+def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: int, *,
+               transports: Sequence[str] = TRANSPORTS, unpipelined: bool = False
                ) -> list[dict[str, Any]]:
     """Per transport and block size: one node, then the cluster with ``replicas=1`` and with
     ``replicas=2, write_quorum=2``, in alternated rounds (each round runs all three on
@@ -101,13 +102,18 @@ def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: 
     rows = []
     tag = 1
     pids = [rec.pid for rec in cluster.nodes]
-    for transport in TRANSPORTS:
+    for transport in transports:
         clients: dict[str, Any] = {
             "single node": Client(cluster.nodes[0].addr, transport=transport),
             "cluster r=1": Client(etcd=cluster.etcd, replicas=1, transport=transport),
             "cluster r=2 w=2": Client(etcd=cluster.etcd, replicas=2, write_quorum=2,
                                       transport=transport),
         }
+        if unpipelined:  # the same clients with a thread per master (puts before pipelining)
+            clients |= {
+                f"{name} unpipelined": Client(etcd=cluster.etcd, replicas=r, write_quorum=r,
+                                              transport=transport, pipeline=False)
+                for name, r in (("cluster r=1", 1), ("cluster r=2 w=2", 2))}
         try:
             for size in sizes:
                 n = max(BATCH, total // size)
@@ -242,7 +248,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5,
                    help="alternated throughput rounds (default 5)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--parts", default="throughput,fanout,repair",
+                   help="which parts to run, comma-separated (default all three)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help="throughput's transports, comma-separated (tcp, auto)")
+    p.add_argument("--unpipelined", action="store_true",
+                   help="throughput also runs the cluster clients with pipeline=False (a "
+                        "thread per master): the same rounds, before and after pipelining")
     args = p.parse_args(argv)
+    parts = {x for x in args.parts.split(",") if x}
+    transports = [t for t in args.transports.split(",") if t]
+    if not parts or parts - {"throughput", "fanout", "repair"}:
+        p.error(f"--parts: choose from throughput, fanout, repair; got {args.parts!r}")
+    if not transports or set(transports) - set(TRANSPORTS):
+        p.error(f"--transports: choose from {', '.join(TRANSPORTS)}; got {args.transports!r}")
     quick = args.quick
     sizes = [64 << 10, 1 << 20]
     total = (16 << 20) if quick else (128 << 20)
@@ -252,31 +271,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-cluster-") as tmp:
         cluster = LocalCluster.up(Path(tmp) / "main", 3,
                                   node_args=["--dram-bytes", "1GiB", "--no-prefault"])
-        bar = progress(3, "cluster bench", unit="part")
+        bar = progress(len(parts), "cluster bench", unit="part")
         try:
-            print("throughput ...", flush=True)
-            result["throughput"] = throughput(cluster, sizes, total, rounds)
-            bar.update()
-            print("fan-out ...", flush=True)
-            result["fanout"] = fanout(cluster, 3000 if quick else 30_000, 1000, 50.0)
-            bar.update()
+            if "throughput" in parts:
+                print("throughput ...", flush=True)
+                result["throughput"] = throughput(cluster, sizes, total, rounds,
+                                                  transports=transports,
+                                                  unpipelined=args.unpipelined)
+                bar.update()
+            if "fanout" in parts:
+                print("fan-out ...", flush=True)
+                result["fanout"] = fanout(cluster, 3000 if quick else 30_000, 1000, 50.0)
+                bar.update()
         finally:
             cluster.down(timeout=10)
-        print("repair ...", flush=True)
-        result["repair"] = repair(Path(tmp) / "repair", blocks, args.repair_bytes_per_s,
-                                  args.lease_ttl)
-        bar.update()
+        if "repair" in parts:
+            print("repair ...", flush=True)
+            result["repair"] = repair(Path(tmp) / "repair", blocks, args.repair_bytes_per_s,
+                                      args.lease_ttl)
+            bar.update()
         bar.close()
     report(result)
     if args.out_dir:
         out = Path(args.out_dir)
         write_json(out / "cluster_bench.json", result)
-        plot(result, out / "cluster_bench.png")
-        print(f"\nwrote {out / 'cluster_bench.json'} and {out / 'cluster_bench.png'}")
+        if len(parts) == 3:  # the plot shows every part
+            plot(result, out / "cluster_bench.png")
+        print(f"\nwrote {out / 'cluster_bench.json'}")
     return 0
 
 
 def report(result: dict[str, Any]) -> None:
+    if "throughput" in result:
+        report_throughput(result)
+    if "fanout" in result:
+        report_fanout(result)
+    if "repair" in result:
+        report_repair(result)
+
+
+def report_throughput(result: dict[str, Any]) -> None:
     rows = [[r["transport"], r["client"], size_label(r["size"]), r["put_gbps"],
              r["put_vs_single"], r["put_cpu_ms_per_mib"], r["get_gbps"], r["get_vs_single"],
              r["get_cpu_ms_per_mib"],
@@ -287,11 +321,17 @@ def report(result: dict[str, Any]) -> None:
     print(format_table(["transport", "client", "block", "put GB/s", "put ratio",
                         "put CPU ms/MiB", "get GB/s", "get ratio", "get CPU ms/MiB",
                         "meets target (put/get)"], rows))
+
+
+def report_fanout(result: dict[str, Any]) -> None:
     f = result["fanout"]
     print("\nZipf(1.1) reads, replicas=1: per-node reads max/mean (1.0 is even)")
     print(format_table(["", "max/mean", "reads per node", "hot keys fanned out"],
                        [[k, v["max_over_mean"], " ".join(f"{x:.0f}" for x in v["reads_per_node"]),
                          v["fanned_keys"]] for k, v in f.items()]))
+
+
+def report_repair(result: dict[str, Any]) -> None:
     r = result["repair"]
     print(f"\nrepair after kill -9 of 1 of 3 nodes: {r['blocks']:,} blocks x 64 KiB, "
           f"{r['blocks_that_lost_a_copy']:,} lost a copy")

@@ -5,9 +5,10 @@ these. It watches membership, ranks the live nodes for every key (see
 ``replication/placement/rendezvous.py``), and:
 
 * **put**: sends each key once to its master (the top-ranked live node; if that
-  node is unreachable, the next ranked node stands in), a batch's masters
-  concurrently. With ``replicas > 1`` it is a replicated put on the transfer
-  channel: the master stores the bytes and forwards them itself to the other
+  node is unreachable, the next ranked node stands in); a batch's masters all get
+  their parts before any reply is read (``kvstore/remote/pipelined.py``). With
+  ``replicas > 1`` it is a replicated put on the transfer channel: the master stores
+  the bytes and forwards them itself (cut-through, as they arrive) to the other
   owners, ranked by its own membership (``replication/copies/forwarder.py``), and
   answers once they settled. A master outside an etcd cluster (a static member
   list) refuses that; then the put is stored and the master asked to
@@ -62,6 +63,7 @@ from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.core.retention import RetainOutcome, check_retain, merged_outcome
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
+from kvstore.remote.pipelined import PendingPut, finish_all, start_puts
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
@@ -126,7 +128,9 @@ class ClusterClient(SingleKeyCalls):
                  fanout: int = 2,
                  suspect_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  token: str | None = None, tls: ClientTls | None = None,
-                 etcd_tls: ClientTls | None = None) -> None:
+                 etcd_tls: ClientTls | None = None, pipeline: bool = True) -> None:
+        """``pipeline=False``: a batch put calls its masters on a thread each, not pipelined
+        (``kvstore/remote/pipelined.py``): what puts did before, kept for comparison."""
         if sum(x is not None for x in (etcd, members, membership)) != 1:
             raise InvalidArgument("give exactly one of etcd=, members= or membership=")
         if replicas < 1:
@@ -138,6 +142,7 @@ class ClusterClient(SingleKeyCalls):
             raise InvalidArgument(f"fanout must be >= 0, got {fanout}")
         self.replicas = replicas
         self.write_quorum = quorum
+        self.pipeline = pipeline
         self.fanout = fanout
         self.timeout = timeout
         self._clock = clock
@@ -273,7 +278,14 @@ class ClusterClient(SingleKeyCalls):
                 groups.setdefault(self._demote(alive, bad)[0], []).append(i)
             retry: list[int] = []
 
-            def put_group(master: NodeId, idx: list[int], retry: list[int] = retry) -> None:
+            def master_down(master: NodeId, idx: list[int], exc: Unavailable,
+                            retry: list[int] = retry) -> None:
+                self._suspect(master)
+                down.add(master)
+                errors.append(str(exc))
+                retry.extend(idx)
+
+            def put_group(master: NodeId, idx: list[int]) -> None:
                 client = self._client(view, master)
                 part = batch.pick(idx)
                 try:
@@ -298,17 +310,38 @@ class ClusterClient(SingleKeyCalls):
                 except QuorumNotMet:
                     raise
                 except Unavailable as exc:  # the master is down (or died before replicating)
-                    self._suspect(master)
-                    down.add(master)
-                    errors.append(str(exc))
-                    retry.extend(idx)
+                    master_down(master, idx, exc)
                     return
                 for i, f in zip(idx, flags, strict=True):
                     stored[i] = f
 
+            def finish_group(master: NodeId, idx: list[int], sent: PendingPut) -> None:
+                try:
+                    flags, copies, failed = sent.finish()
+                except FailedPrecondition:  # not an etcd member: the two-trip path
+                    with self._lock:
+                        self._no_forward.add(master)
+                    return put_group(master, idx)
+                except Unavailable as exc:
+                    return master_down(master, idx, exc)
+                self._check_quorum(copies, failed)
+                for i, f in zip(idx, flags, strict=True):
+                    stored[i] = f
+
+            # Stream connections pipeline: every master gets its part before any reply is
+            # read (kvstore/remote/pipelined.py); the others are called as before.
+            sent = start_puts({m: (self._client(view, m), batch.pick(idx))
+                               for m, idx in groups.items()
+                               if self.replicas == 1 or m not in self._no_forward},
+                              copies=self.replicas, write_quorum=self.write_quorum
+                              ) if self.pipeline else {}
             # Replicated puts wait on their masters' forwards (no GIL): those overlap.
-            self._parallel([partial(put_group, m, idx) for m, idx in groups.items()],
-                           serial=self.replicas == 1 and self._all_mapped(view, groups))
+            try:
+                self._parallel([partial(put_group, m, idx) for m, idx in groups.items()
+                                if m not in sent],
+                               serial=self.replicas == 1 and self._all_mapped(view, groups))
+            finally:  # every pending reply is read, whatever the other masters did
+                finish_all([partial(finish_group, m, groups[m], p) for m, p in sent.items()])
             pending = retry
         return stored
 
@@ -317,10 +350,13 @@ class ClusterClient(SingleKeyCalls):
         ranks itself; QuorumNotMet if fewer than ``write_quorum`` copies exist."""
         flags, copies, failed = client.put_checked_replicated(
             batch, copies=self.replicas, write_quorum=self.write_quorum)
+        self._check_quorum(copies, failed)
+        return flags
+
+    def _check_quorum(self, copies: int, failed: list[str]) -> None:
         if copies < self.write_quorum:
             raise QuorumNotMet(f"write quorum not met: {copies} of {self.write_quorum} copies "
                                f"({'; '.join(failed)})")
-        return flags
 
     def _replicate(self, client: NodeClient, batch: PutBatch, targets: list[str],
                    orders: list[list[int]]) -> None:

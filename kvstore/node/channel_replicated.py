@@ -16,13 +16,15 @@ to on the node that receives it (``BlockCopy.owner``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 from kvstore.auth import tenancy
 from kvstore.auth.security import Principal
 from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreError
-from kvstore.core.forwarding import BlockCopy, Forwarding
+from kvstore.core.forwarding import BlockCopy, Forwarding, ForwardOutcome
 from kvstore.core.keys import BlockKey
 from kvstore.node.client_holds import ReservationSet
 from kvstore.node.semantics import Node, PutSlot
@@ -78,44 +80,121 @@ def on_rput(conn: _Connection, count: int, meta: bytes) -> None:
     except KVStoreError:
         conn.discard(sum(item[2] for item in items))  # stay in frame for the next request
         raise
-    node, p, reader = conn.node, conn.p, conn.reader
     slots: list[PutSlot | None] = []
-    blocks: list[BlockCopy] = []
-    failure: KVStoreError | None = None
+    cut = _CutThrough(fwd, copies, quorum, sum(item[2] for item in items))
     with contextlib.ExitStack() as stack:  # commits every slot on a clean exit, else aborts
-        for i, (key, parent, nbytes, flags, _, _) in enumerate(items):
-            slots.append(None)
-            if failure is not None:
-                conn.discard(nbytes)
-                continue
-            raw = BlockKey(key)
-            stored_key = p.key(raw)
-            par = p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None
-            pin = bool(flags & wire.FLAG_PIN)
-            retain_s = wire.item_retain_s(meta, i, wire.RPUT_ITEM.size)
-            try:
-                slot = stack.enter_context(node.put_slot(stored_key, nbytes, parent=par, pin=pin,
-                                                         owner=p.owner, quota=p.quota,
-                                                         retain_s=retain_s))
-            except KVStoreError as exc:
-                failure = exc  # the writer has sent the rest: consume it to stay in frame
-                conn.discard(nbytes)
-                continue
-            if slot is None:
-                # Stored here already; the other owners may still lack it, and its bytes
-                # are in the stream anyway.
-                value = memoryview(bytearray(nbytes))
-            else:
-                value = slot.view
-                slots[-1] = slot
-            reader.read_into(value)
-            blocks.append(BlockCopy(key=stored_key, place=raw, parent=par, pin=pin,
-                                    retain_s=retain_s, owner=p.owner, value=value))
-        if failure is not None:
-            raise failure
-        outcome = fwd.forward(blocks, copies=copies, write_quorum=quorum)
+        try:
+            outcome = _receive(conn, items, meta, stack, slots, cut)
+        finally:  # whatever happened, every part forwarded settles before a slot ends
+            cut.settle()
     stored = [s is not None and s.stored for s in slots]
     conn.reply(count, wire.pack_repl_reply(stored, outcome.copies, outcome.failed))
+
+
+def _receive(conn: _Connection, items: list[tuple[bytes, bytes, int, int, int, int]],
+             meta: bytes, stack: contextlib.ExitStack, slots: list[PutSlot | None],
+             cut: _CutThrough) -> ForwardOutcome:
+    """Reads each block into its slot (``stack`` holds them), forwarding as parts land."""
+    node, p, reader = conn.node, conn.p, conn.reader
+    failure: KVStoreError | None = None
+    for i, (key, parent, nbytes, flags, _, _) in enumerate(items):
+        slots.append(None)
+        if failure is not None:
+            conn.discard(nbytes)
+            continue
+        raw = BlockKey(key)
+        stored_key = p.key(raw)
+        par = p.key(BlockKey(parent)) if flags & wire.FLAG_PARENT else None
+        pin = bool(flags & wire.FLAG_PIN)
+        retain_s = wire.item_retain_s(meta, i, wire.RPUT_ITEM.size)
+        try:
+            slot = stack.enter_context(node.put_slot(stored_key, nbytes, parent=par, pin=pin,
+                                                     owner=p.owner, quota=p.quota,
+                                                     retain_s=retain_s))
+        except KVStoreError as exc:
+            failure = exc  # the writer has sent the rest: consume it to stay in frame
+            conn.discard(nbytes)
+            continue
+        if slot is None:
+            # Stored here already; the other owners may still lack it, and its bytes
+            # are in the stream anyway.
+            value = memoryview(bytearray(nbytes))
+        else:
+            value = slot.view
+            slots[-1] = slot
+        reader.read_into(value)
+        cut.landed(BlockCopy(key=stored_key, place=raw, parent=par, pin=pin,
+                             retain_s=retain_s, owner=p.owner, value=value))
+    if failure is not None:
+        raise failure
+    return cut.finish()
+
+
+CUT_THROUGH_BYTES = 1 << 20
+"""A replicated put of more than this is forwarded in parts: each part (at least this
+many bytes, at most a quarter of the request) goes to the other owners as soon as it has
+landed, while the rest of the request is still arriving."""
+
+_forward_pool: ThreadPoolExecutor | None = None
+_forward_pool_lock = threading.Lock()
+
+
+def _parts_pool() -> ThreadPoolExecutor:
+    """The node's threads for forwarding the parts of a request that is still arriving
+    (made on first use; a part's own pushes run on the forwarder's pool)."""
+    global _forward_pool
+    with _forward_pool_lock:
+        if _forward_pool is None:
+            _forward_pool = ThreadPoolExecutor(max_workers=8,
+                                               thread_name_prefix="kvstore-cut-through")
+        return _forward_pool
+
+
+class _CutThrough:
+    """Forwards a replicated put's blocks part by part as they land (cut-through).
+
+    Each part is a ``Forwarding.forward`` call of its own (the owners, the failover to the
+    next ranked node and the quorum rule are the forwarder's); the request's outcome is
+    the fewest copies any part reached, so the writer's acknowledgement still means
+    ``write_quorum`` copies of every block. ``settle`` waits for every part started:
+    the values are borrowed from the put's slots until then."""
+
+    def __init__(self, fwd: Forwarding, copies: int, quorum: int, total: int) -> None:
+        self.fwd, self.copies, self.quorum = fwd, copies, quorum
+        self.part_bytes = max(CUT_THROUGH_BYTES, total // 4)
+        self.total = total
+        self.pending: list[BlockCopy] = []
+        self.pending_bytes = 0
+        self.seen = 0
+        self.started: list[Future[ForwardOutcome]] = []
+
+    def landed(self, block: BlockCopy) -> None:
+        self.pending.append(block)
+        self.pending_bytes += len(block.value)
+        self.seen += len(block.value)
+        if self.copies > 1 and self.pending_bytes >= self.part_bytes and self.seen < self.total:
+            part, self.pending, self.pending_bytes = self.pending, [], 0
+            self.started.append(_parts_pool().submit(
+                self.fwd.forward, part, copies=self.copies, write_quorum=self.quorum))
+
+    def finish(self) -> ForwardOutcome:
+        """Forwards the last part here, waits for the others; the request's outcome."""
+        outcomes = []
+        if self.pending or not self.started:
+            outcomes.append(self.fwd.forward(self.pending, copies=self.copies,
+                                             write_quorum=self.quorum))
+        self.pending = []
+        outcomes += [f.result() for f in self.settle()]
+        return ForwardOutcome(copies=min(o.copies for o in outcomes),
+                              stored_on=tuple(dict.fromkeys(
+                                  a for o in outcomes for a in o.stored_on)),
+                              failed=tuple(f for o in outcomes for f in o.failed))
+
+    def settle(self) -> list[Future[ForwardOutcome]]:
+        """Waits until every part started has settled (never raises); returns them."""
+        started, self.started = self.started, []
+        wait(started)
+        return started
 
 
 def on_rcommit(conn: _Connection, count: int, meta: bytes) -> None:

@@ -3,8 +3,8 @@
 Lock order: ``Node._lock`` is the only lock over block metadata (the
 TierManager) and it is never held while bytes move. Locks that may be taken
 while it is held are leaves: a tier's own lock (the SSD tier guards its
-allocator and index with one). ``Node._admission`` (a Condition with its own
-lock) guards only ``_draining`` and ``_in_flight`` and is never held together
+allocator and index with one). ``Node._admission`` (a plain lock: taken twice per
+request) guards only ``_draining`` and ``_in_flight`` and is never held together
 with ``_lock``; neither is ``TierMover._rounds`` (which counts moves in flight).
 The TierMover takes ``_lock`` only to plan and to finish moves, never during I/O.
 
@@ -135,10 +135,11 @@ class Node:
         if len(tiers) > 1:
             self._mover = TierMover(self._manager, self._lock)
             self._mover.start()
-        self._admission = threading.Condition(threading.Lock())
+        self._admission = threading.Lock()
         # guarded by _admission:
         self._draining = False
         self._in_flight = 0
+        self._idle = threading.Event()  # set once draining and no request is in flight
         self._request_scope = _RequestScope(self)
 
     def _open_tiers(self, s: NodeSettings) -> list[Tier]:
@@ -226,8 +227,8 @@ class Node:
     def _exit_request(self) -> None:
         with self._admission:
             self._in_flight -= 1
-            if self._in_flight == 0:
-                self._admission.notify_all()
+            if self._draining and self._in_flight == 0:
+                self._idle.set()
 
     @property
     def draining(self) -> bool:
@@ -238,7 +239,9 @@ class Node:
         """Refuses new requests and waits for in-flight ones; True if all finished in time."""
         with self._admission:
             self._draining = True
-            return self._admission.wait_for(lambda: self._in_flight == 0, timeout)
+            if self._in_flight == 0:
+                self._idle.set()
+        return self._idle.wait(timeout)
 
     # ---- puts ----------------------------------------------------------------------------
 

@@ -434,6 +434,33 @@ class ChannelConnection:
         _, reply = self._call(Op.RPUT, len(keys), meta, values)
         return wire.unpack_repl_reply(reply, len(keys))
 
+    # ---- pipelined puts (stream mode): send now, read the reply later --------------------
+
+    def send_put(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                 parents: Sequence[bytes | None], pin: bool, retain_s: float = 0.0,
+                 replicated: tuple[int, int] | None = None) -> None:
+        """Sends a PUT (or, with ``replicated=(copies, write_quorum)``, an RPUT) without
+        reading its reply: the caller reads it with ``put_reply`` once it has sent what
+        else it has to send (requests on one connection are answered in order)."""
+        if self.mode is Mode.SHM:
+            raise InvalidArgument("a pipelined put needs a stream connection (tcp)")
+        sizes = self._sizes(values)
+        if replicated is None:
+            meta = wire.pack_put_items(keys, sizes, parents, pin, retain_s)
+            self._send(Op.PUT, len(keys), meta, values)
+        else:
+            meta = wire.pack_rput_items(keys, sizes, parents, pin, *replicated, retain_s)
+            self._send(Op.RPUT, len(keys), meta, values)
+
+    def put_reply(self, count: int, *, replicated: bool = False
+                  ) -> tuple[list[bool], int, str]:
+        """The reply to a ``send_put`` of ``count`` keys: (stored flags, copies holding
+        every key, text of failed forwards); a plain PUT has 1 copy and no failures."""
+        _, reply = self._response()
+        if replicated:
+            return wire.unpack_repl_reply(reply, count)
+        return [bool(b) for b in reply], 1, ""
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         _, meta = self._call(Op.EXISTS, len(keys), wire.pack_keys(keys))
         return [bool(b) for b in meta]
