@@ -137,3 +137,13 @@ def test_a_session_keeps_its_prefill_instance_while_it_meets_the_slo() -> None:
     prefer.preferred = slow
     assert schedule(2, 650) == slow  # 0.98 s on slow: within the 1 s SLO
     assert schedule(3, 700) == fast  # 1.05 s on slow would miss it
+
+
+def test_the_stored_keys_are_every_shards_when_the_engines_have_several_ranks() -> None:
+    from kvstore.core.keys import shard_key
+
+    f = front(A)
+    ks = [bytes(k) for k in keys(64)]
+    assert f.stored_keys(ks) == ks  # one-rank engines: the block keys themselves
+    f.shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    assert f.stored_keys(ks) == [shard_key(k, s) for s in f.shards for k in ks]
