@@ -72,9 +72,13 @@ default namespace includes it, so an engine on other weights (a checkpoint overw
 place, say) never computes the same keys; every value's header carries its hash plus the
 worker's shard, so even under one explicit namespace such an engine refuses the value.
 
-Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
-the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here),
-vLLM 0.33's sleep mode.
+*Ranks.* Under tensor or pipeline parallelism every rank saves and loads its own shard
+of each block under ``shard_key(key, "tp{t}of{T}.pp{p}of{P}")``; a block counts as stored
+only when every shard is; under MLA, TP rank 0 writes the one copy every rank reads
+(``kvstore.integrations.vllm.ranks``). A one-rank engine stores under the keys themselves.
+
+Not supported (refused at start-up): several KV cache groups (hybrid models), non-CPU
+caches (not tested here), vLLM 0.33's sleep mode.
 """
 
 from __future__ import annotations
