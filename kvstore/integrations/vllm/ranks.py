@@ -39,7 +39,7 @@ from typing import Any
 
 from kvstore.core.keys import shard_key
 
-__all__ = ["ShardPlan"]
+__all__ = ["ShardPlan", "engine_shard_plan", "shard_chains", "stored_prefix"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
