@@ -4,8 +4,9 @@ A random 2-layer DeepSeek-V2 (``tiny_mla``: a 512 + 64 latent cache, what vLLM's
 kernels take; bfloat16, which vLLM's CPU kernels want for this model). The latent cache
 is the same on both ranks, so rank 0 alone writes it, under the shard ``tp*of2.pp0of1``,
 and both ranks load that copy (``kvstore.integrations.vllm.ranks``): nothing is stored
-under either rank's own shard or under the block keys, and the second run of a prompt
-loads its whole loadable prefix with the same greedy tokens.
+under either rank's own shard or under the block keys, the second run of a prompt loads
+its whole loadable prefix with the same greedy tokens, and other KV in the copy changes
+them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from vllm_llm import external_hits, kvstore_llm
 
 from kvstore import Client, block_keys
+from kvstore.integrations.vllm.blocks import HEADER_BYTES, reseal
 from kvstore.integrations.vllm.ranks import ShardPlan, shard_chains
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow, pytest.mark.vllm_engine]
@@ -26,6 +28,16 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow, pytest.mark.vllm_engi
 NAMESPACE = f"mla-test-{time.time_ns()}"
 PROMPT_TOKENS = 200
 TWO_CPU_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def noisy_bf16(value: bytes, seed: int) -> bytes:
+    """``value`` with its payload replaced by other bfloat16 values, header untouched."""
+    import torch
+
+    n = (len(value) - HEADER_BYTES) // 2
+    torch.manual_seed(seed)
+    noise = (torch.randn(n) * 3).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    return value[:HEADER_BYTES] + noise
 
 
 def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
@@ -67,3 +79,15 @@ def test_rank_zero_writes_the_latent_cache_once_and_both_ranks_load_it(
         second, hits = generate(llm, tokens)
         assert hits == loadable
         assert second == first
+        assert len(set(first)) > 1, "a greedy output that depends on the prompt's KV"
+
+        # Other well-formed latent KV in the one copy changes the output: the engine
+        # computed with the copy it loaded.
+        originals = client.get_batch(copy)
+        for i, (key, value) in enumerate(zip(copy, originals, strict=True)):
+            assert value is not None and client.remove(key)
+            assert client.put_batch([key], [reseal(noisy_bf16(value, seed=i))]) == [True]
+        assert llm.reset_prefix_cache()
+        forged, hits = generate(llm, tokens)
+        assert hits == loadable
+        assert forged != first
