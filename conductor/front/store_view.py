@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from conductor.front.store_events import RECHECK_S, BlockEvents
 from kvstore.core.keys import leading_run
+from kvstore.integrations.vllm.ranks import stored_prefix
 
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
@@ -59,11 +60,15 @@ class StoreView:
         """How the durability wait learns of saves: ``events`` or ``polling``."""
         return "polling" if self.events is None else "events"
 
-    async def prefix_len(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks of ``keys`` the store holds (a failed lookup counts as 0)."""
+    async def prefix_len(self, keys: Sequence[bytes], shards: Sequence[str] = ()) -> int:
+        """Leading blocks of ``keys`` the store holds, every one of ``shards`` of them
+        when the engines store blocks in shards (a failed lookup counts as 0)."""
         if not keys:
             return 0
         try:
+            if shards:
+                return await asyncio.to_thread(stored_prefix, self.store.prefix_match,
+                                               list(keys), list(shards))
             return int(await asyncio.to_thread(self.store.prefix_match, list(keys)))
         except Exception:  # the store is a cache: unreachable means nothing cached
             return 0

@@ -73,6 +73,7 @@ from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
 from conductor.scheduling.types import InstanceId, PrefillPlan, Request, RequestId, Slo
 from kvstore.core.keys import BlockKey, block_keys
+from kvstore.integrations.vllm.ranks import shard_chains
 
 LOCAL_CACHE_BLOCKS = 4096
 EVENTS_LIVE_S = 3.0
@@ -183,6 +184,9 @@ class VllmFront:
         self.namespace = config.namespace
         """The connectors' namespace (learnt at ``start``, or the flag until then)."""
         self.block_tokens = config.block_tokens
+        self.shards: tuple[str, ...] = ()
+        """The connectors' shards (engines on several ranks): a block is stored when every
+        shard of it is (learnt at ``start``)."""
         self.instances_tokenize = False
         """The instances tokenize text: text and chat requests are forwarded unchanged."""
         self.models_body: dict[str, Any] = {}
@@ -224,6 +228,7 @@ class VllmFront:
                           block_tokens=self.config.block_tokens)
         self.model, self.max_model_len = got.model, got.max_model_len
         self.namespace, self.block_tokens = got.namespace, got.block_tokens
+        self.shards = got.shards
         self.instances_tokenize = got.instances_tokenize
         first = self.instances()[0]
         models = (await first.http.get(first.url + "/v1/models", timeout=10.0)).json()
@@ -251,6 +256,17 @@ class VllmFront:
                 self._local[iid] = LocalPrefixCache(blocks)
         await self.poll_loads()
 
+    def stored_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys the store holds the blocks ``keys`` under: every shard's (engines on
+        several ranks), else ``keys`` themselves."""
+        return [k for chain in shard_chains(keys, self.shards) for k in chain]
+
+    def session_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``stored_keys`` block by block (every shard's key of block 0, then of block 1, ...),
+        so that a session's turns still share a prefix of this list when engines have
+        several ranks."""
+        return [k for block in zip(*shard_chains(keys, self.shards), strict=True) for k in block]
+
     async def check_namespace(self) -> None:
         """Runs a one-block-plus-one-token prompt on every instance that saves and checks
         the block reached the store under the learnt namespace: the whole path (the
@@ -264,7 +280,7 @@ class VllmFront:
                             {"model": self.model, "prompt": probe, "max_tokens": 1},
                             self.timeout())
             try:
-                await self.store.wait_durable(keys, timeout_s=min(
+                await self.store.wait_durable(self.stored_keys(keys), timeout_s=min(
                     10.0, self.config.durable_timeout_s), namespace=self.namespace)
             except NotDurable as exc:
                 raise ValueError(f"{inst.url}: a probe prompt's block is not in the store "
@@ -311,7 +327,7 @@ class VllmFront:
         if session is None or not self.session_cache.enabled:
             return None
         return asyncio.ensure_future(asyncio.to_thread(self.session_cache.arrive, session,
-                                                       keys))
+                                                       self.session_keys(keys)))
 
     def _turn_over(self, job: _Job) -> None:
         """The request reached an instance and is over: its session's blocks are retained
@@ -330,9 +346,10 @@ class VllmFront:
             # The connector saves as the request runs and may finish after it: the blocks
             # to retain must be stored first (disaggregated, the decode already waited).
             with contextlib.suppress(NotDurable):
-                await self.store.wait_durable(job.keys, timeout_s=min(
+                await self.store.wait_durable(self.stored_keys(job.keys), timeout_s=min(
                     10.0, self.config.durable_timeout_s), namespace=self.namespace)
-        await asyncio.to_thread(self.session_cache.end_turn, job.session, job.keys)
+        await asyncio.to_thread(self.session_cache.end_turn, job.session,
+                                self.session_keys(job.keys))
 
     async def sessions_settled(self) -> None:
         """Returns once every turn's session work started so far is done."""
@@ -409,7 +426,7 @@ class VllmFront:
         body = {"model": self.model, **body}
         keys = block_keys(tokens, self.block_tokens, self.namespace)
         arrival = self._session_arrival(session, keys)
-        stored = await self.store.prefix_len(keys)
+        stored = await self.store.prefix_len(keys, self.shards)
         self.metrics.prompt_tokens.inc(len(tokens))
         self.metrics.prefix_tokens.inc(stored * self.block_tokens)
         self._prompt_tokens_seen += len(tokens)
@@ -489,7 +506,7 @@ class VllmFront:
                     seconds=time.monotonic() - tp)
                 c.prefill_done(rid, time.monotonic())
                 waited = await self.store.wait_durable(
-                    keys, timeout_s=self.config.durable_timeout_s,
+                    self.stored_keys(keys), timeout_s=self.config.durable_timeout_s,
                     namespace=self.namespace)
                 self.metrics.durability_wait.observe(waited)
                 self.metrics.durability_waits.labels(self.store.waits_by).inc()

@@ -98,6 +98,9 @@ class ConnectorInfo:
     block_tokens: int
     kv_role: str
     """vLLM's ``kv_role``: ``kv_both``, ``kv_producer`` (saves) or ``kv_consumer`` (loads)."""
+    shards: tuple[str, ...] = ()
+    """The shards each block is stored in (an engine on several ranks); empty: one rank,
+    each block under its own key (``kvstore.integrations.vllm.describe``)."""
 
     @property
     def saves(self) -> bool:
@@ -240,9 +243,12 @@ class VllmInstance:
         if not isinstance(info, dict):
             return None
         try:
+            shards = info.get("shards") or []
+            if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
+                raise TypeError("shards")
             return ConnectorInfo(namespace=str(info["namespace"]),
                                  block_tokens=int(info["block_tokens"]),
-                                 kv_role=str(info["kv_role"]))
+                                 kv_role=str(info["kv_role"]), shards=tuple(shards))
         except (KeyError, TypeError, ValueError):
             raise UpstreamError(f"{self.role} instance {self.url}: a connector "
                                 f"description it cannot have meant: {info!r}") from None

@@ -2,10 +2,12 @@
 
 * the served model and ``max_model_len`` (``/v1/models``), the vLLM block size and KV
   capacity (``/metrics``): every instance must serve the same model;
-* each instance's kvstore connector: its namespace, block size and role (the
+* each instance's kvstore connector: its namespace, block size, shards and role (the
   ``kvstore_describe`` request, ``kvstore.integrations.vllm.describe``). Every instance
   must use the same namespace and block size, which become the front's (the block keys
-  it computes must be the connectors' keys); ``--kv-namespace`` / ``--block-tokens``,
+  it computes must be the connectors' keys), and the same shards (the ranks an engine
+  on several ranks stores each block in: the same parallel shape, so the shard keys the
+  front looks up are theirs); ``--kv-namespace`` / ``--block-tokens``,
   when given, must equal them; prefill instances must save and decode instances load;
 * whether the instances tokenize text themselves (``/tokenize``): then the front forwards
   text and chat requests unchanged; all must tokenize alike, or none at all.
@@ -39,6 +41,8 @@ class Learnt:
     """The instances tokenize text (no ``--skip-tokenizer-init``): text and chat are
     forwarded to them unchanged."""
     shapes: dict[str, InstanceShape]
+    shards: tuple[str, ...] = ()
+    """The connectors' shards (``ConnectorInfo.shards``); empty: one-rank engines."""
 
 
 def _agree(what: str, values: Mapping[str, T]) -> T:
@@ -67,12 +71,22 @@ async def learn(instances: Sequence[VllmInstance], *, namespace: str, block_toke
                          await asyncio.gather(*(i.read_tokenizer(model) for i in instances)),
                          strict=True))
     ns, block = layout_of(infos, shapes, namespace=namespace, block_tokens=block_tokens)
+    shards = shards_of(infos)
     check_roles(instances, infos)
     tokens = _agree("tokenizer (the token ids of one probe text; None: no tokenizer, "
                     "--skip-tokenizer-init)", tokenized)
     return Learnt(model=model, max_model_len=min(s.max_model_len for s in shapes.values()),
                   namespace=ns, block_tokens=block, instances_tokenize=tokens is not None,
-                  shapes=shapes)
+                  shapes=shapes, shards=shards)
+
+
+def shards_of(infos: dict[str, ConnectorInfo | None]) -> tuple[str, ...]:
+    """The shards every described connector stores blocks in (all must agree: engines of
+    other parallel shapes store other keys); () when none describes any."""
+    described = {u: info.shards for u, info in infos.items() if info is not None}
+    if not described:
+        return ()
+    return _agree("kvstore shards (the engines' tensor / pipeline parallel shape)", described)
 
 
 def layout_of(infos: dict[str, ConnectorInfo | None], shapes: dict[str, InstanceShape], *,

@@ -32,6 +32,7 @@ own domain-separation string, so no derivation can name another's object
     tail_key(ns, rid, toks) = xxh3_128(b"kvstore-workers-tail-v1\\x00" || utf8(ns) || b"\\x00"
                                        || utf8(rid) || b"\\x00" || u32le(t_0) || ... )
     mooncake_key(k)         = xxh3_128(b"kvstore-mooncake-v1\\x00" || utf8(k))
+    shard_key(key, shard)   = xxh3_128(b"kvstore-shard-v1\\x00" || utf8(shard) || b"\\x00" || key)
 
 * ``salt_key``: a tenant's key as the node stores it (``kvstore.auth.tenancy``): two tenants
   naming the same key name two different blocks.
@@ -41,6 +42,10 @@ own domain-separation string, so no derivation can name another's object
   so a request id reused for another prompt never reads a stale tail.
 * ``mooncake_key``: the 16-byte key of a Mooncake (and SGLang / LMCache) string key
   (``bytes`` are hashed as they are).
+* ``shard_key``: one rank's shard of a block when an engine splits its KV cache over
+  several ranks (tensor / pipeline parallelism, ``kvstore.integrations.vllm.ranks``);
+  ``shard`` names the rank and the world size (``"tp1of2.pp0of1"``), so engines of other
+  parallel shapes never read each other's shards as their own.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ TENANT_DOMAIN = b"kvstore-tenant-v1\x00"
 LAYER_DOMAIN = b"kvstore-workers-layer-v1\x00"
 TAIL_DOMAIN = b"kvstore-workers-tail-v1\x00"
 MOONCAKE_DOMAIN = b"kvstore-mooncake-v1\x00"
+SHARD_DOMAIN = b"kvstore-shard-v1\x00"
 _U32_MAX = 0xFFFFFFFF
 
 
@@ -138,6 +144,12 @@ def mooncake_key(key: str | bytes) -> BlockKey:
     else:
         raise TypeError(f"a Mooncake key is a str (or bytes), got {type(key).__name__}")
     return BlockKey(xxhash.xxh3_128_digest(MOONCAKE_DOMAIN + raw))
+
+
+def shard_key(key: bytes, shard: str) -> BlockKey:
+    """The key of rank ``shard``'s part of the block named ``key`` (see the module spec)."""
+    return BlockKey(xxhash.xxh3_128_digest(SHARD_DOMAIN + shard.encode("utf-8") + b"\x00"
+                                           + bytes(key)))
 
 
 def parse_key(text: str) -> BlockKey:

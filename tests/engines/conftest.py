@@ -80,6 +80,33 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def make_tiny_deepseek_v2(out: Path, *, seed: int = 0) -> Path:
+    """A random 2-layer DeepSeek-V2 (MLA: a 512+64 latent cache, as vLLM's CPU MLA kernel
+    wants; dense MLPs) saved as a local HF checkpoint, no tokenizer."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=2, max_position_embeddings=2048, torch_dtype="float32",
+        tie_word_embeddings=False)
+    model = DeepseekV2ForCausalLM(cfg)
+    with torch.no_grad():  # at 0.2, as the Llama's, vLLM's bf16 greedy output is constant
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"))
+
+
 @pytest.fixture(scope="module")
 def store_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """A real ``kvstore serve`` node for the module (256 MiB DRAM)."""
@@ -109,7 +136,8 @@ def make_connector(tiny_llama: Path):
     """``make_connector(role, addr, **extra)``: a KVStoreConnector built from a real
     VllmConfig (EngineArgs on the tiny model) and a one-group KVCacheConfig, without
     an engine. ``kv_role=`` picks the role (default kv_both), ``model=`` another
-    checkpoint, ``engine_args=`` more EngineArgs."""
+    checkpoint, ``engine_args=`` more EngineArgs (``tensor_parallel_size=2``...),
+    ``rank=`` the worker's global rank."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -119,7 +147,7 @@ def make_connector(tiny_llama: Path):
     from kvstore.integrations.vllm_connector import KVStoreConnector
 
     def make(role: str, addr: str, *, kv_role: str = "kv_both", model: Path | None = None,
-             engine_args: dict | None = None, **extra):
+             engine_args: dict | None = None, rank: int = 0, **extra):
         ktc = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.integrations.vllm_connector",
@@ -128,6 +156,7 @@ def make_connector(tiny_llama: Path):
         cfg = EngineArgs(model=str(model or tiny_llama), skip_tokenizer_init=True,
                          block_size=BLOCK, max_model_len=512, enforce_eager=True,
                          kv_transfer_config=ktc, **args).create_engine_config()
+        cfg.parallel_config.rank = rank  # a worker's global rank, as vLLM's WorkerBase sets
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                                  dtype=torch.float32)
         kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_layout="LBHNC",

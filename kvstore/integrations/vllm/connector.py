@@ -72,9 +72,13 @@ default namespace includes it, so an engine on other weights (a checkpoint overw
 place, say) never computes the same keys; every value's header carries its hash plus the
 worker's shard, so even under one explicit namespace such an engine refuses the value.
 
-Not supported (refused at start-up): tensor or pipeline parallelism > 1 (keys would need
-the rank), several KV cache groups (hybrid models), non-CPU caches (not tested here),
-vLLM 0.33's sleep mode.
+*Ranks.* Under tensor or pipeline parallelism every rank saves and loads its own shard
+of each block under ``shard_key(key, "tp{t}of{T}.pp{p}of{P}")``; a block counts as stored
+only when every shard is; under MLA, TP rank 0 writes the one copy every rank reads
+(``kvstore.integrations.vllm.ranks``). A one-rank engine stores under the keys themselves.
+
+Not supported (refused at start-up): several KV cache groups (hybrid models), non-CPU
+caches (not tested here), vLLM 0.33's sleep mode.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ from kvstore.integrations.identity import WeightsIdentity, process_value, weight
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.versions import check_vllm_version
 
 # Before any other vLLM import (hence the E402s below): a version outside the list fails
@@ -272,11 +277,6 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError(
-                "KVStoreConnector supports tensor_parallel_size=1 and "
-                "pipeline_parallel_size=1 only")
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise NotImplementedError(
@@ -297,10 +297,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._namespace = str(cfg.get_from_extra_config("namespace", "")
                               or default_namespace(vllm_config, kv_cache_config,
                                                    weights=weights))
-        rank = int(getattr(parallel, "rank", 0) or 0)
-        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self._header_identity = header_identity(
-            self._identity, shard=f"tp{rank % tp}of{tp}.pp{rank // tp % pp}of{pp}")
+        # Tensor / pipeline ranks: each saves and reads its shard (``ranks``).
+        self._shards = engine_shard_plan(vllm_config)
+        self._header_identity = header_identity(self._identity, shard=self._shards.own_shard)
         self._do_load = cfg.is_kv_consumer
         self._do_save = cfg.is_kv_producer
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
@@ -392,7 +391,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys_upto(st, full)
         try:
-            hit = self._client().prefix_match(keys)
+            hit = self._shards.stored_prefix(self._client().prefix_match, keys)
         except Exception as exc:
             logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
             hit = 0
@@ -452,10 +451,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids or set()
-        for req_id in connector_output.finished_recving or ():
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
+        # Every loading request, every step: under TP a rank reports its refused blocks
+        # when its own load ends, maybe steps before the last rank finishes.
+        for st in self._reqs.values() if invalid else ():
             for i, block_id in enumerate(st.loading):
                 if block_id in invalid:
                     # vLLM recomputes from this block on: save what it recomputes.
@@ -463,7 +461,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                     st.saved_upto = min(st.saved_upto, first_bad)
                     st.store_blocks = min(st.store_blocks, first_bad)
                     break
-            st.loading = []
+        for req_id in connector_output.finished_recving or ():
+            if (done := self._reqs.get(req_id)) is not None:
+                done.loading = []
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -472,7 +472,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # A router that asks (``kvstore_describe``) learns the namespace and block size.
         return False, describe_reply(getattr(request, "kv_transfer_params", None),
                                      namespace=self._namespace, block_tokens=self._block_size,
-                                     kv_role=str(self._kv_transfer_config.kv_role))
+                                     kv_role=str(self._kv_transfer_config.kv_role),
+                                     shards=self._shards.shards)
 
     # ======================================================================================
     # Worker side
@@ -501,15 +502,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Fetches, checks and writes one request's blocks; returns refused block ids."""
         layout = self._layout
         assert layout is not None
-        n = len(spec.keys)
+        keys = self._shards.own_keys(spec.keys)  # this rank's shard of each block
+        n = len(keys)
         staging = layout.new_staging(n)
         try:
             try:
                 sizes = self._load_client.get_batch_into(
-                    spec.keys, [staging[i].numpy() for i in range(n)])
+                    keys, [staging[i].numpy() for i in range(n)])
             except BufferTooSmall:
                 # A value larger than a block (not ours): fetch as bytes to see which.
-                values = self._load_client.get_batch(spec.keys)
+                values = self._load_client.get_batch(keys)
                 sizes = []
                 for i, v in enumerate(values):
                     if v is not None and len(v) == layout.value_bytes:
@@ -520,7 +522,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return list(spec.block_ids)
         good = n
         for i in range(n):
-            why = layout.check(staging[i], spec.keys[i], sizes[i])
+            why = layout.check(staging[i], keys[i], sizes[i])
             if why is None:
                 continue
             good = min(good, i)
@@ -529,11 +531,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             self._count("refused_blocks", 1)
             logger.warning("kvstore block %s refused (%s); removing it from the store",
-                           spec.keys[i].hex(), why)
+                           keys[i].hex(), why)
             try:
-                self._load_client.remove(spec.keys[i])
+                self._load_client.remove(keys[i])
             except Exception as exc:
-                logger.warning("could not remove refused block %s: %s", spec.keys[i].hex(), exc)
+                logger.warning("could not remove refused block %s: %s", keys[i].hex(), exc)
         if good:
             ids = torch.tensor(spec.block_ids[:good], dtype=torch.long)
             rows = staging[:good]
@@ -570,8 +572,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     # --- saves ---------------------------------------------------------------------------
 
     def _step_saves(self) -> list[SaveSpec]:
-        if not self.has_connector_metadata():
-            return []
+        if not self._shards.writes or not self.has_connector_metadata():
+            return []  # under MLA, TP rank 0 saves the copy every rank reads
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         return meta.saves
@@ -626,6 +628,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             keys, parents = [keys[i] for i in rows], [parents[i] for i in rows]
             keep = [longest[k] for k in keys]
             staging = staging[torch.tensor(rows, dtype=torch.long)]
+        # This rank's shard of each block (a one-rank engine: the keys themselves).
+        keys, parents = self._shards.own_keys(keys), self._shards.own_parents(parents)
         layout.seal(staging, keys)
         while len(self._saves) >= self._max_pending_saves:
             self._saves.popleft().result()

@@ -5,13 +5,20 @@ connector's namespace and block size. Rather than an operator copying them into 
 configurations, the router asks the instance: a request whose ``kv_transfer_params``
 holds ``{"kvstore_describe": true}`` gets, in its answer's ``kv_transfer_params``::
 
-    {"kvstore": {"version": 1, "namespace": "...", "block_tokens": 32, "kv_role": "kv_both"}}
+    {"kvstore": {"version": 1, "namespace": "...", "block_tokens": 32, "kv_role": "kv_both",
+                 "shards": ["tp0of2.pp0of1", "tp1of2.pp0of1"]}}
 
 ``namespace`` is the one the connector derives its keys with (the configured one, or
 ``default_namespace``), read where the keys are made, so it cannot disagree with them.
 Asked through the instance's own API it needs no identity shared between the instance and
 the store, and a decode instance (``kv_consumer``, which saves nothing) answers it too.
 Requests without the parameter get nothing back (vLLM's answer is unchanged).
+
+``shards`` names the parts each block is stored in when the engine runs on several ranks
+(tensor / pipeline parallelism, ``kvstore.integrations.vllm.ranks``): a block is cached
+only when every shard's key, ``kvstore.core.keys.shard_key(key, shard)``, is stored. An
+empty list (a one-rank engine; absent in older connectors' answers) means each block is
+stored under its own key.
 
 No vLLM import here: the router side (``conductor.front``) reads the same names.
 """
@@ -27,11 +34,12 @@ REPLY_KEY = "kvstore"
 VERSION = 1
 
 
-def describe_reply(params: Any, *, namespace: str, block_tokens: int, kv_role: str
-                   ) -> dict[str, Any] | None:
+def describe_reply(params: Any, *, namespace: str, block_tokens: int, kv_role: str,
+                   shards: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """The ``kv_transfer_params`` of an answer to a request whose own were ``params``:
     the description when it asked for one, else None (nothing added)."""
     if not isinstance(params, dict) or params.get(DESCRIBE_PARAM) is not True:
         return None
     return {REPLY_KEY: {"version": VERSION, "namespace": namespace,
-                        "block_tokens": int(block_tokens), "kv_role": kv_role}}
+                        "block_tokens": int(block_tokens), "kv_role": kv_role,
+                        "shards": list(shards)}}

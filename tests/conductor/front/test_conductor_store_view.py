@@ -98,3 +98,18 @@ def test_on_a_cluster_the_wait_counts_copies_not_presence(tmp_path) -> None:
             assert [len(h) for h in twice.holders(keys)] == [2, 2, 2]
     finally:
         cluster.down(timeout=10)
+
+
+def test_with_shards_a_block_is_stored_only_when_every_shard_is(node) -> None:
+    from kvstore.core.keys import shard_key
+
+    keys = _keys(3, 300)
+    shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    with Client(node.addr) as c:
+        view = StoreView(c)
+        c.put_batch(keys, [b"k"] * 3)  # a one-rank engine's blocks
+        assert asyncio.run(view.prefix_len(keys, shards)) == 0
+        c.put_batch([shard_key(k, shards[0]) for k in keys], [b"0"] * 3)
+        c.put_batch([shard_key(k, shards[1]) for k in keys[:2]], [b"1"] * 2)
+        assert asyncio.run(view.prefix_len(keys, shards)) == 2
+        assert asyncio.run(view.prefix_len(keys)) == 3

@@ -190,3 +190,12 @@ def test_sessions_off_ask_nothing_of_the_store() -> None:
     assert not f.session_cache.enabled
     assert f._session_arrival("s", keys(100)) is None
     assert asyncio.run(f.sweep_sessions()) == 0
+
+def test_the_stored_keys_are_every_shards_when_the_engines_have_several_ranks() -> None:
+    from kvstore.core.keys import shard_key
+
+    f = front(A)
+    ks = [bytes(k) for k in keys(64)]
+    assert f.stored_keys(ks) == ks  # one-rank engines: the block keys themselves
+    f.shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    assert f.stored_keys(ks) == [shard_key(k, s) for s in f.shards for k in ks]

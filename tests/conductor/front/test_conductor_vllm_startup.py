@@ -7,13 +7,14 @@ import httpx
 import pytest
 
 from conductor.front.vllm_instances import ConnectorInfo, InstanceShape, VllmInstance
-from conductor.front.vllm_startup import StartupMismatch, check_roles, layout_of
+from conductor.front.vllm_startup import StartupMismatch, check_roles, layout_of, shards_of
 
 P, D = "http://p:1", "http://d:2"
 
 
-def info(ns: str = "NS", block: int = 32, role: str = "kv_both") -> ConnectorInfo:
-    return ConnectorInfo(namespace=ns, block_tokens=block, kv_role=role)
+def info(ns: str = "NS", block: int = 32, role: str = "kv_both",
+         shards: tuple[str, ...] = ()) -> ConnectorInfo:
+    return ConnectorInfo(namespace=ns, block_tokens=block, kv_role=role, shards=shards)
 
 
 def shape(block: int | None = 32) -> InstanceShape:
@@ -72,3 +73,15 @@ def test_roles_must_fit_what_each_instance_does() -> None:
     with pytest.raises(StartupMismatch, match="decode instance http://d:2 runs its "
                        "connector with kv_role 'kv_producer', which loads nothing"):
         check_roles([p, d], {P: info(), D: info(role="kv_producer")})
+
+
+def test_instances_must_store_the_same_shards() -> None:
+    tp2 = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    assert shards_of({P: info(shards=tp2), D: info(shards=tp2)}) == tp2
+    assert shards_of({P: info(), D: None}) == ()
+    assert shards_of({P: None}) == ()
+    with pytest.raises(StartupMismatch) as e:
+        shards_of({P: info(shards=tp2), D: info()})
+    assert str(e.value) == ("instances disagree on the kvstore shards (the engines' tensor / "
+                            "pipeline parallel shape): http://p:1 has ('tp0of2.pp0of1', "
+                            "'tp1of2.pp0of1'), http://d:2 has ()")

@@ -155,6 +155,12 @@ def test_mooncake_key_vectors(case: dict) -> None:
     assert keys.mooncake_key(case["key"].encode()).hex() == case["stored_hex"]
 
 
+@pytest.mark.parametrize("case", DERIVED["shard_key"], ids=lambda c: c["shard"])
+def test_shard_key_vectors(case: dict) -> None:
+    got = keys.shard_key(bytes.fromhex(case["key_hex"]), case["shard"])
+    assert got.hex() == case["stored_hex"]
+
+
 def test_callers_name_the_one_derivation() -> None:
     """The modules that use a derivation hand on kvstore.core.keys' function, never a copy."""
     from kvstore.auth import security, tenancy
@@ -175,5 +181,6 @@ def test_mooncake_key_refuses_other_types() -> None:
 def test_derived_keys_are_block_keys_in_their_own_domains() -> None:
     k = bytes.fromhex(DERIVED["layer_key"][0]["key_hex"])
     derived = {keys.salt_key("ns", k), keys.layer_key(k, 0), keys.mooncake_key("ns"),
-               keys.tail_key("ns", "r", []), namespace_root_key("ns")}
-    assert len(derived) == 5 and all(len(d) == KEY_BYTES for d in derived)
+               keys.tail_key("ns", "r", []), namespace_root_key("ns"),
+               keys.shard_key(k, "ns")}
+    assert len(derived) == 6 and all(len(d) == KEY_BYTES for d in derived)
