@@ -193,3 +193,10 @@ def test_a_node_reports_its_index_budget_at_start_up() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_bad_block_size_is_a_cli_error() -> None:
+    out = _serve("--block-bytes", "0")
+    assert out.returncode == 1
+    assert "kvstore serve: error: block_bytes must be positive" in out.stderr
+    assert "Traceback" not in out.stderr
