@@ -9,15 +9,17 @@ runs in its own process, so its memory figures start from a clean interpreter. P
   allocator's count of live objects per block (``sys.getallocatedblocks``); at sizes up
   to ``--tracemalloc-max`` also the bytes per block ``tracemalloc`` sees (a second build:
   it doubles the time and the memory, so not at the largest sizes);
-* rates: puts while filling (per tenth of the fill, to show how they change as the index
-  grows), then on the full index: lookups (read lease and release of random keys),
+* rates, per second of wall time and per second of the thread's CPU time (the table
+  shows the latter: on a shared machine it is the one that does not depend on the
+  load): puts while filling (wall, per tenth of the fill, to show how they change as
+  the index grows), then on the full index: lookups (read lease and release of random keys),
   prefix matches (``prefix_length`` of a whole 32-block chain) and puts that each evict
   one block (LRU);
 * pauses: a reader thread takes a read lease on a random indexed key about every
   millisecond while the writer fills, under one lock as a node's handlers do, and times
   each from when it fell due (open loop: lock wait, GIL wait, the machine's scheduling
-  and garbage collection included); ``gc.callbacks`` times every collection, so a long
-  pause can be told apart from the writer's lock hold or a busy machine.
+  and garbage collection included); ``gc.callbacks`` times every collection (wall and
+  CPU), so a long pause can be told apart from the writer's lock hold or a busy machine.
 
 ``--index python`` is the pure-Python index; ``--index native`` the native one (issue
 #24) where this tree has it, else the run says it is unavailable and skips it. Sizes whose
@@ -96,14 +98,15 @@ class _GcTimes:
     """Every collection's duration and generation, from ``gc.callbacks``."""
 
     def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self._t0 = 0.0
+        self.pauses: list[tuple[int, float, float]] = []  # generation, wall s, CPU s
+        self._t0 = self._c0 = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.thread_time()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0,
+                                time.thread_time() - self._c0))
 
 
 class _Reader(threading.Thread):
@@ -164,32 +167,45 @@ def _pct(sorted_s: list[float], q: float) -> float:
     return sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] if sorted_s else 0.0
 
 
+class _Clock:
+    """Wall and this thread's CPU time since it was made: on a shared machine the CPU
+    time is the figure that does not depend on what else runs."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+
+    def rates(self, name: str, count: float) -> dict[str, float]:
+        wall, cpu = time.perf_counter() - self.t0, time.thread_time() - self.c0
+        return {f"{name}_per_s": count / wall, f"{name}_per_cpu_s": count / max(cpu, 1e-9)}
+
+
 def _rates(manager: TierManager, n: int, ops: int) -> dict[str, float]:
-    """Lookups, prefix matches and evicting puts per second on the full index."""
+    """Lookups, prefix matches and evicting puts per second (wall and CPU) on the full
+    index."""
     rng = random.Random(2)
     keys = [key_of(rng.randrange(n)) for _ in range(ops)]
-    t0 = time.perf_counter()
+    out: dict[str, float] = {}
+    clock = _Clock()
     for k in keys:
         e = manager.acquire_read(k)
         assert e is not None
         manager.release_read(e)
-    lookup = ops / (time.perf_counter() - t0)
+    out |= clock.rates("lookups", ops)
     chains = [[key_of(c * CHAIN + j) for j in range(CHAIN)]
               for c in (rng.randrange(n // CHAIN) for _ in range(max(1, ops // CHAIN)))]
-    t0 = time.perf_counter()
+    clock = _Clock()
     for chain in chains:
         manager.prefix_length(chain)
-    dt = time.perf_counter() - t0
+    out |= clock.rates("prefix_matches", len(chains))
     new = [key_of(n + i) for i in range(ops)]
-    t0 = time.perf_counter()
+    clock = _Clock()
     for k in new:
         res = manager.reserve(k, 1)
         assert res is not None
         manager.commit(res)
-    evict = ops / (time.perf_counter() - t0)
+    out |= clock.rates("evicting_puts", ops)
     assert len(manager) == n
-    return {"lookups_per_s": lookup, "prefix_matches_per_s": len(chains) / dt,
-            "prefix_blocks_per_s": len(chains) * CHAIN / dt, "evicting_puts_per_s": evict}
+    return out
 
 
 def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, Any]:
@@ -203,10 +219,11 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
     gc.callbacks.append(gc_times)
     reader = _Reader(manager, lock, filled)
     reader.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         windows = _fill(manager, n, lock, filled)
     finally:
+        fill_cpu_s = time.thread_time() - c0
         reader.stop.set()
         reader.join()
         gc.callbacks.remove(gc_times)
@@ -218,14 +235,16 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
     out: dict[str, Any] = {
         "index": kind, "blocks": n, "chain": CHAIN, "fill_s": fill_s,
         "rss_bytes_per_block": rss / n, "objects_per_block": objs / n,
-        "puts_per_s": n / fill_s, "put_windows": windows,
+        "puts_per_s": n / fill_s, "puts_per_cpu_s": n / fill_cpu_s, "put_windows": windows,
         "gets_timed": len(samples), "max_get_pause_ms": _pct(samples, 1.0) * 1e3,
         "p99_get_ms": _pct(samples, 0.99) * 1e3, "p999_get_ms": _pct(samples, 0.999) * 1e3,
         "gets_over_10ms": sum(1 for s in samples if s > 0.010),
-        "gc_collections": {str(g): sum(1 for gg, _ in gc_times.pauses if gg == g)
+        "gc_collections": {str(g): sum(1 for gg, _, _ in gc_times.pauses if gg == g)
                            for g in (0, 1, 2)},
-        "max_gc_pause_ms": max((d for _, d in gc_times.pauses), default=0.0) * 1e3,
-        "gc_total_s": sum(d for _, d in gc_times.pauses),
+        "max_gc_pause_ms": max((d for _, d, _ in gc_times.pauses), default=0.0) * 1e3,
+        "max_gc_pause_cpu_ms": max((c for _, _, c in gc_times.pauses), default=0.0) * 1e3,
+        "gc_total_s": sum(d for _, d, _ in gc_times.pauses),
+        "gc_total_cpu_s": sum(c for _, _, c in gc_times.pauses),
         "budget_bytes_per_block": index_bytes(n, kind=kind) / n,
     }
     out.update(_rates(manager, n, ops))
@@ -275,7 +294,7 @@ def run_size(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, 
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
     head = (f"{'index':<7} {'blocks':>11} {'RSS B/blk':>9} {'objs/blk':>8} {'tm B/blk':>8} "
             f"{'put/s':>9} {'lookup/s':>9} {'prefix/s':>9} {'evict/s':>9} "
-            f"{'max get ms':>10} {'p99.9 ms':>8} {'max gc ms':>9}")
+            f"{'max get ms':>10} {'p99.9 ms':>8} {'max gc ms':>9} {'gc cpu ms':>9}")
     lines = [head, "-" * len(head)]
     for r in runs:
         if "skipped" in r:
@@ -285,10 +304,10 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{r['index']:<7} {r['blocks']:>11,} {r['rss_bytes_per_block']:>9.0f} "
             f"{r['objects_per_block']:>8.2f} {'-' if tm is None else f'{tm:.0f}':>8} "
-            f"{r['puts_per_s']:>9,.0f} {r['lookups_per_s']:>9,.0f} "
-            f"{r['prefix_matches_per_s']:>9,.0f} {r['evicting_puts_per_s']:>9,.0f} "
+            f"{r['puts_per_cpu_s']:>9,.0f} {r['lookups_per_cpu_s']:>9,.0f} "
+            f"{r['prefix_matches_per_cpu_s']:>9,.0f} {r['evicting_puts_per_cpu_s']:>9,.0f} "
             f"{r['max_get_pause_ms']:>10.1f} {r['p999_get_ms']:>8.2f} "
-            f"{r['max_gc_pause_ms']:>9.1f}")
+            f"{r['max_gc_pause_ms']:>9.1f} {r['max_gc_pause_cpu_ms']:>9.1f}")
     return "\n".join(lines)
 
 
@@ -302,8 +321,9 @@ def ratios(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
             continue
         lo, hi = done[0], done[-1]
         out[kind] = {"from_blocks": lo["blocks"], "to_blocks": hi["blocks"]} | {
-            k: hi[k] / lo[k] for k in ("puts_per_s", "lookups_per_s", "prefix_matches_per_s",
-                                       "evicting_puts_per_s", "rss_bytes_per_block")}
+            k: hi[k] / lo[k] for k in ("puts_per_cpu_s", "lookups_per_cpu_s",
+                                       "prefix_matches_per_cpu_s", "evicting_puts_per_cpu_s",
+                                       "rss_bytes_per_block", "max_gc_pause_cpu_ms")}
     return out
 
 
@@ -320,14 +340,16 @@ def plot(path: Path, runs: Sequence[dict[str, Any]]) -> None:
             continue
         xs = [r["blocks"] for r in done]
         axes[0].plot(xs, [r["rss_bytes_per_block"] for r in done], "o-", label=f"{kind} RSS")
-        for name in ("lookups_per_s", "prefix_matches_per_s", "evicting_puts_per_s",
-                     "puts_per_s"):
+        for name in ("lookups_per_cpu_s", "prefix_matches_per_cpu_s",
+                     "evicting_puts_per_cpu_s", "puts_per_cpu_s"):
             axes[1].plot(xs, [r[name] for r in done], "o-", label=f"{kind} {name}")
         axes[2].plot(xs, [r["max_get_pause_ms"] for r in done], "o-", label=f"{kind} max get")
         axes[2].plot(xs, [r["max_gc_pause_ms"] for r in done], "x--", label=f"{kind} max gc")
+        axes[2].plot(xs, [r["max_gc_pause_cpu_ms"] for r in done], "+:",
+                     label=f"{kind} max gc (CPU)")
     axes[0].axhline(TARGETS["bytes_per_block"], color="grey", ls=":", label="target")
     axes[2].axhline(TARGETS["max_get_pause_ms"], color="grey", ls=":", label="target")
-    for ax, title in zip(axes, ("bytes per block", "operations/s", "longest pause (ms)"),
+    for ax, title in zip(axes, ("bytes per block", "operations per CPU second", "longest pause (ms)"),
                          strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("blocks indexed")
