@@ -349,8 +349,8 @@ def plot(path: Path, runs: Sequence[dict[str, Any]]) -> None:
                      label=f"{kind} max gc (CPU)")
     axes[0].axhline(TARGETS["bytes_per_block"], color="grey", ls=":", label="target")
     axes[2].axhline(TARGETS["max_get_pause_ms"], color="grey", ls=":", label="target")
-    for ax, title in zip(axes, ("bytes per block", "operations per CPU second", "longest pause (ms)"),
-                         strict=True):
+    titles = ("bytes per block", "operations per CPU second", "longest pause (ms)")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("blocks indexed")
         ax.set_title(title)
