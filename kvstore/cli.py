@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", help="gRPC address HOST:PORT (default 127.0.0.1:7600)")
     s.add_argument("--data-port", type=int, help="transfer channel TCP port (default: any free)")
     s.add_argument("--dram-bytes", type=_size, help="DRAM tier size, e.g. 1GiB (default 1GiB)")
+    s.add_argument("--block-bytes", type=_size, metavar="SIZE",
+                   help="the block size the tier index's memory is planned for: at full "
+                   "occupancy each tier holds its size / SIZE blocks, whose metadata must "
+                   "fit in memory beside the tiers, or the node refuses to start "
+                   "(default 64KiB)")
     s.add_argument("--hbm-bytes", type=_size, help="HBM tier size on a torch device")
     s.add_argument("--hbm-device", help="torch device of the HBM tier (default: cuda if present)")
     s.add_argument("--ssd-path", help="SSD tier file or block device (default: none)")
@@ -263,7 +268,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "log_format", "metrics_listen", "kv_events_endpoint", "kv_events_replay_endpoint",
         "kv_events_secret_key", "kv_events_client_keys",
-        "listen", "data_port", "dram_bytes", "policy", "high_watermark", "low_watermark",
+        "listen", "data_port", "dram_bytes", "block_bytes", "policy", "high_watermark",
+        "low_watermark",
         "prefault", "shm", "grpc_workers", "max_request_bytes", "drain_timeout",
         "read_lease_timeout", "log_level",
         "hbm_bytes", "max_retained_fraction", "max_prefetch_bytes", "allow_index_rebuild",
@@ -284,7 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, policy=cfg.policy,
+    node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, block_bytes=cfg.block_bytes,
+                             policy=cfg.policy,
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              prefault=cfg.prefault, hbm_bytes=cfg.hbm_bytes,
                              hbm_device=cfg.hbm_device or None, ssd_path=cfg.ssd_path or None,

@@ -103,7 +103,8 @@ def test_console_scripts(script: str, target: str) -> None:
     "benchmarks.conductor_bench", "benchmarks.placement_bench", "benchmarks.kv_events_bench",
     "benchmarks.retention_bench", "benchmarks.serving_ttft", "benchmarks.mooncake_sessions",
     "benchmarks.ssd_bench", "benchmarks.put_profile", "benchmarks.trace_replay",
-    "benchmarks.soak"])
+    "benchmarks.soak", "benchmarks.index_scale", "benchmarks.cluster_scale",
+    "benchmarks.ssd_restart"])
 def test_python_dash_m_commands_exist(module: str) -> None:
     """``python -m MODULE`` as the docs, the Makefile and deploy/ write it."""
     spec = importlib.util.find_spec(module)

@@ -12,6 +12,7 @@ from kvstore.core.sizes import format_size, parse_size
 from kvstore.core.toml_files import load_toml
 from kvstore.node.request_budget import MIN_REQUEST_BYTES
 from kvstore.protocol.kv_event_wire import check_endpoint
+from tiers.index_budget import DEFAULT_BLOCK_BYTES
 from tiers.policy import POLICIES
 
 
@@ -22,6 +23,7 @@ class NodeConfig:
     listen: str = "127.0.0.1:7600"
     data_port: int = 0  # 0: any free port, announced to clients over gRPC
     dram_bytes: int = 1 << 30
+    block_bytes: int = DEFAULT_BLOCK_BYTES  # blocks' size the index's metadata budget plans for
     policy: str = "lru"
     high_watermark: float = 0.95
     low_watermark: float = 0.90
@@ -74,6 +76,8 @@ class NodeConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.dram_bytes <= 0:
             raise ValueError("dram_bytes must be positive")
+        if self.block_bytes <= 0:
+            raise ValueError("block_bytes must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0 <= self.data_port < 65536:
@@ -138,8 +142,8 @@ class NodeConfig:
         return [m.strip() for m in self.members.split(",") if m.strip()]
 
 
-SIZE_FIELDS = frozenset({"dram_bytes", "hbm_bytes", "ssd_bytes", "repair_bytes_per_s",
-                         "max_prefetch_bytes", "max_request_bytes"})
+SIZE_FIELDS = frozenset({"dram_bytes", "block_bytes", "hbm_bytes", "ssd_bytes",
+                         "repair_bytes_per_s", "max_prefetch_bytes", "max_request_bytes"})
 """Keys whose value is a size: ``"64MiB"`` or a number of bytes (the reference says so)."""
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
 # A field's type as written ("int", "float", ...): annotations are postponed here, so the

@@ -7,6 +7,12 @@ it runs in (the smallest limit on the way up its hierarchy; cgroup v2 ``memory.m
 or v1 ``memory.limit_in_bytes``), and never more than the machine's available
 memory (``MemAvailable``). Tiers held in host memory count: DRAM, and HBM when its
 device is the CPU; the SSD tier is on disk and does not.
+
+The tier index counts too: every block of every tier, the SSD's included, has a record
+in host memory (``tiers.index_budget``). At full occupancy a tier of ``C`` bytes holds
+``C // block_bytes`` blocks, so 64 GiB of DRAM and 1 TiB of SSD in 64 KiB blocks are
+17.8 million records: ``index_budget`` says what they need, the node reports it at
+start-up, and ``check_fits`` refuses a node whose tiers and index do not fit together.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 
 from kvstore.core.errors import ResourceExhausted
 from kvstore.core.sizes import format_size
+from tiers.index_budget import blocks_at_full_occupancy, index_bytes_per_block
 
 _NO_LIMIT = 1 << 60  # v1 reports "unlimited" as a page-rounded 2^63 - 1
 
@@ -104,6 +111,37 @@ def allowance() -> Allowance | None:
     return out
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexBudget:
+    """What the tier index needs when every tier is full of ``block_bytes`` blocks."""
+
+    kind: str  # which index: "python" or "native" (tiers.index_budget)
+    block_bytes: int
+    blocks: dict[str, int]  # per tier name, in tier order
+    bytes_per_block: int
+    nbytes: int
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.blocks.values())
+
+    def describe(self) -> str:
+        per_tier = ", ".join(f"{name} {n:,}" for name, n in self.blocks.items())
+        return (f"{format_size(self.nbytes)} ({self.nbytes} bytes) for {self.total_blocks:,} "
+                f"blocks of {format_size(self.block_bytes)} at full occupancy ({per_tier}; "
+                f"{self.bytes_per_block} bytes per block, {self.kind} index)")
+
+
+def index_budget(tier_bytes: dict[str, int], block_bytes: int, *, kind: str) -> IndexBudget:
+    """The index's metadata for tiers of ``tier_bytes`` (name -> size) when full."""
+    blocks = {name: blocks_at_full_occupancy(n, block_bytes)
+              for name, n in tier_bytes.items() if n}
+    total = sum(blocks.values())
+    per_block = index_bytes_per_block(total, kind=kind)
+    return IndexBudget(kind=kind, block_bytes=block_bytes, blocks=blocks,
+                       bytes_per_block=per_block, nbytes=total * per_block)
+
+
 def _hbm_on_host(hbm_device: str | None) -> bool:
     """Whether an HBM tier on ``hbm_device`` lives in host memory (no CUDA device)."""
     if hbm_device is not None:
@@ -113,15 +151,26 @@ def _hbm_on_host(hbm_device: str | None) -> bool:
     return not torch.cuda.is_available()
 
 
-def check_fits(dram_bytes: int, hbm_bytes: int = 0, hbm_device: str | None = None) -> None:
-    """ResourceExhausted, naming both numbers, if the tiers held in host memory exceed
-    what this process may use."""
+def check_fits(dram_bytes: int, hbm_bytes: int = 0, hbm_device: str | None = None, *,
+               index: IndexBudget | None = None) -> None:
+    """ResourceExhausted, naming both numbers, if the tiers held in host memory, or they
+    and the tier ``index``'s metadata at full occupancy, exceed what this process may use."""
     on_host = bool(hbm_bytes) and _hbm_on_host(hbm_device)
     tier_bytes = dram_bytes + (hbm_bytes if on_host else 0)
     what = "the node's tiers in host memory (DRAM" + (" and HBM on the CPU)" if on_host else ")")
     allowed = allowance()
-    if allowed is not None and tier_bytes > allowed.nbytes:
+    if allowed is None:
+        return
+    may_use = (f"this node may use {format_size(allowed.nbytes)} ({allowed.nbytes} bytes), "
+               f"{allowed.source}")
+    if tier_bytes > allowed.nbytes:
         raise ResourceExhausted(
-            f"{what} need {format_size(tier_bytes)} ({tier_bytes} bytes) of memory but this "
-            f"node may use {format_size(allowed.nbytes)} ({allowed.nbytes} bytes), "
-            f"{allowed.source}: give smaller tiers or more memory")
+            f"{what} need {format_size(tier_bytes)} ({tier_bytes} bytes) of memory but "
+            f"{may_use}: give smaller tiers or more memory")
+    if index is not None and tier_bytes + index.nbytes > allowed.nbytes:
+        need = tier_bytes + index.nbytes
+        raise ResourceExhausted(
+            f"the tier index needs {index.describe()}, which with {what} "
+            f"({format_size(tier_bytes)}) is {format_size(need)} ({need} bytes) of memory, "
+            f"but {may_use}: give smaller tiers, larger --block-bytes (if blocks are "
+            f"larger) or more memory")

@@ -47,10 +47,11 @@ from kvstore.core.prefetch import (
     PrefetchOutcome,
 )
 from kvstore.core.retention import MAX_RETAIN_KEYS, RetainOutcome
-from kvstore.node.fit import check_fits
+from kvstore.node.fit import check_fits, index_budget
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
+from tiers.index_budget import DEFAULT_BLOCK_BYTES, NODE_INDEX_KIND
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.observer import TierObserver
@@ -65,6 +66,7 @@ _ROOM_ATTEMPTS = 8
 @dataclass(slots=True, kw_only=True)
 class NodeSettings:
     dram_bytes: int
+    block_bytes: int = DEFAULT_BLOCK_BYTES  # the index's memory is planned for these blocks
     policy: str = "lru"
     high_watermark: float = 0.95
     low_watermark: float = 0.90
@@ -143,7 +145,13 @@ class Node:
         self._request_scope = _RequestScope(self)
 
     def _open_tiers(self, s: NodeSettings) -> list[Tier]:
-        check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device)
+        budget = index_budget({"hbm": s.hbm_bytes, "dram": s.dram_bytes,
+                               "ssd": s.ssd_bytes if s.ssd_path else 0}, s.block_bytes,
+                              kind=NODE_INDEX_KIND)
+        log.info("tier index: at most %s", budget.describe())
+        self._info["index_budget_bytes"] = budget.nbytes
+        self._info["index_budget_blocks"] = budget.total_blocks
+        check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device, index=budget)
         tiers: list[Tier] = []
         try:
             if s.hbm_bytes:

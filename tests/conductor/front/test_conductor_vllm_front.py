@@ -191,6 +191,7 @@ def test_sessions_off_ask_nothing_of_the_store() -> None:
     assert f._session_arrival("s", keys(100)) is None
     assert asyncio.run(f.sweep_sessions()) == 0
 
+
 def test_the_stored_keys_are_every_shards_when_the_engines_have_several_ranks() -> None:
     from kvstore.core.keys import shard_key
 
@@ -199,3 +200,15 @@ def test_the_stored_keys_are_every_shards_when_the_engines_have_several_ranks() 
     assert f.stored_keys(ks) == ks  # one-rank engines: the block keys themselves
     f.shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
     assert f.stored_keys(ks) == [shard_key(k, s) for s in f.shards for k in ks]
+
+
+def test_a_sessions_keys_keep_a_shared_prefix_block_by_block_across_shards() -> None:
+    from kvstore.core.keys import shard_key
+
+    f = front(A)
+    short, long = [bytes(k) for k in keys(64)], [bytes(k) for k in keys(64 + 2 * BT)]
+    assert f.session_keys(short) == short  # one-rank engines: the block keys themselves
+    f.shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    assert f.session_keys(short) == [shard_key(k, s) for k in short for s in f.shards]
+    # The next turn extends the prompt: the last turn's list is a prefix of this one's.
+    assert f.session_keys(long)[: 2 * len(short)] == f.session_keys(short)

@@ -43,6 +43,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert (cfg.listen, cfg.dram_bytes, cfg.policy, cfg.prefault) == (
         "127.0.0.1:9001", 256 << 20, "prefix", False)
     assert (cfg.high_watermark, cfg.low_watermark) == (0.9, 0.8)
+    assert cfg.block_bytes == 64 << 10  # the index budget's block size, by default
+    assert load_config(f, {"block_bytes": parse_size("4KiB")}).block_bytes == 4096
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -51,6 +53,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
     ("policy = \"fifo\"", "policy must be one of"),
     ("grpc_workers = \"8\"", "must be an integer"),
     ("low_watermark = 0.99", "low_watermark <= high_watermark"),
+    ("block_bytes = 0", "block_bytes must be positive"),
+    ("block-bytes = \"big\"", "not a size"),
     ("listen = ", "not valid TOML"),
 ])
 def test_bad_files_name_the_problem(tmp_path: Path, body: str, message: str) -> None:

@@ -13,6 +13,7 @@ from conftest import REPO, free_port
 
 from kvstore.core.errors import ResourceExhausted
 from kvstore.node import fit
+from tiers.index_budget import index_bytes_per_block
 
 GiB = 1 << 30
 
@@ -135,3 +136,67 @@ def test_check_fits_counts_an_hbm_tier_on_the_cpu() -> None:
     fit.check_fits(allowed.nbytes // 4, 1 << 50, "cuda:0")  # on a device: not host memory
     with pytest.raises(ResourceExhausted, match="DRAM and HBM on the CPU"):
         fit.check_fits(allowed.nbytes // 4, allowed.nbytes, "cpu")
+
+
+def test_the_index_budget_counts_every_tier_at_full_occupancy() -> None:
+    budget = fit.index_budget({"hbm": 0, "dram": 64 * GiB, "ssd": 1024 * GiB}, 64 << 10,
+                              kind="python")
+    assert budget.blocks == {"dram": 1 << 20, "ssd": 1 << 24}
+    assert budget.total_blocks == 17 << 20
+    assert budget.bytes_per_block == index_bytes_per_block(17 << 20, kind="python")
+    assert budget.nbytes == (17 << 20) * budget.bytes_per_block
+    assert "17,825,792 blocks of 64.0 KiB at full occupancy (dram 1,048,576, ssd " \
+        "16,777,216;" in budget.describe()
+
+
+def test_check_fits_refuses_an_index_that_does_not_fit_beside_the_tiers() -> None:
+    allowed = fit.allowance()
+    assert allowed is not None
+    small = fit.index_budget({"dram": allowed.nbytes // 4}, 64 << 10, kind="python")
+    fit.check_fits(allowed.nbytes // 4, index=small)
+    big = fit.index_budget({"dram": allowed.nbytes // 4, "ssd": 1 << 50}, 4096, kind="native")
+    with pytest.raises(ResourceExhausted) as err:
+        fit.check_fits(allowed.nbytes // 4, index=big)
+    text = str(err.value)
+    assert f"({big.nbytes} bytes) for {big.total_blocks:,} blocks of 4.0 KiB" in text
+    assert f"({allowed.nbytes} bytes), {allowed.source}" in text
+
+
+def test_a_node_whose_index_does_not_fit_refuses_to_start_naming_both(
+        tmp_path: Path) -> None:
+    out = _serve("--dram-bytes", "64MiB", "--ssd-path", str(tmp_path / "ssd"),
+                 "--ssd-bytes", "1TiB", "--block-bytes", "4KiB")
+    assert out.returncode == 1, out.stderr
+    assert "the tier index needs" in out.stderr
+    assert "268,451,840 blocks of 4.0 KiB at full occupancy (dram 16,384, ssd " \
+        "268,435,456;" in out.stderr
+    assert "this node may use" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "ssd").exists()  # refused before the SSD tier was opened
+
+
+def test_a_node_reports_its_index_budget_at_start_up() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--listen",
+                             f"127.0.0.1:{free_port()}", "--dram-bytes", "64MiB",
+                             "--no-prefault"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in iter(proc.stdout.readline, ""):
+            seen.append(line)
+            if line.startswith("kvstore: serving on"):
+                break
+        report = [line for line in seen if "tier index: at most" in line]
+        assert len(report) == 1, seen
+        assert "for 1,024 blocks of 64.0 KiB at full occupancy (dram 1,024;" in report[0]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_bad_block_size_is_a_cli_error() -> None:
+    out = _serve("--block-bytes", "0")
+    assert out.returncode == 1
+    assert "kvstore serve: error: block_bytes must be positive" in out.stderr
+    assert "Traceback" not in out.stderr
