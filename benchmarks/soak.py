@@ -359,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tracemalloc", action="store_true",
                     help="diagnosis: trace node-1's allocations (KVSTORE_TRACEMALLOC_DIR) and "
                     "compare its heap dumps (benchmarks/soak_memory.py); slows node-1")
+    ap.add_argument("--tracemalloc-frames", type=int, default=d.tracemalloc_frames,
+                    help="frames traced per allocation; 0: no tracing, node-1's dumps count "
+                    "its objects and read its allocators' statistics only")
     ap.add_argument("--tracemalloc-every-s", type=float, default=d.tracemalloc_every_s,
                     help="seconds between node-1's dumps")
     ap.add_argument("--tracemalloc-from-s", type=float, default=d.tracemalloc_from_s,
@@ -369,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not a.minutes > 0:
         ap.error("--minutes must be positive")
+    if a.tracemalloc_frames < 0 or not a.tracemalloc_every_s > 0:
+        ap.error("--tracemalloc-frames must be >= 0 and --tracemalloc-every-s positive")
     lo, hi = a.value_kib
     cfg = SoakConfig(minutes=a.minutes, seed=a.seed, rate=a.rate, dram_bytes=a.dram_mib * MIB,
                      fill=a.fill, value_min=max(1, int(lo * 1024)), value_max=int(hi * 1024),
@@ -377,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      warmup_s=a.warmup_s, max_slope=a.max_slope,
                      judge_min_s=a.judge_min_s, tracemalloc=a.tracemalloc,
                      tracemalloc_every_s=a.tracemalloc_every_s,
+                     tracemalloc_frames=a.tracemalloc_frames,
                      tracemalloc_from_s=a.tracemalloc_from_s,
                      spare=tuple(n for n in a.spare.split(",") if n))
     with contextlib.ExitStack() as stack:

@@ -66,6 +66,7 @@ class SoakConfig:
     faults: bool = True
     tracemalloc: bool = False  # trace the first spared node and dump it (soak_memory.py)
     tracemalloc_every_s: float = 60.0
+    tracemalloc_frames: int = 16  # 0: dumps without tracing (true RssAnon, allocator stats)
     tracemalloc_from_s: float = 180.0  # the dump compared with the last: the first after
 
 
@@ -144,7 +145,8 @@ class Soak:
 
     def _start(self, nid: str) -> None:
         assert self.cluster is not None
-        env = node_env(self.dumps) if nid == self.traced else None
+        env = (node_env(self.dumps, self.cfg.tracemalloc_frames) if nid == self.traced
+               else None)
         rec = self.cluster.start_node(nid, wait=True, timeout=120.0, env=env)
         with self.lock:
             self.pids[nid] = rec.pid

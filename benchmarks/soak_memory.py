@@ -1,7 +1,9 @@
 """The soak's diagnosis of a node's heap (``python -m benchmarks.soak --tracemalloc``).
 
 The judged node (the first spared one, node-1) runs with ``KVSTORE_TRACEMALLOC_DIR``
-(``kvstore/node/memory_dump.py``: it traces its allocations, ``FRAMES`` frames each); ``Dumper``
+(``kvstore/node/memory_dump.py``: it traces its allocations, ``tracemalloc_frames``
+frames each, or with 0 does not trace, which keeps its RssAnon true and the object
+allocator's statistics available); ``Dumper``
 sends it SIGUSR2 every ``tracemalloc_every_s`` and once more when the load has stopped, so
 it writes a tracemalloc snapshot and its live objects counted by type. ``analyse`` compares
 the first dump at or after ``tracemalloc_from_s`` (past the data's warm-up) with the last
@@ -29,13 +31,13 @@ from kvstore.node.memory_dump import ENV, FRAMES_ENV, SIGNAL
 if TYPE_CHECKING:
     from benchmarks.soak_load import Fault, Soak
 
-FRAMES = 16  # frames traced per allocation
 DUMP_TIMEOUT_S = 60.0  # a dump of a traced heap takes seconds on a loaded machine
 
 
-def node_env(directory: Path) -> dict[str, str]:
-    """The environment that makes a node traceable and dumpable."""
-    return {FRAMES_ENV: str(FRAMES), ENV: str(directory)}
+def node_env(directory: Path, frames: int) -> dict[str, str]:
+    """The environment that makes a node dumpable (tracing ``frames`` per allocation; 0:
+    dumps of its objects and allocators only)."""
+    return {FRAMES_ENV: str(frames), ENV: str(directory)}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -43,6 +45,7 @@ class Dump:
     t: float  # when it was asked for (soak clock)
     pid: int
     stem: Path  # <stem>.json and <stem>.tracemalloc
+    rss_anon_mib: float | None = None  # the node's private memory as the dump was written
 
 
 class Dumper(threading.Thread):
@@ -82,7 +85,19 @@ class Dumper(threading.Thread):
                                      f"{DUMP_TIMEOUT_S:g} s")
                 return
             time.sleep(0.2)
-        self.dumps.append(Dump(t=round(t, 1), pid=pid, stem=stem))
+        self.dumps.append(Dump(t=round(t, 1), pid=pid, stem=stem, rss_anon_mib=rss_anon(pid)))
+
+
+def rss_anon(pid: int) -> float | None:
+    """``pid``'s RssAnon in MiB (None if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("RssAnon:"):
+            return round(int(line.split()[1]) / 1024, 2)
+    return None
 
 
 def _restarts_by(faults: Sequence[Fault], t: float) -> tuple[int, int]:
@@ -96,6 +111,20 @@ def _restarts_by(faults: Sequence[Fault], t: float) -> tuple[int, int]:
         else:
             nodes += 1
     return nodes, etcd
+
+
+def _allocators(info: dict[str, Any]) -> dict[str, float | None]:
+    """MiB: the object allocator's arenas and the bytes in use in them; glibc's heap
+    (``arena``: from the system, ``uordblks``: in use, ``fordblks``: free in it)."""
+    py, c = info.get("pymalloc", {}), info.get("malloc", {})
+
+    def mib(d: dict[str, int], k: str, shift: int = 0) -> float | None:
+        return round((d[k] << shift) / 2**20, 2) if k in d else None
+
+    return {"pymalloc_arenas_mib": mib(py, "# arenas allocated current", 20),
+            "pymalloc_used_mib": mib(py, "# bytes in allocated blocks"),
+            "malloc_heap_mib": mib(c, "arena"), "malloc_used_mib": mib(c, "uordblks"),
+            "malloc_free_mib": mib(c, "fordblks"), "malloc_mmapped_mib": mib(c, "hblkhd")}
 
 
 def _sites(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, key: str, top: int,
@@ -126,7 +155,9 @@ def analyse(dumps: Sequence[Dump], faults: Sequence[Fault], *, from_s: float,
         gc_counts.append(info["gc_objects"])
         nodes, etcd = _restarts_by(faults, d.t)
         rows.append({"t_s": d.t, "node_restarts": nodes, "etcd_restarts": etcd,
+                     "rss_anon_mib": d.rss_anon_mib,
                      "traced_mib": round(info["traced_bytes"] / 2**20, 2),
+                     **_allocators(info),
                      "gc_objects": sum(info["gc_objects"].values())})
     i, j = mine.index(first), mine.index(last)
     growth = {k: gc_counts[j].get(k, 0) - gc_counts[i].get(k, 0)
@@ -137,6 +168,9 @@ def analyse(dumps: Sequence[Dump], faults: Sequence[Fault], *, from_s: float,
         "pid": pid, "from_t_s": first.t, "to_t_s": last.t,
         "node_restarts_between": n_restarts,
         "traced_growth_kib": round((rows[j]["traced_mib"] - rows[i]["traced_mib"]) * 1024, 1),
+        "rss_anon_growth_kib": (None if None in (rows[i]["rss_anon_mib"], rows[j]["rss_anon_mib"])
+                                else round((rows[j]["rss_anon_mib"] - rows[i]["rss_anon_mib"])
+                                           * 1024, 1)),
         "dumps": rows,
         "gc_type_growth": [{"type": k, "from": gc_counts[i].get(k, 0),
                             "to": gc_counts[j].get(k, 0), "growth": growth[k],
@@ -159,11 +193,14 @@ def print_analysis(a: dict[str, Any], out: Callable[[str], None] = print) -> Non
         return
     out(f"tracemalloc: pid {a['pid']}, {a['from_t_s']:g} s -> {a['to_t_s']:g} s, "
         f"{a['node_restarts_between']} node restarts between; traced memory grew "
-        f"{a['traced_growth_kib']:g} KiB")
+        f"{a['traced_growth_kib']:g} KiB, RssAnon {a['rss_anon_growth_kib']} KiB")
     for r in a["dumps"]:
         out(f"  t {r['t_s']:7.1f} s: node restarts {r['node_restarts']:3d}, etcd "
-            f"{r['etcd_restarts']:2d}; traced {r['traced_mib']:7.2f} MiB; "
-            f"gc objects {r['gc_objects']}")
+            f"{r['etcd_restarts']:2d}; RssAnon {r['rss_anon_mib']} MiB; traced "
+            f"{r['traced_mib']:7.2f} MiB; gc objects {r['gc_objects']}; pymalloc arenas "
+            f"{r.get('pymalloc_arenas_mib')} MiB, used {r.get('pymalloc_used_mib')}; malloc "
+            f"heap {r.get('malloc_heap_mib')} MiB, used {r.get('malloc_used_mib')}, free "
+            f"{r.get('malloc_free_mib')}, mmapped {r.get('malloc_mmapped_mib')}")
     out("object types whose count changed most (from -> to; per node restart):")
     for g in a["gc_type_growth"]:
         out(f"  {g['type']:40s} {g['from']:8d} -> {g['to']:8d} ({g['growth']:+d}; "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak_load import Fault
-from benchmarks.soak_memory import Dump, analyse, print_analysis
+from benchmarks.soak_memory import Dump, analyse, print_analysis, rss_anon
 from kvstore.node.memory_dump import MemoryDumper
 
 
@@ -36,7 +36,8 @@ PAYLOAD_LINE = f'  File "{__file__}", line {Grower.__init__.__code__.co_firstlin
 
 def _dump(dumper: MemoryDumper, t: float) -> Dump:
     path = dumper.dump()
-    return Dump(t=t, pid=int(path.stem.split("-")[0]), stem=path.with_suffix(""))
+    pid = int(path.stem.split("-")[0])
+    return Dump(t=t, pid=pid, stem=path.with_suffix(""), rss_anon_mib=rss_anon(pid))
 
 
 def test_growth_between_the_first_dump_after_from_and_the_last(tmp_path: Path,
@@ -67,6 +68,8 @@ def test_growth_between_the_first_dump_after_from_and_the_last(tmp_path: Path,
     assert [s["count_diff"] for s in here] == [12]
     assert here[0]["size_diff_kib"] >= 6 * 10_000 / 1024
     assert a["sites_by_traceback"] and a["traced_growth_kib"] > 50
+    assert all(r["rss_anon_mib"] > 0 for r in a["dumps"])
+    assert isinstance(a["rss_anon_growth_kib"], float)
     lines: list[str] = []
     print_analysis(a, lines.append)
     assert lines[0].startswith(f"tracemalloc: pid {a['pid']}, 60 s -> 120 s, 2 node restarts")

@@ -40,7 +40,7 @@ def test_off_without_the_variable(restored: None) -> None:
 
 
 def test_frames_must_be_a_positive_integer(tmp_path: Path, restored: None) -> None:
-    for bad in ("0", "-3", "many"):
+    for bad in ("-3", "many", "1.5"):
         with pytest.raises(ValueError, match=FRAMES_ENV):
             install_from_env({ENV: str(tmp_path), FRAMES_ENV: bad})
 
@@ -63,6 +63,8 @@ def test_sigusr2_writes_numbered_dumps(tmp_path: Path, restored: None) -> None:
     assert first["pid"] == pid and first["tracing"] is True
     assert first["gc_objects"]["Marker"] == 7 and second["gc_objects"]["Marker"] == 12
     assert first["traced_bytes"] > 0
+    assert first["pymalloc"] == {}  # tracemalloc wraps the object allocator: no report
+    assert first["malloc"] == {} or first["malloc"]["uordblks"] > 0  # glibc 2.33+
     before = tracemalloc.Snapshot.load(str(tmp_path / "dumps" / f"{pid}-0.tracemalloc"))
     after = tracemalloc.Snapshot.load(str(tmp_path / "dumps" / f"{pid}-1.tracemalloc"))
     assert before.traceback_limit == 3
@@ -73,11 +75,19 @@ def test_sigusr2_writes_numbered_dumps(tmp_path: Path, restored: None) -> None:
     del markers
 
 
-def test_a_dump_without_tracing_counts_objects_only(tmp_path: Path, restored: None) -> None:
+def test_zero_frames_dumps_without_tracing(tmp_path: Path, restored: None) -> None:
     if tracemalloc.is_tracing():
         tracemalloc.stop()
-    out = MemoryDumper(tmp_path).dump()
+    dumper = install_from_env({ENV: str(tmp_path), FRAMES_ENV: "0"})
+    assert dumper is not None and not tracemalloc.is_tracing()
+    out = dumper.dump()
     info = json.loads(out.read_text())
     assert out.name == f"{os.getpid()}-0.json" and info["tracing"] is False
     assert info["traced_bytes"] == 0 and info["gc_objects"]["function"] > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no snapshot
+    pymalloc = info["pymalloc"]
+    assert pymalloc["# arenas allocated current"] >= 1
+    assert 0 < pymalloc["# bytes in allocated blocks"] <= (
+        pymalloc["# arenas allocated current"] << 20)  # 1 MiB arenas (Python 3.10+)
+    assert all(k.startswith("# ") for k in pymalloc)
+    assert info["malloc"] == {} or info["malloc"]["uordblks"] > 0
