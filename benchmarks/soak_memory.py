@@ -4,8 +4,10 @@ The judged node (the first spared one, node-1) runs with ``KVSTORE_TRACEMALLOC_D
 (``kvstore/node/memory_dump.py``: it traces its allocations, ``tracemalloc_frames``
 frames each, or with 0 does not trace, which keeps its RssAnon true and the object
 allocator's statistics available); ``Dumper``
-sends it SIGUSR2 every ``tracemalloc_every_s`` and once more when the load has stopped, so
-it writes a tracemalloc snapshot and its live objects counted by type. ``analyse`` compares
+sends it SIGUSR2 every ``tracemalloc_every_s`` and once more when the load has stopped
+(that last time with the ``trim`` file, so the node then hands its free heap pages back
+and reports its RssAnon after: memory the allocator held, not live objects), so it
+writes a tracemalloc snapshot and its live objects counted by type. ``analyse`` compares
 the first dump at or after ``tracemalloc_from_s`` (past the data's warm-up) with the last
 one: the allocation sites (by traceback) whose traced bytes grew most, the object types
 whose counts grew most, and, for every dump, the node restarts done by then, so growth that
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.node.memory_dump import ENV, FRAMES_ENV, SIGNAL
+from kvstore.node.memory_dump import ENV, FRAMES_ENV, SIGNAL, TRIM
 
 if TYPE_CHECKING:
     from benchmarks.soak_load import Fault, Soak
@@ -66,6 +68,7 @@ class Dumper(threading.Thread):
     def run(self) -> None:
         while not self.halt.wait(self.every_s):
             self.dump()
+        (self.directory / TRIM).touch()  # the last one: then the node trims its heap
         self.dump()
 
     def dump(self) -> None:
@@ -121,7 +124,9 @@ def _allocators(info: dict[str, Any]) -> dict[str, float | None]:
     def mib(d: dict[str, int], k: str, shift: int = 0) -> float | None:
         return round((d[k] << shift) / 2**20, 2) if k in d else None
 
-    return {"pymalloc_arenas_mib": mib(py, "# arenas allocated current", 20),
+    trimmed = info.get("rss_anon_after_trim_kib")
+    return {"rss_anon_after_trim_mib": None if trimmed is None else round(trimmed / 1024, 2),
+            "pymalloc_arenas_mib": mib(py, "# arenas allocated current", 20),
             "pymalloc_used_mib": mib(py, "# bytes in allocated blocks"),
             "malloc_heap_mib": mib(c, "arena"), "malloc_used_mib": mib(c, "uordblks"),
             "malloc_free_mib": mib(c, "fordblks"), "malloc_mmapped_mib": mib(c, "hblkhd")}
@@ -200,7 +205,9 @@ def print_analysis(a: dict[str, Any], out: Callable[[str], None] = print) -> Non
             f"{r['traced_mib']:7.2f} MiB; gc objects {r['gc_objects']}; pymalloc arenas "
             f"{r.get('pymalloc_arenas_mib')} MiB, used {r.get('pymalloc_used_mib')}; malloc "
             f"heap {r.get('malloc_heap_mib')} MiB, used {r.get('malloc_used_mib')}, free "
-            f"{r.get('malloc_free_mib')}, mmapped {r.get('malloc_mmapped_mib')}")
+            f"{r.get('malloc_free_mib')}, mmapped {r.get('malloc_mmapped_mib')}"
+            + (f"; RssAnon after malloc_trim {r['rss_anon_after_trim_mib']} MiB"
+               if r.get("rss_anon_after_trim_mib") is not None else ""))
     out("object types whose count changed most (from -> to; per node restart):")
     for g in a["gc_type_growth"]:
         out(f"  {g['type']:40s} {g['from']:8d} -> {g['to']:8d} ({g['growth']:+d}; "

@@ -11,10 +11,14 @@ type name; the traced bytes; Python's object allocator's arenas and the bytes in
 them, from ``sys._debugmallocstats``, which reports nothing while tracemalloc traces (it
 wraps that allocator) and reports to file descriptor 2, briefly pointed at a file, so a
 log line written in that moment lands there; and glibc's heap, ``mallinfo2``: bytes in
-use and free in its arenas. ``n`` counts the dumps of that process from 0. The signal is
-handled in the main thread, so a dump is written within the main loop's tick (0.5 s) of
-the signal. Only Python's allocations are traced: memory that C libraries (gRPC's core)
-allocate themselves shows in glibc's heap, not in the snapshots.
+use and free in its arenas; and the process's RssAnon. If the folder holds a file named
+``trim`` when a dump is asked for, the node then calls glibc's ``malloc_trim(0)`` (which
+hands free heap pages back to the system) and adds its RssAnon after it: what the trim
+gave back was free memory the allocator held, not live objects. ``n`` counts the dumps of
+that process from 0. The signal is handled in the main thread, so a dump is written within
+the main loop's tick (0.5 s) of the signal. Only Python's allocations are traced: memory
+that C libraries (gRPC's core) allocate themselves shows in glibc's heap, not in the
+snapshots.
 ``benchmarks/soak.py --tracemalloc`` dumps node-1 this way and compares the dumps.
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 
 ENV = "KVSTORE_TRACEMALLOC_DIR"
+TRIM = "trim"  # a file of this name in the folder: trim glibc's heap after each dump
 FRAMES_ENV = "KVSTORE_TRACEMALLOC_FRAMES"
 DEFAULT_FRAMES = 16
 SIGNAL = signal.SIGUSR2
@@ -59,34 +64,67 @@ class MemoryDumper:
         types = collections.Counter(type(o).__name__ for o in gc.get_objects())
         current, peak = tracemalloc.get_traced_memory() if traced else (0, 0)
         pymalloc, malloc = pymalloc_stats(), mallinfo()
+        rss = {"rss_anon_kib": rss_anon_kib()}
+        if (self.directory / TRIM).exists():
+            rss["trimmed"] = malloc_trim()
+            rss["rss_anon_after_trim_kib"] = rss_anon_kib()
         out = stem.with_suffix(".json")
         tmp = stem.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "tracing": traced,
                                    "traced_bytes": current, "traced_peak_bytes": peak,
-                                   "pymalloc": pymalloc, "malloc": malloc,
+                                   "pymalloc": pymalloc, "malloc": malloc, **rss,
                                    "gc_objects": dict(types.most_common())}))
         tmp.replace(out)
         return out
 
 
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+              "uordblks", "fordblks", "keepcost")
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 def mallinfo() -> dict[str, int]:
     """glibc's ``mallinfo2()``: ``arena`` (bytes of its heap, from sbrk/mmap), ``uordblks``
     (in use), ``fordblks`` (free in it), ``hblkhd`` (big blocks mmapped one by one); {}
     where there is no such function (not glibc, or glibc before 2.33)."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallinfo2
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
         return {}
     fn.restype = _MallInfo2
     info = fn()
-    return {f: int(getattr(info, f)) for f, _ in _MallInfo2._fields_}
+    return {f: int(getattr(info, f)) for f in _MALLINFO2}
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+def malloc_trim() -> bool | None:
+    """glibc's ``malloc_trim(0)``: True if it gave memory back, None without glibc."""
+    libc = _libc()
+    fn = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if fn is None:
+        return None
+    return bool(fn(ctypes.c_size_t(0)))
+
+
+def rss_anon_kib() -> int | None:
+    """This process's RssAnon (``/proc/self/status``), None where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return None
 
 
 def pymalloc_stats() -> dict[str, int]:

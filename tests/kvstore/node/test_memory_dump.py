@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.node.memory_dump import ENV, FRAMES_ENV, SIGNAL, MemoryDumper, install_from_env
+from kvstore.node.memory_dump import (
+    ENV,
+    FRAMES_ENV,
+    SIGNAL,
+    TRIM,
+    MemoryDumper,
+    install_from_env,
+)
 
 
 @pytest.fixture
@@ -91,3 +98,13 @@ def test_zero_frames_dumps_without_tracing(tmp_path: Path, restored: None) -> No
         pymalloc["# arenas allocated current"] << 20)  # 1 MiB arenas (Python 3.10+)
     assert all(k.startswith("# ") for k in pymalloc)
     assert info["malloc"] == {} or info["malloc"]["uordblks"] > 0
+    assert info["rss_anon_kib"] > 0 and "trimmed" not in info
+
+
+def test_a_trim_file_trims_after_the_dump(tmp_path: Path, restored: None) -> None:
+    dumper = install_from_env({ENV: str(tmp_path), FRAMES_ENV: "0"})
+    assert dumper is not None
+    (tmp_path / TRIM).touch()
+    info = json.loads(dumper.dump().read_text())
+    assert info["trimmed"] in (True, False)  # glibc here
+    assert info["rss_anon_kib"] > 0 and info["rss_anon_after_trim_kib"] > 0
