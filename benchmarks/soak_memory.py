@@ -24,14 +24,37 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvstore.node.memory_dump import ENV, FRAMES_ENV, SIGNAL, TRIM
 
-if TYPE_CHECKING:
-    from benchmarks.soak_load import Fault, Soak
+
+class Fault(Protocol):
+    """What ``analyse`` reads of a fault (``benchmarks.soak_load.Fault``, which imports
+    this module)."""
+
+    @property
+    def t(self) -> float: ...
+    @property
+    def what(self) -> str: ...
+    @property
+    def skipped(self) -> str: ...
+    @property
+    def recovered_s(self) -> float | None: ...
+
+
+class Soak(Protocol):
+    """What ``Dumper`` reads of the run (``benchmarks.soak_load.Soak``)."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def pids(self) -> dict[str, int | None]: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
 DUMP_TIMEOUT_S = 60.0  # a dump of a traced heap takes seconds on a loaded machine
 
