@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,3 +110,12 @@ def test_a_trim_file_trims_after_the_dump(tmp_path: Path, restored: None) -> Non
     info = json.loads(dumper.dump().read_text())
     assert info["trimmed"] in (True, False)  # glibc here
     assert info["rss_anon_kib"] > 0 and info["rss_anon_after_trim_kib"] > 0
+
+
+def test_kvstore_serve_refuses_bad_frames_without_a_traceback(tmp_path: Path) -> None:
+    env = {**os.environ, ENV: str(tmp_path), FRAMES_ENV: "lots"}
+    done = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"kvstore serve: error: {FRAMES_ENV} must be a non-negative")
+    assert "Traceback" not in done.stderr
