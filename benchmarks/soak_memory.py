@@ -70,7 +70,6 @@ class Dump:
     t: float  # when it was asked for (soak clock)
     pid: int
     stem: Path  # <stem>.json and <stem>.tracemalloc
-    rss_anon_mib: float | None = None  # the node's private memory as the dump was written
 
 
 class Dumper(threading.Thread):
@@ -111,19 +110,7 @@ class Dumper(threading.Thread):
                                      f"{DUMP_TIMEOUT_S:g} s")
                 return
             time.sleep(0.2)
-        self.dumps.append(Dump(t=round(t, 1), pid=pid, stem=stem, rss_anon_mib=rss_anon(pid)))
-
-
-def rss_anon(pid: int) -> float | None:
-    """``pid``'s RssAnon in MiB (None if it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("RssAnon:"):
-            return round(int(line.split()[1]) / 1024, 2)
-    return None
+        self.dumps.append(Dump(t=round(t, 1), pid=pid, stem=stem))
 
 
 def _restarts_by(faults: Sequence[Fault], t: float) -> tuple[int, int]:
@@ -183,7 +170,9 @@ def analyse(dumps: Sequence[Dump], faults: Sequence[Fault], *, from_s: float,
         gc_counts.append(info["gc_objects"])
         nodes, etcd = _restarts_by(faults, d.t)
         rows.append({"t_s": d.t, "node_restarts": nodes, "etcd_restarts": etcd,
-                     "rss_anon_mib": d.rss_anon_mib,
+                     # the node's own reading, before any trim
+                     "rss_anon_mib": (None if info.get("rss_anon_kib") is None
+                                      else round(info["rss_anon_kib"] / 1024, 2)),
                      "traced_mib": round(info["traced_bytes"] / 2**20, 2),
                      **_allocators(info),
                      "gc_objects": sum(info["gc_objects"].values())})

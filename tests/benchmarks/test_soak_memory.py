@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak_load import Fault
-from benchmarks.soak_memory import Dump, analyse, print_analysis, rss_anon
+from benchmarks.soak_memory import Dump, analyse, print_analysis
 from kvstore.node.memory_dump import MemoryDumper
 
 
@@ -36,8 +36,7 @@ PAYLOAD_LINE = f'  File "{__file__}", line {Grower.__init__.__code__.co_firstlin
 
 def _dump(dumper: MemoryDumper, t: float) -> Dump:
     path = dumper.dump()
-    pid = int(path.stem.split("-")[0])
-    return Dump(t=t, pid=pid, stem=path.with_suffix(""), rss_anon_mib=rss_anon(pid))
+    return Dump(t=t, pid=int(path.stem.split("-")[0]), stem=path.with_suffix(""))
 
 
 def test_growth_between_the_first_dump_after_from_and_the_last(tmp_path: Path,
