@@ -35,6 +35,12 @@ acknowledged lost; no wrong byte. The killed nodes' slopes are reported, not jud
 of their processes comes back empty and gains blocks all its short life, so its memory
 follows its data.
 
+Diagnosis, ``--tracemalloc`` (``benchmarks/soak_memory.py``): node-1 dumps its heap every
+``--tracemalloc-every-s`` (objects by type, its allocators' figures, and with
+``--tracemalloc-frames`` > 0 a tracemalloc snapshot), trims glibc's heap at the last dump,
+and the report adds the growth between the first dump after ``--tracemalloc-from-s`` and
+the last, with the node restarts by each dump.
+
 Writes ``benchmarks/results/soak.json`` and ``soak.png``; exits 1 if the verdict fails.
 With ``--dir`` the cluster's logs stay there.
 """
