@@ -35,6 +35,12 @@ acknowledged lost; no wrong byte. The killed nodes' slopes are reported, not jud
 of their processes comes back empty and gains blocks all its short life, so its memory
 follows its data.
 
+Diagnosis, ``--tracemalloc`` (``benchmarks/soak_memory.py``): node-1 dumps its heap every
+``--tracemalloc-every-s`` (objects by type, its allocators' figures, and with
+``--tracemalloc-frames`` > 0 a tracemalloc snapshot), trims glibc's heap at the last dump,
+and the report adds the growth between the first dump after ``--tracemalloc-from-s`` and
+the last, with the node restarts by each dump.
+
 Writes ``benchmarks/results/soak.json`` and ``soak.png``; exits 1 if the verdict fails.
 With ``--dir`` the cluster's logs stay there.
 """
@@ -67,6 +73,7 @@ from benchmarks.soak_load import (
     Worker,
     wait_two_copies,
 )
+from benchmarks.soak_memory import Dumper, analyse, print_analysis
 from benchmarks.stats import Panel, format_table, plot_panels, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -79,11 +86,17 @@ def run(cfg: SoakConfig, directory: Path, log: Callable[[str], None] = print
         ) -> dict[str, Any]:
     soak = Soak(cfg, directory)
     stop_load, stop_chaos, stop_sampling = threading.Event(), threading.Event(), threading.Event()
+    stop_dumps = threading.Event()
     try:
         soak.up()
         log(f"soak: cluster up (etcd {soak.etcd.endpoint}, nodes {soak.addrs()})")
         sampler = Sampler(soak, stop_sampling)
         sampler.start()
+        dumper = None
+        if soak.traced is not None:
+            dumper = Dumper(soak, soak.traced, soak.dumps, cfg.tracemalloc_every_s,
+                            stop_dumps)
+            dumper.start()
         workers = [Worker(soak, c, cfg.rate / len(CLASSES), stop_load) for c in CLASSES]
         for w in workers:
             w.start()
@@ -96,6 +109,9 @@ def run(cfg: SoakConfig, directory: Path, log: Callable[[str], None] = print
         stop_load.set()
         for w in workers:
             w.join()
+        if dumper is not None:
+            stop_dumps.set()
+            dumper.join()  # its last dump: the load has stopped
         run_s = soak.clock()
         log(f"soak: load stopped at {run_s:.0f} s; waiting for two copies of every block")
         settled = wait_two_copies(soak, workers, cfg.settle_timeout_s)
@@ -110,9 +126,16 @@ def run(cfg: SoakConfig, directory: Path, log: Callable[[str], None] = print
         failures = [f"{t.name}: {t.failure!r}" for t in workers if t.failure is not None]
         if chaos.failure is not None:
             failures.append(f"{chaos.name}: {chaos.failure!r}")
-        return report(cfg, soak, workers, chaos, sampler, checks, run_s=run_s,
-                      settled=settled, failures=failures)
+        r = report(cfg, soak, workers, chaos, sampler, checks, run_s=run_s,
+                   settled=settled, failures=failures)
+        if dumper is not None:
+            log("soak: comparing node-1's memory dumps")
+            r["tracemalloc"] = {"node": dumper.node, "failures": dumper.failures,
+                                **analyse(dumper.dumps, chaos.faults,
+                                          from_s=cfg.tracemalloc_from_s)}
+        return r
     finally:
+        stop_dumps.set()
         stop_load.set()
         stop_chaos.set()
         stop_sampling.set()
@@ -264,6 +287,11 @@ def print_report(r: dict[str, Any], out: Callable[[str], None] = print) -> None:
         f"no wrong byte: {v['no_wrong_byte']})")
     for reason in v["reasons"]:
         out(f"  - {reason}")
+    if "tracemalloc" in r:
+        out("")
+        for failure in r["tracemalloc"]["failures"]:
+            out(f"tracemalloc: {failure}")
+        print_analysis(r["tracemalloc"], out)
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
@@ -334,19 +362,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="seconds of each process's life left out of the memory verdict")
     ap.add_argument("--max-slope", type=float, default=d.max_slope,
                     help="MiB/min of RSS growth a node may show after warm-up")
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="diagnosis: trace node-1's allocations (KVSTORE_TRACEMALLOC_DIR) and "
+                    "compare its heap dumps (benchmarks/soak_memory.py); slows node-1")
+    ap.add_argument("--tracemalloc-frames", type=int, default=d.tracemalloc_frames,
+                    help="frames traced per allocation; 0: no tracing, node-1's dumps count "
+                    "its objects and read its allocators' statistics only")
+    ap.add_argument("--tracemalloc-every-s", type=float, default=d.tracemalloc_every_s,
+                    help="seconds between node-1's dumps")
+    ap.add_argument("--tracemalloc-from-s", type=float, default=d.tracemalloc_from_s,
+                    help="the first dump at or after this compared with the last")
     ap.add_argument("--dir", help="keep the cluster's files and logs here (default: a "
                     "temporary directory, removed)")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
     if not a.minutes > 0:
         ap.error("--minutes must be positive")
+    if a.tracemalloc_frames < 0 or not a.tracemalloc_every_s > 0:
+        ap.error("--tracemalloc-frames must be >= 0 and --tracemalloc-every-s positive")
     lo, hi = a.value_kib
     cfg = SoakConfig(minutes=a.minutes, seed=a.seed, rate=a.rate, dram_bytes=a.dram_mib * MIB,
                      fill=a.fill, value_min=max(1, int(lo * 1024)), value_max=int(hi * 1024),
                      sample_s=a.sample_s, faults=not a.no_faults, fault_gap_s=a.fault_gap_s,
                      node_down_s=a.node_down_s, etcd_down_s=a.etcd_down_s,
                      warmup_s=a.warmup_s, max_slope=a.max_slope,
-                     judge_min_s=a.judge_min_s,
+                     judge_min_s=a.judge_min_s, tracemalloc=a.tracemalloc,
+                     tracemalloc_every_s=a.tracemalloc_every_s,
+                     tracemalloc_frames=a.tracemalloc_frames,
+                     tracemalloc_from_s=a.tracemalloc_from_s,
                      spare=tuple(n for n in a.spare.split(",") if n))
     with contextlib.ExitStack() as stack:
         directory = (Path(a.dir) if a.dir else Path(stack.enter_context(

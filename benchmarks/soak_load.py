@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.soak_check import Ledger, Sample, State, stale_regions
+from benchmarks.soak_memory import node_env
 from kvstore.client import Client
 from kvstore.core.errors import KVStoreError
 from replication.local_cluster import LocalCluster
@@ -63,6 +64,10 @@ class SoakConfig:
     max_slope: float = 1.0  # MiB per minute
     settle_timeout_s: float = 120.0
     faults: bool = True
+    tracemalloc: bool = False  # trace the first spared node and dump it (soak_memory.py)
+    tracemalloc_every_s: float = 60.0
+    tracemalloc_frames: int = 16  # 0: dumps without tracing (true RssAnon, allocator stats)
+    tracemalloc_from_s: float = 180.0  # the dump compared with the last: the first after
 
 
 @dataclass(slots=True, kw_only=True)
@@ -123,6 +128,9 @@ class Soak:
         self.pids: dict[str, int | None] = {}
         self.started: dict[int, float] = {}  # pid -> when it started (clock)
         self.cluster: LocalCluster | None = None
+        # The node traced and dumped (--tracemalloc), and where its dumps go.
+        self.traced = (cfg.spare or NODES)[0] if cfg.tracemalloc else None
+        self.dumps = directory / "tracemalloc"
 
     def up(self) -> None:
         self.etcd.start()
@@ -137,7 +145,9 @@ class Soak:
 
     def _start(self, nid: str) -> None:
         assert self.cluster is not None
-        rec = self.cluster.start_node(nid, wait=True, timeout=120.0)
+        env = (node_env(self.dumps, self.cfg.tracemalloc_frames) if nid == self.traced
+               else None)
+        rec = self.cluster.start_node(nid, wait=True, timeout=120.0, env=env)
         with self.lock:
             self.pids[nid] = rec.pid
             self.started[rec.pid] = self.clock()

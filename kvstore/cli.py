@@ -261,6 +261,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.core.logs import announce
     from kvstore.core.logs import setup as setup_logging
     from kvstore.node.config import load_config
+    from kvstore.node.memory_dump import install_from_env as install_memory_dumps
     from kvstore.node.metrics import NodeMetrics
     from kvstore.node.semantics import Node, NodeSettings
     from kvstore.server import NodeServer
@@ -290,6 +291,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    install_memory_dumps()  # SIGUSR2 dumps, only with KVSTORE_TRACEMALLOC_DIR set
     node = Node(NodeSettings(dram_bytes=cfg.dram_bytes, block_bytes=cfg.block_bytes,
                              policy=cfg.policy,
                              high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,

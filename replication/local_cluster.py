@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,7 +85,10 @@ class LocalCluster:
         return cluster
 
     def start_node(self, node_id: str, *, zone: str = "", extra: Sequence[str] = (),
-                   wait: bool = True, timeout: float = 60.0) -> NodeRecord:
+                   wait: bool = True, timeout: float = 60.0,
+                   env: Mapping[str, str] | None = None) -> NodeRecord:
+        """Starts ``kvstore serve`` as ``node_id`` (``env``: variables added to this
+        process's environment for it)."""
         log = self.dir / f"{node_id}.log"
         cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
                "--etcd", self.etcd, "--node-id", node_id, "--zone", zone,
@@ -93,7 +96,7 @@ class LocalCluster:
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self._procs[proc.pid] = proc
         rec = NodeRecord(id=node_id, addr="", pid=proc.pid)
         self.nodes.append(rec)

@@ -56,3 +56,27 @@ def test_a_short_soak_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert v["memory_flat"] is None and v["pass"] is False and code == 1
     out = capsys.readouterr().out
     assert "verdict: FAIL" in out and "no judged node process lived long enough" in out
+
+
+def test_tracemalloc_dumps_node_1_and_compares_its_dumps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    soak.main(["--minutes", "0.1", "--seed", "4", "--rate", "30", "--dram-mib", "32",
+               "--sample-s", "0.5", "--no-faults", "--tracemalloc", "--tracemalloc-frames", "4",
+               "--tracemalloc-every-s", "2", "--tracemalloc-from-s", "0",
+               "--dir", str(tmp_path / "cluster"), "--out", str(tmp_path / "out")])
+    r = json.loads((tmp_path / "out" / "soak.json").read_text())
+    t = r["tracemalloc"]
+    assert t["node"] == "node-1" and t["failures"] == []
+    assert r["config"]["tracemalloc"] is True and r["config"]["tracemalloc_frames"] == 4
+    pids = {p.name.split("-")[0] for p in (tmp_path / "cluster" / "tracemalloc").glob("*.json")}
+    assert pids == {str(t["pid"])}  # node-1's only: the other nodes are not dumped
+    dumps = t["dumps"]
+    assert len(dumps) >= 2 and [d["t_s"] for d in dumps] == sorted(d["t_s"] for d in dumps)
+    assert all(d["traced_mib"] > 0 and d["gc_objects"] > 0 and d["node_restarts"] == 0
+               for d in dumps)
+    assert all(d["rss_anon_after_trim_mib"] is None for d in dumps[:-1])
+    assert dumps[-1]["rss_anon_after_trim_mib"] > 0  # the last dump trims the heap
+    assert (t["from_t_s"], t["to_t_s"]) == (dumps[0]["t_s"], dumps[-1]["t_s"])
+    assert t["sites_by_traceback"] and t["sites_by_line"] and t["gc_type_growth"]
+    out = capsys.readouterr().out
+    assert f"tracemalloc: pid {t['pid']}, " in out and "allocation sites that grew most" in out
