@@ -311,6 +311,11 @@ class ChannelConnection:
                 results[i] = r
         return results
 
+    def check_sizes(self, values: Sequence[memoryview]) -> list[int]:
+        """The values' sizes; raises for one this node cannot hold (empty, or larger than
+        its region), before anything is on the wire."""
+        return self._sizes(values)
+
     def _sizes(self, values: Sequence[memoryview]) -> list[int]:
         sizes = [len(v) for v in values]
         limit = self.session.region_bytes

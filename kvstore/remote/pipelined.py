@@ -87,7 +87,7 @@ def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quo
     ks, views, ps = batch.keys, batch.values, batch.parents
     counts: list[int] = []
     try:
-        conn._sizes(views)  # refuses a value before any frame is on the wire
+        conn.check_sizes(views)  # refuses a value before any frame is on the wire
         replicated = (copies, write_quorum) if copies > 1 else None
         for lo in range(0, len(ks), MAX_BATCH):
             hi = lo + MAX_BATCH
