@@ -34,6 +34,12 @@ class Tier(Protocol):
     @property
     def used(self) -> int: ...
 
+    def footprint(self, nbytes: int) -> int:
+        """The ``used`` bytes a block of ``nbytes`` value bytes takes here (alignment and
+        any per-block header included): what storing it adds and what dropping it frees.
+        Every comparison of blocks against ``used``, ``capacity`` or a watermark counts
+        this, never the value's length."""
+
     def allocate(self, nbytes: int) -> Extent | None:
         """Space for ``nbytes``, or None when no free extent fits."""
 
@@ -133,6 +139,10 @@ class AllocatorBacked:
     @property
     def allocator(self) -> ExtentAllocator:
         return self._allocator
+
+    def footprint(self, nbytes: int) -> int:
+        """The value rounded up to the allocator's alignment."""
+        return self._allocator.rounded(nbytes)
 
     def allocate(self, nbytes: int) -> Extent | None:
         return self._allocator.allocate(nbytes)

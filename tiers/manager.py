@@ -236,10 +236,11 @@ class TierManager:
                                retain=retain)
         # The parent of the block being written stays: evicting it would strand its child.
         protect = parent
-        if tier.used + nbytes > self.watermarks.high * capacity:
-            # Until ``tier.used + nbytes <= low``, as a threshold (no callback per victim).
+        size = tier.footprint(nbytes)  # in the tier's used bytes, alignment included
+        if tier.used + size > self.watermarks.high * capacity:
+            # Until ``tier.used + size <= low``, as a threshold (no callback per victim).
             self._evict_until(level, None, strict=False, protect=protect,
-                              until_used=self.watermarks.low * capacity - nbytes)
+                              until_used=self.watermarks.low * capacity - size)
         extent = tier.allocate(nbytes)
         if extent is None:
             # Fragmentation or reservations in flight: keep evicting until it fits.
@@ -563,7 +564,8 @@ class TierManager:
 
     def plan_moves(self, level: int, nbytes: int, *,
                    spare: Collection[BlockKey] | None = None) -> list[Move]:
-        """Victims of ``level`` worth ``nbytes``, leased and marked moving (phase 1).
+        """Victims of ``level`` that free ``nbytes`` of its used bytes (each counted by the
+        tier's ``footprint``, not its value's length), leased and marked moving (phase 1).
 
         With ``spare``, the room a prefetch makes (``plan_prefetch``): never a retained
         block nor a key of ``spare``, never a drop, and only as much as the tier below has
@@ -580,6 +582,7 @@ class TierManager:
         eligibility: Callable[[BlockEntry], Eligibility] = (
             self._eligibility if dst is not None else self._drop_eligibility)
         below = None  # bytes the tier below may take (None: no bound but its space)
+        taken = 0  # of ``below``: the victims' footprints in the tier below
         passed: list[BlockEntry] = []  # spared blocks looked at (the last one: not queued)
         if spare is not None:
             assert dst is not None
@@ -612,9 +615,12 @@ class TierManager:
                 if key is None:
                     break
                 entry = s.blocks[key]
-                if below is not None and planned + entry.nbytes > below:
-                    lv.queue.push(key, entry)  # the tier below has no more room for it
-                    break
+                if below is not None:
+                    assert dst_tier is not None
+                    taken += dst_tier.footprint(entry.nbytes)
+                    if taken > below:
+                        lv.queue.push(key, entry)  # the tier below has no more room for it
+                        break
                 move = Move(entry=entry, src=level, dst=dst, no_drops=spare is not None)
                 if dst_memory:
                     assert dst_tier is not None
@@ -625,7 +631,7 @@ class TierManager:
                 entry.flags |= MOVING
                 entry.readers += 1
                 moves.append(move)
-                planned += entry.nbytes
+                planned += lv.tier.footprint(entry.nbytes)  # what it frees here
         finally:
             lv.queue.restore(deferred)
         return moves
@@ -651,7 +657,8 @@ class TierManager:
                 continue
             move = self._plan_up(entry, dst)
             if move is None:
-                return moves, (dst, self.target_bytes(dst, entry.nbytes))
+                return moves, (dst, self.target_bytes(
+                    dst, self.levels[dst].tier.footprint(entry.nbytes)))
             del s.promote[key]
             moves.append(move)
         return moves, None
@@ -662,7 +669,7 @@ class TierManager:
         when there is no such room. The one rule of every move up: the promotion rule's
         and a prefetch's."""
         tier = self.levels[dst].tier
-        if tier.used + entry.nbytes > self.watermarks.high * tier.capacity:
+        if tier.used + tier.footprint(entry.nbytes) > self.watermarks.high * tier.capacity:
             return None
         extent = tier.allocate(entry.nbytes)
         if extent is None:
@@ -705,7 +712,8 @@ class TierManager:
         blocks = s.blocks
         plan = PrefetchPlan(level=level, keys=list(keys))
         outcomes = plan.outcomes
-        need = 0
+        footprint = self.levels[level].tier.footprint
+        need = 0  # the waiting blocks' footprints in ``level`` (plan.nbytes: their values)
         for key in plan.keys:
             if key in outcomes:
                 continue  # a repeat: one block, one outcome
@@ -726,19 +734,19 @@ class TierManager:
                     plan.moves.append(move)
                 else:
                     plan.waiting.append(key)
-                    need += e.nbytes
+                    need += footprint(e.nbytes)
                 outcomes[key] = PrefetchOutcome.QUEUED
                 plan.nbytes += e.nbytes
         if plan.waiting:
             headroom = self._headroom(level)
             if need > headroom:
                 plan.room = self.plan_moves(level, need - headroom, spare=outcomes.keys())
-            room = headroom + sum(m.entry.nbytes for m in plan.room)
+            room = headroom + sum(footprint(m.entry.nbytes) for m in plan.room)
             taken = 0
             for key in plan.waiting:
                 n = blocks[key].nbytes
-                if taken + n <= room:
-                    taken += n
+                if taken + footprint(n) <= room:
+                    taken += footprint(n)
                 else:
                     outcomes[key] = PrefetchOutcome.NO_ROOM
                     plan.nbytes -= n

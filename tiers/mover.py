@@ -259,7 +259,8 @@ class TierMover:
         dst_level = moves[0].dst
         assert dst_level is not None
         dst = m.levels[dst_level].store
-        need = sum(mv.entry.nbytes for mv in moves)
+        # The space the blocks take there (header pages and alignment), not their values.
+        need = sum(dst.footprint(mv.entry.nbytes) for mv in moves)
         with self._lock:
             free = dst.capacity - dst.used
             short = m.target_bytes(dst_level, need) if dst.used + need > \

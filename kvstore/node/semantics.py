@@ -284,8 +284,9 @@ class Node:
                 # The background mover fell behind: demote here, outside the lock.
                 assert self._mover is not None
                 with self._lock:
-                    want = self._manager.target_bytes(need.level, need.nbytes)
-                if (not self._mover.make_room(need.level, max(want, need.nbytes))
+                    size = self._manager.levels[need.level].tier.footprint(need.nbytes)
+                    want = self._manager.target_bytes(need.level, size)
+                if (not self._mover.make_room(need.level, max(want, size))
                         and not self._mover.wait_for_moves(timeout=5.0)):
                     break  # nothing could move and nothing was moving: truly full
             except (BlockTooLarge, OutOfSpace) as exc:

@@ -46,3 +46,9 @@ def test_round_trip_and_allocator() -> None:
     assert t.used == 0
     with pytest.raises(ValueError):
         t.read_into(extents[0], 10, memoryview(bytearray(5)))
+
+
+def test_footprint_is_the_allocator_rounding() -> None:
+    t = HbmTier(1 << 20, device="cpu")
+    assert [t.footprint(n) for n in (1, 64, 256, 257)] == [256, 256, 256, 512]
+    assert t.allocate(64) is not None and t.used == t.footprint(64)

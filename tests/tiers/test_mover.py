@@ -190,3 +190,84 @@ def test_ssd_to_hbm_in_one_move(tmp_path: Path) -> None:
         t.mover.stop()
         for tier in (hbm, dram, ssd):
             tier.close()
+
+
+
+SMALL = 64  # a value far below the SSD's 8 KiB per block (a header page, the value aligned)
+
+
+def small_values(tmp_path: Path) -> Tiers:
+    """A DRAM tier of 8 small values (64-byte aligned) and an SSD of 8 small blocks."""
+    dram = DramTier(8 * 64, prefault=False)
+    ssd = SsdTier(tmp_path / "kv.img", 8 * (HEADER_BYTES + 4096), io="python")
+    manager = TierManager([dram, ssd], make_policy("lru"),
+                          watermarks=Watermarks(high=0.9, low=0.5))
+    lock = threading.Lock()
+    return Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
+
+
+def put_small(t: Tiers, name: str, size: int) -> BlockKey:
+    key = BlockKey(name.encode().ljust(16, b"."))
+    value = os.urandom(size)
+    with t.lock:
+        r = t.manager.reserve(key, size)
+        assert r is not None
+        t.manager.fill_view(r)[:] = value
+        assert t.manager.commit(r)
+    t.values[key] = value
+    return key
+
+
+def close(t: Tiers) -> None:
+    t.mover.stop()
+    for lv in t.manager.levels:
+        lv.tier.close()
+
+
+def test_a_round_demotes_half_a_full_dram_tier_of_small_values(tmp_path: Path) -> None:
+    """16-byte values, each taking 64 bytes of DRAM (its alignment) and 8 KiB of SSD."""
+    t = small_values(tmp_path)
+    try:
+        keys = [put_small(t, f"d{i}", 16) for i in range(8)]
+        dram, ssd = (lv.tier for lv in t.manager.levels)
+        assert dram.used == dram.capacity and t.manager.over_high() == [0]
+        assert t.mover.run_once()
+        # Down to the low watermark (256 of 512 bytes): the 4 least recent went to the SSD.
+        assert t.where(*keys) == ["ssd"] * 4 + ["dram"] * 4
+        assert (dram.used, ssd.used) == (4 * 64, 4 * ssd.footprint(16))
+        assert all(t.read(k) == v for k, v in t.values.items())
+    finally:
+        close(t)
+
+
+def test_a_restart_past_the_watermark_drops_only_what_it_asks(tmp_path: Path) -> None:
+    """Issue #24: an SSD full of small blocks at restart. The first round drops the 4
+    oldest of 8 (down to the low watermark), not every one of them."""
+    first = SsdTier(tmp_path / "kv.img", 8 * (HEADER_BYTES + 4096), io="python")
+    names = [BlockKey(f"r{i}".encode().ljust(16, b".")) for i in range(8)]
+    values = {k: os.urandom(SMALL) for k in names}
+    for k in names:  # one batch each: the sequence numbers follow the names
+        assert first.write_blocks([(k, None, memoryview(values[k]))])[0] is not None
+    assert first.used == first.capacity
+    first.close()
+    t = small_values(tmp_path)
+    try:
+        ssd = t.manager.levels[1].store
+        records = ssd.recover()
+        assert sorted(r.key for r in records) == sorted(names)
+        with t.lock:
+            for r in records:
+                assert t.manager.adopt(r.key, r.parent, r.location.nbytes, level=1,
+                                       location=r.location, retention=r.retention)
+        adopted = [r.key for r in records]  # the policy's order: oldest adoption first
+        t.values.update({k: values[k] for k in adopted[4:]})
+        assert t.manager.over_high() == [1]
+        assert t.mover.run_once()
+        with t.lock:
+            assert t.manager.drain_evicted() == adopted[:4]
+            assert len(t.manager) == 4
+        assert ssd.used == 4 * ssd.footprint(SMALL)
+        assert t.where(*adopted) == [None] * 4 + ["ssd"] * 4
+        assert all(t.read(k) == v for k, v in t.values.items())
+    finally:
+        close(t)

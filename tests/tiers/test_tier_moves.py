@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.core.keys import BlockKey
+from kvstore.core.prefetch import PrefetchOutcome
 from tiers.manager import NeedsRoom, TierManager, Watermarks
 from tiers.metadata import MetadataTier
 from tiers.policy import make_policy
@@ -203,3 +204,85 @@ def test_corrupt_block_leaves_the_index() -> None:
     assert k("x") not in m
     assert m.release_read(e) == (k("x"), ("loc", "x"))
     assert m.level_stats(1)["checksum_failures"] == 1
+
+
+def test_a_round_frees_what_the_watermarks_ask_in_aligned_bytes() -> None:
+    """16-byte values in a tier aligned to 64: each takes 64 of its used bytes, so getting
+    from full down to half moves half the blocks, not (counting values) all of them."""
+    upper = MetadataTier(8 * B, alignment=B)
+    upper.name = "dram"
+    lower = MetadataTier(64 * B, alignment=B)
+    lower.name = "ssd"
+    m = TierManager([upper, lower], make_policy("lru"),
+                    watermarks=Watermarks(high=0.9, low=0.5))
+    for n in "abcdefgh":
+        r = m.reserve(k(n), 16)
+        assert r is not None and m.commit(r)
+    touch(m, "a")
+    assert upper.used == 8 * B and m.over_high() == [0]
+    assert m.target_bytes(0) == 4 * B
+    moves = m.plan_moves(0, m.target_bytes(0))
+    assert [name(mv.entry.key) for mv in moves] == ["b", "c", "d", "e"]
+    for mv in moves:
+        mv.copied = True
+    m.finish_moves(moves)
+    assert (upper.used, lower.used) == (4 * B, 4 * B) and m.over_high() == []
+
+
+def test_a_restart_over_the_watermark_drops_only_what_it_asks() -> None:
+    """Issue #24: 64-byte values on an SSD-like tier of 4 KiB pages, adopted at restart past
+    the high watermark. The round drops the oldest 4 of 10 (down to the low watermark), where
+    counting values it dropped every one."""
+    upper = MetadataTier(4 * B, alignment=B)
+    upper.name = "dram"
+    page = 4096
+    lower = MetadataTier(10 * page, alignment=page)
+    lower.name = "ssd"
+    m = TierManager([upper, lower], make_policy("lru"), durable=[False, True],
+                    watermarks=Watermarks(high=0.9, low=0.6))
+    names = [f"r{i}" for i in range(10)]
+    for n in names:
+        assert lower.allocate(B) is not None  # the space recovery found taken
+        assert m.adopt(k(n), None, B, level=1, location=("loc", n))
+    assert lower.used == 10 * page and m.over_high() == [1]
+    assert m.target_bytes(1) == 4 * page
+    moves = m.plan_moves(1, m.target_bytes(1))
+    assert [(name(mv.entry.key), mv.dst) for mv in moves] == [(n, None) for n in names[:4]]
+    for mv in moves:
+        mv.copied = True
+    garbage = m.finish_moves(moves)
+    assert garbage == [(k(n), ("loc", n)) for n in names[:4]]
+    assert m.drain_evicted() == [k(n) for n in names[:4]] and len(m) == 6
+
+
+def test_promotion_room_counts_the_footprint() -> None:
+    """A 16-byte block promoted into a full tier aligned to 64 asks for the room of its 64
+    bytes, down to the low watermark."""
+    m = two_levels(top=4, below=64)
+    r = m.reserve(k("s"), 16)
+    assert r is not None and m.commit(r)
+    demote(m, 0, 1)
+    for n in "abcd":
+        r = m.reserve(k(n), 16)
+        assert r is not None and m.commit(r)
+    assert m.levels[0].tier.used == 4 * B
+    touch(m, "s")
+    touch(m, "s")  # a second hit below queues a promotion
+    promotions, blocked = m.plan_promotions(4)
+    assert promotions == [] and blocked == (0, 3 * B)  # 256 used + its 64 - low 128
+
+
+def test_prefetch_room_counts_the_footprints_of_small_blocks() -> None:
+    """Four 16-byte blocks brought up into a full tier aligned to 64 need four blocks of
+    room (256 used bytes), not one (their 64 value bytes)."""
+    m = two_levels(top=4, below=64)
+    small = ["w", "x", "y", "z"]
+    for n in small:
+        r = m.reserve(k(n), 16)
+        assert r is not None and m.commit(r)
+    demote(m, 0, 4)
+    for n in "abcd":
+        put(m, n)
+    plan = m.plan_prefetch([k(n) for n in small], 0, max_bytes=1 << 20)
+    assert [name(mv.entry.key) for mv in plan.room] == ["a", "b", "c", "d"]
+    assert plan.answer() == [PrefetchOutcome.QUEUED] * 4

@@ -304,6 +304,11 @@ class SsdTier:
 
     # ------------------------------------------------------------------ Tier protocol
 
+    def footprint(self, nbytes: int) -> int:
+        """A block's header page and value, rounded up to the alignment (``write_blocks``):
+        8 KiB for a 64-byte value."""
+        return self._allocator.rounded(HEADER_BYTES + nbytes)
+
     def allocate(self, nbytes: int) -> Extent | None:
         self._check_mutable()
         with self._lock:
