@@ -128,7 +128,7 @@ def test_a_refused_window_block_recomputes_the_request(engine: Any, client: Clie
     is unchanged and the recomputed block replaces the bad one in the store."""
     tokens = prompt(2)
     first, _ = generate(engine, tokens)
-    full, window = group_keys(tokens, client)
+    _, window = group_keys(tokens, client)
     bad = IN_WINDOW[0]
     value = client.get_batch([window[bad]])[0]
     assert value is not None

@@ -106,7 +106,7 @@ from kvstore.integrations.identity import WeightsIdentity, process_value, weight
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
-from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
+from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging, sealed_rows
 from kvstore.integrations.vllm.groups import GroupPlan, plan_from_config
 from kvstore.integrations.vllm.versions import check_vllm_version
 
@@ -687,41 +687,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         parents: list[bytes | None] = []
         keep: list[float] = []
         for p, staging in step.rows.items():
-            gkeys, gparents, gkeep = self._dedup_rows(
-                [s for s in saves if s.group == p], staging, self._groups.layouts[p])
-            keys += gkeys[0]
-            rows += gkeys[1]
-            parents += gparents
-            keep += gkeep
+            sealed = sealed_rows([s for s in saves if s.group == p], staging,
+                                 self._groups.layouts[p])
+            keys += sealed.keys
+            rows += sealed.rows
+            parents += sealed.parents
+            keep += sealed.retain_s
         while len(self._saves) >= self._max_pending_saves:
             self._saves.popleft().result()
         while self._saves and self._saves[0].done():
             self._saves.popleft()
         self._saves.append(self._saver.submit(self._put, keys, rows, parents, keep))
-
-    @staticmethod
-    def _dedup_rows(saves: list[SaveSpec], staging: torch.Tensor, layout: BlockLayout
-                    ) -> tuple[tuple[list[bytes], list[torch.Tensor]], list[bytes | None],
-                               list[float]]:
-        """One group's saves as sealed rows, a block two requests completed in the same
-        step once (with the longest retention asked)."""
-        keys = [k for s in saves for k in s.keys]
-        parents: list[bytes | None] = []
-        keep: list[float] = []
-        for s in saves:
-            parents += [s.parent, *s.keys[:-1]]
-            keep += [s.retain_s] * len(s.keys)
-        if len(set(keys)) < len(keys):  # two requests completed the same block this step
-            first = {k: i for i, k in reversed(list(enumerate(keys)))}
-            longest: dict[bytes, float] = {}
-            for k, r in zip(keys, keep, strict=True):  # the longest retention asked wins
-                longest[k] = max(longest.get(k, 0.0), r)
-            order = sorted(first.values())
-            keys, parents = [keys[i] for i in order], [parents[i] for i in order]
-            keep = [longest[k] for k in keys]
-            staging = staging[torch.tensor(order, dtype=torch.long)]
-        layout.seal(staging, keys)
-        return (keys, list(staging.unbind(0))), parents, keep
 
     def _put(self, keys: list[bytes], staging: Sequence[torch.Tensor],
              parents: list[bytes | None], keep: list[float]) -> None:

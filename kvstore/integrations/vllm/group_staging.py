@@ -18,7 +18,7 @@ import torch
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.groups import GroupPlan
 
-__all__ = ["GroupCaches", "GroupedSpec", "StepStaging"]
+__all__ = ["GroupCaches", "GroupedSpec", "SealedRows", "StepStaging", "sealed_rows"]
 
 
 class GroupedSpec(Protocol):
@@ -28,6 +28,51 @@ class GroupedSpec(Protocol):
     def group(self) -> int: ...
     @property
     def block_ids(self) -> list[int]: ...
+
+
+class SaveRows(GroupedSpec, Protocol):
+    """A save with its keys, the key before them and its retention."""
+
+    @property
+    def keys(self) -> list[bytes]: ...
+    @property
+    def parent(self) -> bytes | None: ...
+    @property
+    def retain_s(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SealedRows:
+    """One group's values of a step, ready to put: row ``i`` is ``keys[i]``'s value."""
+
+    keys: list[bytes]
+    rows: list[torch.Tensor]
+    parents: list[bytes | None]
+    retain_s: list[float]
+
+
+def sealed_rows(saves: Sequence[SaveRows], staging: torch.Tensor, layout: BlockLayout
+                ) -> SealedRows:
+    """``saves`` of one group (their rows of ``staging`` in order) as sealed values; a
+    block two requests completed in the same step once, with the longest retention."""
+    keys = [k for s in saves for k in s.keys]
+    parents: list[bytes | None] = []
+    keep: list[float] = []
+    for s in saves:
+        parents += [s.parent, *s.keys[:-1]]
+        keep += [s.retain_s] * len(s.keys)
+    if len(set(keys)) < len(keys):  # two requests completed the same block this step
+        first = {k: i for i, k in reversed(list(enumerate(keys)))}
+        longest: dict[bytes, float] = {}
+        for k, r in zip(keys, keep, strict=True):  # the longest retention asked wins
+            longest[k] = max(longest.get(k, 0.0), r)
+        order = sorted(first.values())
+        keys, parents = [keys[i] for i in order], [parents[i] for i in order]
+        keep = [longest[k] for k in keys]
+        staging = staging[torch.tensor(order, dtype=torch.long)]
+    layout.seal(staging, keys)
+    return SealedRows(keys=keys, rows=list(staging.unbind(0)), parents=parents,
+                      retain_s=keep)
 
 
 @dataclass(slots=True)

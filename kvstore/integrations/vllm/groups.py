@@ -170,18 +170,18 @@ def _group_of(index: int, group: Any) -> StoredGroup | None:
     if not getattr(group, "enable_kv_transfer", True):
         return None
     spec = group.kv_cache_spec
-    common = {"index": index, "layer_names": tuple(group.layer_names),
-              "block_size": int(spec.block_size)}
+    names, block = tuple(group.layer_names), int(spec.block_size)
     cls = type(spec)
     if cls in (FullAttentionSpec, MLAAttentionSpec):
-        return StoredGroup(kind="full", **common)
+        return StoredGroup(index=index, kind="full", layer_names=names, block_size=block)
     if cls in (SlidingWindowSpec, SlidingWindowMLASpec) and getattr(
             spec, "prefix_cacheable", True):
-        return StoredGroup(kind="window", span=int(spec.sliding_window),
-                           retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
-                           **common)
+        return StoredGroup(index=index, kind="window", layer_names=names, block_size=block,
+                           span=int(spec.sliding_window),
+                           retained=int(getattr(spec, "extra_retained_tokens", 0) or 0))
     if cls is ChunkedLocalAttentionSpec:
-        return StoredGroup(kind="chunked", span=int(spec.attention_chunk_size), **common)
+        return StoredGroup(index=index, kind="chunked", layer_names=names, block_size=block,
+                           span=int(spec.attention_chunk_size))
     raise UnsupportedGroup(
         f"KVStoreConnector cannot store KV cache group {index} ({cls.__name__}, layers "
         f"{list(group.layer_names)[:3]}...): it stores full-attention, sliding-window "
