@@ -22,9 +22,9 @@ from hybrid_models import WINDOW, write_tiny_gemma3
 from vllm_llm import external_hits, kvstore_llm
 
 from kvstore import Client, block_keys
-from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header
+from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header, reseal
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_engine]
 
 BLOCK = 32
 NAMESPACE = f"hybrid-test-{time.time_ns()}"
@@ -120,6 +120,37 @@ def test_only_the_window_is_needed_and_every_group_is_checked(engine: Any,
     third, hits = generate(engine, tokens)
     assert hits == 0
     assert third == first
+
+
+def test_the_window_group_computes_with_what_kvstore_returned(engine: Any,
+                                                              client: Client) -> None:
+    """The window group's blocks replaced in the store by other (checksum-valid) KV: the
+    output changes, so the sliding-window layers attend over the bytes kvstore returned
+    (not over what vLLM's freed blocks still held); restoring them restores it."""
+    tokens = prompt(3)
+    first, _ = generate(engine, tokens)
+    _, window = group_keys(tokens, client)
+    originals = {i: client.get_batch([window[i]])[0] for i in IN_WINDOW}
+    rng = np.random.default_rng(7)
+    for i, value in originals.items():
+        assert value is not None
+        forged = bytearray(value)
+        n = (len(forged) - HEADER_BYTES) // 4
+        forged[HEADER_BYTES:] = rng.normal(0, 3, n).astype("<f4").tobytes()
+        assert client.remove(window[i])
+        assert client.put_batch([window[i]], [reseal(forged)]) == [True]
+    assert engine.reset_prefix_cache()
+    forged_out, hits = generate(engine, tokens)
+    assert hits == LOADABLE
+    assert forged_out != first
+
+    for i, value in originals.items():
+        assert value is not None and client.remove(window[i])
+        assert client.put_batch([window[i]], [value]) == [True]
+    assert engine.reset_prefix_cache()
+    restored, hits = generate(engine, tokens)
+    assert hits == LOADABLE
+    assert restored == first
 
 
 def test_a_refused_window_block_recomputes_the_request(engine: Any, client: Client) -> None:
