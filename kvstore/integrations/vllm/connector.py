@@ -107,7 +107,7 @@ from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging, sealed_rows
-from kvstore.integrations.vllm.groups import GroupPlan, plan_from_config
+from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
 from kvstore.integrations.vllm.versions import check_vllm_version
 
 # Before any other vLLM import (hence the E402s below): a version outside the list fails
@@ -137,8 +137,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvstore_connector")
 
 NAMESPACE_VERSION = "vllm-v1"
-_NULL_BLOCK = 0
-"""vLLM's null block (the block pool's first): what a skipped block's id is."""
 RETAIN_PARAM = "kvstore_retain_s"
 """The ``kv_transfer_params`` key of a request's retention in seconds."""
 
@@ -487,20 +485,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             assert self._kv_cache_manager is not None
             all_ids = self._kv_cache_manager.get_block_ids(req_id)
+            null = null_block_id(self._kv_cache_manager)
             for p, group in enumerate(self._plan.groups):
                 keys = self._keys_upto(st, full, p)
                 ids = all_ids[group.index]
-                # A block vLLM already dropped from a window (a null block, id 0 of the
-                # shared pool) is not saved; a run after it starts a save of its own.
-                start = lo
-                for i in range(lo, full + 1):
-                    if i < full and ids[i] != _NULL_BLOCK:
-                        continue
-                    if i > start:
-                        meta.saves.append(SaveSpec(
-                            req_id, keys[start:i], list(ids[start:i]),
-                            keys[start - 1] if start > 0 else None, st.retain_s, p))
-                    start = i + 1
+                # A block vLLM already dropped from a window (a null block) is not saved.
+                for a, b in group.saved_runs(ids, lo, full, null):
+                    meta.saves.append(SaveSpec(req_id, keys[a:b], list(ids[a:b]),
+                                               keys[a - 1] if a > 0 else None, st.retain_s, p))
             st.saved_upto = full
             st.retain_from_start = False
         return meta

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["GroupPlan", "StoredGroup", "UnsupportedGroup", "plan_from_config"]
+__all__ = ["GroupPlan", "StoredGroup", "UnsupportedGroup", "null_block_id", "plan_from_config"]
 
 GroupKind = Literal["full", "window", "chunked"]
 
@@ -80,6 +80,23 @@ class StoredGroup:
         """The first block of a ``num_blocks``-block prefix this group needs to go on
         from it (blocks before it are null blocks in vLLM's table)."""
         return self.skipped_tokens(num_blocks * self.block_size) // self.block_size
+
+    def saved_runs(self, block_ids: Sequence[int], lo: int, hi: int, null: int | None
+                   ) -> list[tuple[int, int]]:
+        """The runs ``[a, b)`` of blocks ``lo..hi`` to save: all of them for a full
+        group; for a windowed one, those whose id is not vLLM's null block ``null``
+        (blocks vLLM dropped before its window)."""
+        if self.kind == "full" or null is None:
+            return [(lo, hi)] if hi > lo else []
+        runs: list[tuple[int, int]] = []
+        start = lo
+        for i in range(lo, hi + 1):
+            if i < hi and block_ids[i] != null:
+                continue
+            if i > start:
+                runs.append((start, i))
+            start = i + 1
+        return runs
 
     def describe(self) -> str:
         span = f"{self.span}" if self.kind != "full" else ""
@@ -186,6 +203,13 @@ def _group_of(index: int, group: Any) -> StoredGroup | None:
         f"KVStoreConnector cannot store KV cache group {index} ({cls.__name__}, layers "
         f"{list(group.layer_names)[:3]}...): it stores full-attention, sliding-window "
         f"and chunked-local-attention groups (docs/engines/vllm.md, 'Hybrid models')")
+
+
+def null_block_id(kv_cache_manager: Any) -> int | None:
+    """The id of the null block in vLLM's ``KVCacheManager`` block tables (None when the
+    manager has no block pool to ask)."""
+    null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
+    return None if null is None else int(null.block_id)
 
 
 def plan_from_config(kv_cache_config: Any) -> GroupPlan:

@@ -111,3 +111,14 @@ def test_groups_of_different_block_sizes_are_refused() -> None:
         GroupPlan((full(), other))
     with pytest.raises(UnsupportedGroup):
         GroupPlan(())
+
+
+def test_saved_runs_skip_vllms_null_blocks_in_windowed_groups_only() -> None:
+    ids = [0, 0, 7, 8, 0, 9]  # 0: the null block
+    assert window().saved_runs(ids, 0, 6, 0) == [(2, 4), (5, 6)]
+    assert window().saved_runs(ids, 3, 6, 0) == [(3, 4), (5, 6)]
+    assert window().saved_runs(ids, 6, 6, 0) == []
+    # A full group holds no null blocks (id 0 is a block like any other there), nor does
+    # a table without a block pool to ask.
+    assert full().saved_runs(ids, 0, 6, 0) == [(0, 6)]
+    assert window().saved_runs(ids, 1, 6, None) == [(1, 6)]
