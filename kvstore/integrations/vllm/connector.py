@@ -113,7 +113,7 @@ from kvstore.integrations.identity import WeightsIdentity, process_value, weight
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
-from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging, sealed_rows
+from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.versions import check_vllm_version
@@ -677,22 +677,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if step is None:
             step = self._groups.new_step(saves)
         self.stats["layers_copied_at_step_end"] += self._groups.gather_rest(step)
-        keys: list[bytes] = []
-        rows: list[torch.Tensor] = []
-        parents: list[bytes | None] = []
-        keep: list[float] = []
-        for p, staging in step.rows.items():
-            sealed = sealed_rows([s for s in saves if s.group == p], staging,
-                                 self._groups.layouts[p], self._shards)
-            keys += sealed.keys
-            rows += sealed.rows
-            parents += sealed.parents
-            keep += sealed.retain_s
+        # This rank's shard of each group's blocks (a one-rank engine: the keys themselves).
+        sealed = self._groups.seal_step(step, saves, self._shards)
         while len(self._saves) >= self._max_pending_saves:
             self._saves.popleft().result()
         while self._saves and self._saves[0].done():
             self._saves.popleft()
-        self._saves.append(self._saver.submit(self._put, keys, rows, parents, keep))
+        self._saves.append(self._saver.submit(self._put, sealed.keys, sealed.rows,
+                                              sealed.parents, sealed.retain_s))
 
     def _put(self, keys: list[bytes], staging: Sequence[torch.Tensor],
              parents: list[bytes | None], keep: list[float]) -> None:

@@ -149,6 +149,23 @@ class GroupCaches:
                     copied += 1
         return copied
 
+    def seal_step(self, step: StepStaging, saves: Sequence[SaveRows],
+                  shards: ShardPlan | None = None) -> SealedRows:
+        """Every group's rows of ``step`` sealed (``sealed_rows``, under this rank's shard
+        keys with ``shards``), group after group, as one list of values to put."""
+        keys: list[bytes] = []
+        rows: list[torch.Tensor] = []
+        parents: list[bytes | None] = []
+        keep: list[float] = []
+        for p, staging in step.rows.items():
+            sealed = sealed_rows([s for s in saves if s.group == p], staging,
+                                 self.layouts[p], shards)
+            keys += sealed.keys
+            rows += sealed.rows
+            parents += sealed.parents
+            keep += sealed.retain_s
+        return SealedRows(keys=keys, rows=rows, parents=parents, retain_s=keep)
+
     def scatter(self, group: int, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Writes staging ``rows`` into blocks ``block_ids`` of every layer of ``group``."""
         ids = torch.tensor(list(block_ids), dtype=torch.long)
