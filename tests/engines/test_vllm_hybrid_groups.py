@@ -17,6 +17,7 @@ from test_vllm_scheduler import request, sched_output, store
 from vllm_fakes import tokens
 
 from kvstore import Client, block_keys
+from kvstore.core.keys import shard_key
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header
 
 BLOCK = 32
@@ -42,6 +43,16 @@ def _get_kv_cache_groups() -> Any:
 def hybrid(tiny_gemma3: Path) -> tuple[Any, Any]:
     """(VllmConfig, KVCacheConfig) of the tiny Gemma 3 with KVStoreConnector: two layers
     of sliding window (64 tokens), two of full attention, grouped by vLLM."""
+    return hybrid_config(tiny_gemma3)
+
+
+@pytest.fixture(scope="module")
+def hybrid_tp2(tiny_gemma3: Path) -> tuple[Any, Any]:
+    """``hybrid`` at tensor parallelism 2 (each rank one of the two KV heads)."""
+    return hybrid_config(tiny_gemma3, tensor_parallel_size=2)
+
+
+def hybrid_config(tiny_gemma3: Path, **engine_args: Any) -> tuple[Any, Any]:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
@@ -51,11 +62,13 @@ def hybrid(tiny_gemma3: Path) -> tuple[Any, Any]:
                            kv_role="kv_both", kv_connector_extra_config={"kvstore_addr": "x:1"})
     cfg = EngineArgs(model=str(tiny_gemma3), skip_tokenizer_init=True, block_size=BLOCK,
                      max_model_len=512, enforce_eager=True, dtype="float32",
-                     kv_transfer_config=ktc).create_engine_config()
+                     kv_transfer_config=ktc, **engine_args).create_engine_config()
     # The connector supports the hybrid allocator, so vLLM leaves it on.
     assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU
-    shape = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    heads = 2 // int(engine_args.get("tensor_parallel_size", 1))
+    shape = {"block_size": BLOCK, "num_kv_heads": heads, "head_size": 32,
+             "dtype": torch.float32}
     specs: dict[str, Any] = {n: FullAttentionSpec(**shape) for n in FULL_LAYERS}
     specs |= {n: SlidingWindowSpec(sliding_window=WINDOW, **shape) for n in WINDOW_LAYERS}
     groups = _get_kv_cache_groups()(cfg, specs)
@@ -64,12 +77,14 @@ def hybrid(tiny_gemma3: Path) -> tuple[Any, Any]:
                               kv_cache_layout="LBHNC")
 
 
-def connector(hybrid: tuple[Any, Any], role: str, addr: str, namespace: str) -> Any:
+def connector(hybrid: tuple[Any, Any], role: str, addr: str, namespace: str, *,
+              rank: int = 0) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvstore.integrations.vllm_connector import KVStoreConnector
 
     cfg, kcc = hybrid
+    cfg.parallel_config.rank = rank  # a worker's global rank, as vLLM's WorkerBase sets
     cfg.kv_transfer_config.kv_connector_extra_config = {"kvstore_addr": addr,
                                                         "namespace": namespace}
     return KVStoreConnector(cfg, KVConnectorRole[role], kcc)
@@ -289,3 +304,75 @@ def test_a_hybrid_load_failure_is_reported_per_request(worker: Any,
     assert results.failed_recving == {"miss"}
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.stats["missing_blocks"] == 3
+
+
+def test_a_hybrid_model_at_tp2_stores_each_ranks_shard_of_each_group(
+        hybrid_tp2: tuple[Any, Any], store_node: Any, client: Client) -> None:
+    """Hybrid groups under tensor parallelism: each rank saves and loads its shard of
+    each group's blocks (``shard_key`` of the group's key); a prefix counts only when
+    every group and every shard holds what it needs; a rank's missing window shard
+    fails that rank's load of the request (united over the ranks by vLLM)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvstore.integrations.vllm_connector import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+
+    kcc = hybrid_tp2[1]
+    namespace = f"hybrid-tp2-{time.time_ns()}"
+    shards = ("tp0of2.pp0of1", "tp1of2.pp0of1")
+    workers: list[Any] = []
+    sched = connector(hybrid_tp2, "SCHEDULER", store_node.addr, namespace)
+    try:
+        for rank in range(2):
+            conn = connector(hybrid_tp2, "WORKER", store_node.addr, namespace, rank=rank)
+            torch.manual_seed(rank)
+            conn.register_kv_caches({n: torch.randn(64, 1, 32, 64)
+                                     for n in FULL_LAYERS + WINDOW_LAYERS})
+            workers.append(conn)
+        assert [w._shards.own_shard for w in workers] == list(shards)
+        pos = {g.kind: p for p, g in enumerate(workers[0]._plan.groups)}
+        toks = tokens(200, 15)  # 6 full blocks, 192 tokens loadable
+        full, window = keys(sched, kcc, toks)
+        for conn in workers:
+            step(conn, KVStoreConnectorMetadata(saves=[
+                SaveSpec("r", full[:6], [1, 2, 3, 4, 5, 6], None, group=pos["full"]),
+                SaveSpec("r", window[4:6], [7, 8], window[3], group=pos["window"])]))
+        assert client.exists(full[:6] + window[4:6]) == [False] * 8  # only shards stored
+        stored = {s: ([bytes(shard_key(k, s)) for k in full[:6]],
+                      [bytes(shard_key(k, s)) for k in window[4:6]]) for s in shards}
+        for f, w in stored.values():
+            assert client.exists(f + w) == [True] * 8
+        header = parse_header(client.get_batch([stored[shards[1]][1][0]])[0] or b"")
+        assert header["key"] == stored[shards[1]][1][0] and header["num_layers"] == 2
+
+        # The scheduler at TP=2 asks every shard of every group.
+        manager = KVCacheManager(kcc, max_model_len=512, scheduler_block_size=BLOCK,
+                                 hash_block_size=BLOCK, enable_caching=False)
+        sched.bind_kv_cache_manager(manager)
+        assert sched.get_num_new_matched_tokens(request(toks), 0) == (192, True)
+
+        # Each rank loads its own shard of each group back (the ranks' caches differ).
+        want = [{n: layer_bytes(w, n, 8) for n in WINDOW_LAYERS} for w in workers]
+        assert want[0] != want[1]
+        for conn in workers:
+            step(conn, KVStoreConnectorMetadata(loads=[
+                LoadSpec("load", window[4:6], [20, 21], group=pos["window"]),
+                LoadSpec("load", full[:6], [30, 31, 32, 33, 34, 35], group=pos["full"])]))
+            assert finish(conn, "load").failed_recving == set()
+        for conn, expect in zip(workers, want, strict=True):
+            assert {n: layer_bytes(conn, n, 21) for n in WINDOW_LAYERS} == expect
+            assert layer_bytes(conn, FULL_LAYERS[0], 35) == layer_bytes(conn, FULL_LAYERS[0], 6)
+
+        # Rank 1's shard of window block 5 gone: no prefix has its window any more, and
+        # rank 1's load of the request fails as a whole while rank 0's succeeds.
+        assert client.remove(stored[shards[1]][1][1])
+        assert sched.get_num_new_matched_tokens(request(toks), 0) == (0, False)
+        for conn, failed in zip(workers, [set(), {"again"}], strict=True):
+            step(conn, KVStoreConnectorMetadata(loads=[
+                LoadSpec("again", window[4:6], [40, 41], group=pos["window"]),
+                LoadSpec("again", full[:6], [42, 43, 44, 45, 46, 47], group=pos["full"])]))
+            assert finish(conn, "again").failed_recving == failed
+            assert conn.get_block_ids_with_load_errors() == set()
+    finally:
+        sched.shutdown()
+        for conn in workers:
+            conn.shutdown()
