@@ -107,7 +107,8 @@ test-vllm:
 # (tests marked vllm_engine are deselected). scripts/setup-vllm033-env.sh builds it.
 VLLM033_TESTS := tests/engines/test_vllm_scheduler.py tests/engines/test_vllm_worker.py \
 	tests/engines/test_vllm_shards.py \
-	tests/engines/test_vllm_identity.py tests/engines/test_vllm_versions.py
+	tests/engines/test_vllm_identity.py tests/engines/test_vllm_versions.py \
+	tests/engines/test_vllm_hybrid_groups.py
 
 test-vllm033:
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm033-env.sh)/bin/python" && \

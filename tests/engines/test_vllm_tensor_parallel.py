@@ -7,7 +7,10 @@ second run of a prompt loads the whole prefix (identical greedy tokens, external
 the loadable prefix); a shard missing on one rank cuts the hit there; a shard refused on
 one rank is recomputed on both; and a TP=1 engine under the same namespace on the same
 node gets no hit from the TP=2 engine's blocks. One TP=2 engine for the class (start-up
-is ~1-2 min here), then one TP=1 engine.
+is ~1-2 min here), then one TP=1 engine. Then a hybrid model (the tiny Gemma 3: a
+full-attention and a sliding-window group) at TP=2: each rank loads its shard of each
+group's needed blocks; one rank's missing window shard serves no prefix; one rank's
+refused window shard recomputes the request on both ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from hybrid_models import WINDOW, write_tiny_gemma3
 from vllm_llm import external_hits, kvstore_llm
 
 from kvstore import Client, block_keys
@@ -208,3 +212,112 @@ def test_a_one_rank_engine_gets_nothing_from_the_two_rank_engines_blocks(
         assert tp1.reset_prefix_cache()
         _, hits = generate(tp1, tokens)
         assert hits == LOADABLE
+
+
+# --- a hybrid model at TP=2 ------------------------------------------------------------------
+
+HYBRID_NAMESPACE = f"tp-hybrid-test-{time.time_ns()}"
+HYBRID_BLOCKS = LOADABLE // BLOCK
+IN_WINDOW = range(HYBRID_BLOCKS - WINDOW // BLOCK, HYBRID_BLOCKS)
+"""The window group's blocks the token after the 192 loaded ones reads: 4 and 5."""
+
+
+@pytest.fixture(scope="class")
+def tp2_hybrid(tmp_path_factory: pytest.TempPathFactory, store_node: Any) -> Iterator[Any]:
+    """The tiny Gemma 3 (a full-attention and a sliding-window group) at TP=2."""
+    model = write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-tp2"))
+    saved = {k: os.environ.get(k) for k in TWO_CPU_WORKERS}
+    os.environ.update(TWO_CPU_WORKERS)
+    try:
+        with kvstore_llm(model, store_node.addr, HYBRID_NAMESPACE, tensor_parallel_size=2,
+                         distributed_executor_backend="mp") as llm:
+            yield llm
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hybrid_shards(tokens: list[int], client: Client) -> tuple[list[list[bytes]],
+                                                               list[list[bytes]]]:
+    """Per rank, the stored keys of the full-attention group's and the window group's
+    loadable blocks (``shard_key`` of each group's key), once every one is saved."""
+    plan = ShardPlan(tp=2)
+    full = plan.shard_chains([bytes(k) for k in block_keys(tokens[:LOADABLE], BLOCK,
+                                                            HYBRID_NAMESPACE)])
+    for chain in full:
+        wait_stored(client, chain)
+    for g in (0, 1):
+        ns = f"{HYBRID_NAMESPACE}/kv-group={g}:window"
+        window = plan.shard_chains([bytes(k) for k in block_keys(tokens[:LOADABLE], BLOCK,
+                                                                  ns)])
+        if any(client.exists(window[0])):
+            for chain in window:
+                wait_stored(client, chain)
+            return full, window
+    raise AssertionError("no sliding-window group shards in the store")
+
+
+class TestHybridTwoRanks:
+    def test_each_rank_loads_its_shard_of_each_group(self, tp2_hybrid: Any,
+                                                     client: Client) -> None:
+        assert tp2_hybrid.llm_engine.vllm_config.scheduler_config \
+            .disable_hybrid_kv_cache_manager is False
+        tokens = prompt(31)
+        first, hits = generate(tp2_hybrid, tokens)
+        assert hits == 0
+        full, window = hybrid_shards(tokens, client)
+        assert client.prefix_match([bytes(k) for k in block_keys(
+            tokens[:LOADABLE], BLOCK, HYBRID_NAMESPACE)]) == 0, "only shards stored"
+        values = client.get_batch([full[0][0], full[1][0], window[0][4], window[1][4]])
+        assert [parse_header(v or b"")["key"] for v in values] == [
+            full[0][0], full[1][0], window[0][4], window[1][4]]
+        assert values[0] != values[1] and values[2] != values[3]
+        # Neither rank's window blocks before the window are needed.
+        for chain in window:
+            for i in range(HYBRID_BLOCKS):
+                if i not in IN_WINDOW:
+                    assert client.remove(chain[i])
+        assert tp2_hybrid.reset_prefix_cache()
+        second, hits = generate(tp2_hybrid, tokens)
+        assert hits == LOADABLE == 192, "every shard of both groups' needed blocks loaded"
+        assert second == first
+
+        # Rank 1's shard of a window block missing: no prefix is served, although rank 0
+        # and the full-attention group hold all of it.
+        assert client.remove(window[1][IN_WINDOW[-1]])
+        assert tp2_hybrid.reset_prefix_cache()
+        third, hits = generate(tp2_hybrid, tokens)
+        assert hits == 0
+        assert third == first
+
+    def test_a_window_shard_refused_on_one_rank_recomputes_the_request(
+            self, tp2_hybrid: Any, client: Client) -> None:
+        tokens = prompt(32)
+        first, _ = generate(tp2_hybrid, tokens)
+        _, window = hybrid_shards(tokens, client)
+        bad = IN_WINDOW[0]
+        value = client.get_batch([window[1][bad]])[0]
+        assert value is not None
+        corrupted = value[:HEADER_BYTES] + bytes(len(value) - HEADER_BYTES)  # checksum kept
+        replace(client, window[1][bad], corrupted)
+
+        assert tp2_hybrid.reset_prefix_cache()
+        second, hits = generate(tp2_hybrid, tokens)
+        # Rank 1 refused (and removed) its shard; vLLM united the ranks' failed loads and
+        # recomputed the request, whose second lookup found the 4-block prefix (window
+        # blocks 2 and 3 on both ranks) and loaded it too.
+        assert hits == LOADABLE + bad * BLOCK
+        assert second == first
+
+        def replaced() -> bool:
+            v = client.get_batch([window[1][bad]])[0]
+            return v is not None and v != corrupted and sound(v)
+
+        wait_until(replaced, 30, "rank 1's recomputed window shard saved again")
+        assert tp2_hybrid.reset_prefix_cache()
+        third, hits = generate(tp2_hybrid, tokens)
+        assert hits == LOADABLE
+        assert third == first

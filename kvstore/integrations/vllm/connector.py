@@ -77,8 +77,17 @@ of each block under ``shard_key(key, "tp{t}of{T}.pp{p}of{P}")``; a block counts 
 only when every shard is; under MLA, TP rank 0 writes the one copy every rank reads
 (``kvstore.integrations.vllm.ranks``). A one-rank engine stores under the keys themselves.
 
-Not supported (refused at start-up): several KV cache groups (hybrid models), non-CPU
-caches (not tested here), vLLM 0.33's sleep mode.
+*Hybrid models* (several KV cache groups: full attention plus sliding window or chunked
+local attention, as vLLM's hybrid allocator groups them): each group is saved and loaded
+by vLLM's rules, under keys of its own, a window group only inside its window
+(``kvstore.integrations.vllm.groups``); a prefix counts as cached only when every group
+holds what it needs for it. A load that fails in a hybrid model is reported per request
+(vLLM recomputes the request), since vLLM takes block-level errors from one group only.
+Under parallelism each group's keys are sharded per rank as above: a prefix is cached
+only when every group and every shard holds what it needs.
+
+Not supported (refused at start-up): Mamba / linear-attention and other group kinds
+(``groups``), non-CPU caches (not tested here), vLLM 0.33's sleep mode.
 """
 
 from __future__ import annotations
@@ -87,8 +96,10 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +113,8 @@ from kvstore.integrations.identity import WeightsIdentity, process_value, weight
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
+from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.versions import check_vllm_version
 
@@ -113,6 +126,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
@@ -141,6 +156,8 @@ class LoadSpec:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    group: int = 0
+    """Position of the KV cache group in the connector's ``GroupPlan``."""
 
 
 @dataclass(slots=True)
@@ -152,6 +169,8 @@ class SaveSpec:
     """Key of the block before ``keys[0]`` (None if ``keys[0]`` is block 0)."""
     retain_s: float = 0.0
     """The request's ``kvstore_retain_s`` (0: none)."""
+    group: int = 0
+    """Position of the KV cache group in the connector's ``GroupPlan``."""
 
 
 @dataclass
@@ -166,7 +185,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _ReqState:
     request: Request
     extra: bytes
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[list[bytes]] = field(default_factory=list)
+    """Per group of the plan, the keys of the request's leading blocks."""
     store_blocks: int = 0
     """Leading blocks the store held at the last lookup (or that were saved since)."""
     saved_upto: int = 0
@@ -245,6 +265,8 @@ def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *
         f"layout={kv_cache_config.kv_cache_layout or ''}",
         f"device={current_platform.device_type}",
     ]
+    if groups := plan_from_config(kv_cache_config).namespace_part():  # hybrid models only
+        parts.append(groups)
     parts += [f"{k}={v}" for k, v in engine_identity(vllm_config, weights=weights).items()]
     return "/".join(parts)
 
@@ -270,19 +292,15 @@ def request_extra(request: Request) -> bytes:
     return "\x00".join(parts).encode()
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's external KV cache in kvstore (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise NotImplementedError(
-                f"KVStoreConnector supports one KV cache group, got {len(groups)}")
-        self._layer_names = list(groups[0].layer_names)
-        self._block_size = groups[0].kv_cache_spec.block_size
+        self._plan: GroupPlan = plan_from_config(kv_cache_config)  # UnsupportedGroup
+        self._block_size = self._plan.block_size
         self._store = store_spec(lambda key: cfg.get_from_extra_config(key, None),
                                  who="kv_connector_extra_config")
         self._addr = self._store.describe()
@@ -312,8 +330,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._pending_loads: list[LoadSpec] = []
         else:
             self._layout: BlockLayout | None = None
+            """The primary group's layout (all of a one-group model's layers)."""
             self._caches: list[torch.Tensor] = []
-            self._layer_index: dict[str, int] = {}
+            self._groups: GroupCaches | None = None
+            self._failed_loads: set[str] = set()
+            self._step: StepStaging | None = None
             self._load_client = self._new_client()
             self._save_client = self._new_client()
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
@@ -321,9 +342,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._loads: dict[str, Future] = {}
             self._load_errors: set[int] = set()
             self._saves: deque[Future] = deque()
-            self._step_staging: torch.Tensor | None = None
-            self._step_ids: torch.Tensor | None = None
-            self._step_layers_done: set[int] = set()
             self._stats_lock = threading.Lock()
             self.stats = {"loaded_blocks": 0, "refused_blocks": 0, "missing_blocks": 0,
                           "saved_blocks": 0, "saves_already_stored": 0, "save_errors": 0,
@@ -367,18 +385,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._reqs[request.request_id] = st
         return st
 
-    def _keys_upto(self, st: _ReqState, num_blocks: int) -> list[bytes]:
-        """The keys of the first ``num_blocks`` blocks of ``st``'s request."""
-        if len(st.keys) < num_blocks:
+    def _keys_upto(self, st: _ReqState, num_blocks: int, group: int | None = None
+                   ) -> list[bytes]:
+        """The keys of the first ``num_blocks`` blocks of ``st``'s request in ``group``
+        (a position of the plan; None: the primary group, the namespace's own keys)."""
+        p = self._plan.primary if group is None else group
+        if not st.keys or len(st.keys[p]) < num_blocks:
             tokens = list(st.request.all_token_ids[: num_blocks * self._block_size])
-            st.keys = [bytes(k) for k in block_keys(tokens, self._block_size,
-                                                    self._namespace, extra=st.extra)]
-        return st.keys[:num_blocks]
+            st.keys = [[bytes(k) for k in block_keys(
+                tokens, self._block_size, self._plan.group_namespace(self._namespace, q),
+                extra=st.extra)] for q in range(len(self._plan.groups))]
+        return st.keys[p][:num_blocks]
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
         # Prompt embeddings have no token ids to name them by.
         return request.prompt_embeds is None
+
+    def _present(self, st: _ReqState, full: int) -> list[list[bool]]:
+        """Per group, which of the request's first ``full`` blocks the store holds in
+        every shard (``groups.GroupPlan.present``, ``ranks.ShardPlan``)."""
+        client = self._client()
+        return self._plan.present(
+            [self._keys_upto(st, full, p) for p in range(len(self._plan.groups))],
+            prefix_match=partial(self._shards.stored_prefix, client.prefix_match),
+            exists=partial(self._shards.stored_flags, client.exists))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -389,18 +420,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         full = request.num_tokens // self._block_size
         if full == 0:
             return 0, False
-        keys = self._keys_upto(st, full)
         try:
-            hit = self._shards.stored_prefix(self._client().prefix_match, keys)
+            present = self._present(st, full)
         except Exception as exc:
             logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
-            hit = 0
+            present = [[] for _ in self._plan.groups]
+        # Leading blocks every group holds: nothing to save there.
+        hit = min(next((i for i, x in enumerate(p) if not x), len(p)) for p in present)
         st.store_blocks = hit
         st.saved_upto = max(st.saved_upto, hit)
         if not self._do_load:
             return 0, False
-        # vLLM computes at least the prompt's last token itself.
-        loadable = min(hit, (request.num_tokens - 1) // self._block_size)
+        # vLLM computes at least the prompt's last token itself; every group must hold
+        # what it needs for the prefix (groups.GroupPlan.loadable_blocks).
+        loadable = self._plan.loadable_blocks(
+            present, local_blocks=num_computed_tokens // self._block_size,
+            limit=(request.num_tokens - 1) // self._block_size)
         ext = loadable * self._block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -412,12 +447,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         st = self._reqs[request.request_id]
         first = st.lookup_local_tokens // self._block_size
-        count = num_external_tokens // self._block_size
-        block_ids = blocks.get_block_ids()[0]
-        keys = self._keys_upto(st, first + count)[first:]
-        st.loading = list(block_ids[first : first + count])
+        end = first + num_external_tokens // self._block_size
+        all_ids = blocks.get_block_ids()
+        for p, group in enumerate(self._plan.groups):
+            # A window group's blocks before its window are null blocks: not loaded.
+            want = self._plan.needed(p, end, first)
+            keys = self._keys_upto(st, end, p)[want.start:]
+            ids = list(all_ids[group.index][want.start : want.stop])
+            if p == self._plan.primary:
+                st.loading = ids if want.start == first else []
+            if keys:
+                self._pending_loads.append(LoadSpec(request.request_id, keys, ids, p))
         st.load_first_block = first
-        self._pending_loads.append(LoadSpec(request.request_id, keys, st.loading))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
@@ -440,17 +481,23 @@ class KVStoreConnector(KVConnectorBase_V1):
             lo = 0 if st.retain_from_start else st.saved_upto
             if full <= lo:
                 continue
-            keys = self._keys_upto(st, full)
             assert self._kv_cache_manager is not None
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            meta.saves.append(SaveSpec(req_id, keys[lo:full], list(block_ids[lo:full]),
-                                       keys[lo - 1] if lo > 0 else None, st.retain_s))
+            all_ids = self._kv_cache_manager.get_block_ids(req_id)
+            null = null_block_id(self._kv_cache_manager)
+            for p, group in enumerate(self._plan.groups):
+                keys = self._keys_upto(st, full, p)
+                ids = all_ids[group.index]
+                # A block vLLM already dropped from a window (a null block) is not saved.
+                for a, b in group.saved_runs(ids, lo, full, null):
+                    meta.saves.append(SaveSpec(req_id, keys[a:b], list(ids[a:b]),
+                                               keys[a - 1] if a > 0 else None, st.retain_s, p))
             st.saved_upto = full
             st.retain_from_start = False
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids or set()
+        failed = getattr(connector_output, "failed_recving", None) or set()
         # Every loading request, every step: under TP a rank reports its refused blocks
         # when its own load ends, maybe steps before the last rank finishes.
         for st in self._reqs.values() if invalid else ():
@@ -462,8 +509,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                     st.store_blocks = min(st.store_blocks, first_bad)
                     break
         for req_id in connector_output.finished_recving or ():
-            if (done := self._reqs.get(req_id)) is not None:
-                done.loading = []
+            if (done := self._reqs.get(req_id)) is None:
+                continue
+            if req_id in failed:
+                # A hybrid model's failed load (every rank's, united by vLLM): vLLM
+                # recomputes the request whole.
+                done.saved_upto = min(done.saved_upto, done.load_first_block)
+                done.store_blocks = min(done.store_blocks, done.load_first_block)
+            done.loading = []
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -475,33 +528,52 @@ class KVStoreConnector(KVConnectorBase_V1):
                                      kv_role=str(self._kv_transfer_config.kv_role),
                                      shards=self._shards.shards)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's call for a connector that supports the hybrid allocator (SupportsHMA).
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ======================================================================================
     # Worker side
     # ======================================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self._layer_names if n not in kv_caches]
-        if missing:
-            raise ValueError(f"no KV cache tensors for layers {missing}")
-        self._caches = [kv_caches[n] for n in self._layer_names]
-        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
-        self._layout = BlockLayout.from_caches(self._caches, identity=self._header_identity)
-        logger.info("KVStoreConnector: %d layers, block shape %s %s, %d bytes per block",
-                    self._layout.num_layers, self._layout.layer_shapes[0], self._layout.dtype,
-                    self._layout.value_bytes)
+        self._groups = GroupCaches.register(self._plan, kv_caches,
+                                            identity=self._header_identity)
+        self._caches = self._groups.flat
+        self._layout = self._groups.layouts[self._plan.primary]
+        for group, layout in zip(self._plan.groups, self._groups.layouts, strict=True):
+            logger.info("KVStoreConnector: group %d (%s), %d layers, block shape %s %s, "
+                        "%d bytes per block", group.index, group.describe(),
+                        layout.num_layers, layout.layer_shapes[0], layout.dtype,
+                        layout.value_bytes)
 
     # --- loads ---------------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        by_request: dict[str, list[LoadSpec]] = {}
         for spec in meta.loads:
-            self._loads[spec.req_id] = self._loader.submit(self._load, spec)
+            by_request.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in by_request.items():
+            self._loads[req_id] = self._loader.submit(self._load_request, specs)
+
+    def _load_request(self, specs: list[LoadSpec]) -> list[int]:
+        """Loads one request's blocks, group by group; returns the refused block ids (a
+        hybrid model: a refusal in any group is reported as the request's failure)."""
+        refused: list[int] = []
+        for spec in specs:
+            bad = self._load(spec)
+            if bad and self._plan.hybrid:
+                self._failed_loads.add(spec.req_id)
+            refused += bad
+        return [] if self._plan.hybrid else refused
 
     def _load(self, spec: LoadSpec) -> list[int]:
-        """Fetches, checks and writes one request's blocks; returns refused block ids."""
-        layout = self._layout
-        assert layout is not None
+        """Fetches, checks and writes one group's blocks; returns refused block ids."""
+        assert self._groups is not None
+        layout = self._groups.layouts[spec.group]
         keys = self._shards.own_keys(spec.keys)  # this rank's shard of each block
         n = len(keys)
         staging = layout.new_staging(n)
@@ -537,10 +609,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception as exc:
                 logger.warning("could not remove refused block %s: %s", keys[i].hex(), exc)
         if good:
-            ids = torch.tensor(spec.block_ids[:good], dtype=torch.long)
-            rows = staging[:good]
-            for layer, kv in enumerate(self._caches):
-                layout.scatter_layer(rows, layer, kv, ids)
+            self._groups.scatter(spec.group, staging[:good], spec.block_ids[:good])
             self._count("loaded_blocks", good)
         return list(spec.block_ids[good:])
 
@@ -561,9 +630,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception as exc:  # _load catches store errors; this is a bug
                 logger.exception("kvstore load crashed: %s", exc)
                 refused = []
+                if self._plan.hybrid:
+                    self._failed_loads.add(req_id)
             self._load_errors.update(refused)
             done.add(req_id)
         return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A hybrid model's failed load, by request: vLLM takes block ids of one group only.
+        sending, recving = self.get_finished(finished_req_ids)
+        recving = set(recving or ())
+        failed = self._failed_loads & recving
+        self._failed_loads -= failed
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -582,62 +662,31 @@ class KVStoreConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         """Copies this layer's to-save blocks to staging while they are hot in cache."""
         saves = self._step_saves()
-        layer = self._layer_index.get(layer_name)
-        if not saves or layer is None or self._layout is None:
+        if not saves or self._groups is None:
             return
-        if self._step_staging is None:
-            ids = [b for s in saves for b in s.block_ids]
-            self._step_ids = torch.tensor(ids, dtype=torch.long)
-            self._step_staging = self._layout.new_staging(len(ids))
-            self._step_layers_done = set()
-        assert self._step_ids is not None
-        self._layout.gather_layer(self._step_staging, layer, self._caches[layer],
-                                  self._step_ids)
-        self._step_layers_done.add(layer)
-        self.stats["layers_copied_in_hook"] += 1
+        if self._step is None:
+            self._step = self._groups.new_step(saves)
+        if self._groups.gather(self._step, layer_name):
+            self.stats["layers_copied_in_hook"] += 1
 
     def wait_for_save(self) -> None:
         saves = self._step_saves()
-        staging, ids = self._step_staging, self._step_ids
-        done = self._step_layers_done
-        self._step_staging, self._step_ids, self._step_layers_done = None, None, set()
-        if not saves or self._layout is None:
+        step, self._step = self._step, None
+        if not saves or self._groups is None:
             return
-        layout = self._layout
-        if staging is None:
-            flat = [b for s in saves for b in s.block_ids]
-            ids = torch.tensor(flat, dtype=torch.long)
-            staging = layout.new_staging(len(flat))
-        assert ids is not None
-        for layer, kv in enumerate(self._caches):
-            if layer not in done:  # a layer whose save hook did not run this step
-                layout.gather_layer(staging, layer, kv, ids)
-                self.stats["layers_copied_at_step_end"] += 1
-        keys = [k for s in saves for k in s.keys]
-        parents: list[bytes | None] = []
-        keep: list[float] = []
-        for s in saves:
-            parents += [s.parent, *s.keys[:-1]]
-            keep += [s.retain_s] * len(s.keys)
-        if len(set(keys)) < len(keys):  # two requests completed the same block this step
-            first = {k: i for i, k in reversed(list(enumerate(keys)))}
-            longest: dict[bytes, float] = {}
-            for k, r in zip(keys, keep, strict=True):  # the longest retention asked wins
-                longest[k] = max(longest.get(k, 0.0), r)
-            rows = sorted(first.values())
-            keys, parents = [keys[i] for i in rows], [parents[i] for i in rows]
-            keep = [longest[k] for k in keys]
-            staging = staging[torch.tensor(rows, dtype=torch.long)]
-        # This rank's shard of each block (a one-rank engine: the keys themselves).
-        keys, parents = self._shards.own_keys(keys), self._shards.own_parents(parents)
-        layout.seal(staging, keys)
+        if step is None:
+            step = self._groups.new_step(saves)
+        self.stats["layers_copied_at_step_end"] += self._groups.gather_rest(step)
+        # This rank's shard of each group's blocks (a one-rank engine: the keys themselves).
+        sealed = self._groups.seal_step(step, saves, self._shards)
         while len(self._saves) >= self._max_pending_saves:
             self._saves.popleft().result()
         while self._saves and self._saves[0].done():
             self._saves.popleft()
-        self._saves.append(self._saver.submit(self._put, keys, staging, parents, keep))
+        self._saves.append(self._saver.submit(self._put, sealed.keys, sealed.rows,
+                                              sealed.parents, sealed.retain_s))
 
-    def _put(self, keys: list[bytes], staging: torch.Tensor,
+    def _put(self, keys: list[bytes], staging: Sequence[torch.Tensor],
              parents: list[bytes | None], keep: list[float]) -> None:
         # One put_batch per retention asked (one call when no request asked for any).
         for retain in sorted(set(keep)):

@@ -39,7 +39,7 @@ from typing import Any
 
 from kvstore.core.keys import shard_key
 
-__all__ = ["ShardPlan", "engine_shard_plan", "shard_chains", "stored_prefix"]
+__all__ = ["ShardPlan", "engine_shard_plan", "shard_chains", "stored_flags", "stored_prefix"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +122,13 @@ class ShardPlan:
         the shortest so far, and none once one is 0)."""
         return stored_prefix(prefix_match, keys, self.shards)
 
+    def stored_flags(self, exists: Callable[[list[bytes]], Sequence[bool]],
+                     keys: Sequence[bytes]) -> list[bool]:
+        """Per block of ``keys``, whether every shard of it is stored (``exists`` asked
+        once per shard's chain; a hybrid model's windowed group, whose leading blocks
+        may be missing)."""
+        return stored_flags(exists, keys, self.shards)
+
 
 def shard_chains(keys: Sequence[bytes], shards: Sequence[str]) -> list[list[bytes]]:
     """Per shard of ``shards``, the stored keys of the blocks ``keys``; with no shards (a
@@ -143,6 +150,18 @@ def stored_prefix(prefix_match: Callable[[list[bytes]], int], keys: Sequence[byt
         chain = list(head) if shard is None else [bytes(shard_key(k, shard)) for k in head]
         best = min(best, int(prefix_match(chain)))
     return best
+
+
+def stored_flags(exists: Callable[[list[bytes]], Sequence[bool]], keys: Sequence[bytes],
+                 shards: Sequence[str]) -> list[bool]:
+    """Per block of ``keys``, whether every shard of ``shards`` is stored (``shards``
+    empty: the block's own key), by ``exists`` on each shard's chain."""
+    flags = [True] * len(keys)
+    for chain in shard_chains(keys, shards):
+        if not any(flags):
+            break
+        flags = [f and bool(e) for f, e in zip(flags, exists(chain), strict=True)]
+    return flags
 
 
 def engine_shard_plan(vllm_config: Any) -> ShardPlan:

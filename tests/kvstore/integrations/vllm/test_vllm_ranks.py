@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import partial
+
 import pytest
 
 from kvstore.core.keys import block_keys, shard_key
-from kvstore.integrations.vllm.ranks import ShardPlan, shard_chains, stored_prefix
+from kvstore.integrations.vllm.groups import GroupPlan, StoredGroup
+from kvstore.integrations.vllm.ranks import ShardPlan, shard_chains, stored_flags, stored_prefix
 
 KEYS = [bytes(k) for k in block_keys(list(range(96)), 32, "ns")]
 
@@ -91,3 +95,79 @@ def test_a_block_is_stored_only_when_every_shard_is() -> None:
 def test_impossible_shapes_are_refused(kw: dict) -> None:
     with pytest.raises(ValueError):
         ShardPlan(**kw)
+
+
+def test_stored_flags_hold_a_block_only_when_every_shard_is() -> None:
+    plan = ShardPlan(tp=2)
+    chains = plan.shard_chains(KEYS)
+    held = {chains[0][0], chains[0][2], chains[1][1], chains[1][2]}
+    asked: list[int] = []
+
+    def exists(keys: list[bytes]) -> list[bool]:
+        asked.append(len(keys))
+        return [k in held for k in keys]
+
+    assert plan.stored_flags(exists, KEYS) == [False, False, True]
+    assert asked == [3, 3]
+    asked.clear()
+    assert stored_flags(exists, KEYS, ()) == [False, False, False]  # the keys themselves
+    assert asked == [3]
+    # Once no block is held in every shard so far, the other shards are not asked.
+    asked.clear()
+    assert stored_flags(exists, KEYS, ("tp9of10.pp0of1", *plan.shards)) == [False] * 3
+    assert asked == [3]
+
+
+def test_a_hybrid_model_at_tp2_shards_every_groups_keys() -> None:
+    # A full-attention group and a 64-token sliding-window group (2 blocks of 32), TP=2.
+    groups = GroupPlan((
+        StoredGroup(index=0, kind="full", layer_names=("f0",), block_size=32),
+        StoredGroup(index=1, kind="window", layer_names=("w0",), block_size=32, span=64),
+    ))
+    tokens = list(range(32 * 6))
+    group_keys = [[bytes(k) for k in block_keys(tokens, 32, groups.group_namespace("ns", p))]
+                  for p in range(2)]
+    assert group_keys[0] == [bytes(k) for k in block_keys(tokens, 32, "ns")]
+    ranks = [ShardPlan(tp=2, tp_rank=r) for r in range(2)]
+    # Each rank's shard of each group's block: shard_key of that group's block key.
+    for plan in ranks:
+        for keys in group_keys:
+            assert plan.own_keys(keys) == [bytes(shard_key(k, plan.own_shard)) for k in keys]
+    stored = [plan.own_keys(keys) for plan in ranks for keys in group_keys]
+    assert len({k for chain in stored for k in chain}) == 4 * 6  # no two alike
+    assert not ({k for chain in stored for k in chain} & {*group_keys[0], *group_keys[1]})
+    assert ranks[1].own_parents([None, *group_keys[1][:1]]) == [None, stored[3][0]]
+
+    # The store: rank 0 saved everything; rank 1 its full group, and its window group's
+    # blocks 0..3 only (the window of a 6-block prefix is blocks 4 and 5).
+    held = {*stored[0], *stored[1], *stored[2], *stored[3][:4]}
+
+    def prefix_match(keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in held:
+            n += 1
+        return n
+
+    def exists(keys: Sequence[bytes]) -> list[bool]:
+        return [k in held for k in keys]
+
+    def present() -> list[list[bool]]:
+        # As the scheduler (rank 0's plan, every shard asked) looks a prefix up.
+        return groups.present(group_keys,
+                              prefix_match=partial(ranks[0].stored_prefix, prefix_match),
+                              exists=partial(ranks[0].stored_flags, exists))
+
+    assert present() == [[True] * 6, [True] * 4 + [False] * 2]
+    # The window of 6 blocks is missing on rank 1: only 4 blocks (window 2..3) loadable.
+    assert groups.loadable_blocks(present(), local_blocks=0, limit=6) == 4
+    held |= set(stored[3][4:])
+    assert groups.loadable_blocks(present(), local_blocks=0, limit=6) == 6
+    # A window block outside the window is not needed: rank 1's block 0 gone changes nothing.
+    held.discard(stored[3][0])
+    assert groups.loadable_blocks(present(), local_blocks=0, limit=6) == 6
+    # But the 2-block prefix's window (tokens 1..63) starts in block 0: it cannot be served.
+    held.discard(stored[2][2])  # rank 1's full-attention shard of block 2 gone
+    assert present()[0] == [True, True]
+    assert groups.loadable_blocks(present(), local_blocks=0, limit=6) == 0
+    held.add(stored[3][0])
+    assert groups.loadable_blocks(present(), local_blocks=0, limit=6) == 2
