@@ -97,7 +97,7 @@ from kvstore.core.retention import check_retain_s
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
-from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.describe import RETAIN_PARAM, describe_reply
 from kvstore.integrations.vllm.versions import check_vllm_version
 
 # Before any other vLLM import (hence the E402s below): a version outside the list fails
@@ -125,8 +125,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvstore_connector")
 
 NAMESPACE_VERSION = "vllm-v1"
-RETAIN_PARAM = "kvstore_retain_s"
-"""The ``kv_transfer_params`` key of a request's retention in seconds."""
 
 
 # --- metadata: scheduler -> worker, once per step (pickled) ------------------------------
