@@ -58,10 +58,10 @@ failed lookup is a miss, a failed load is recomputed, a failed save is logged.
 *Retention.* A request asks the store to keep its blocks with
 ``kv_transfer_params={"kvstore_retain_s": S}`` (the OpenAI server's ``kv_transfer_params``
 field, or ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` offline): every
-full block of the request is saved with ``retain_s=S`` (docs/node.md, "Retention"). Its first
-save also re-puts the blocks the store or vLLM's prefix cache already had, so the whole
-prefix is kept: the node keeps its copy, discards the bytes and only refreshes the
-retention (those bytes cross the wire once more, for retained requests only). A bad
+full block of the request is saved with ``retain_s=S`` (docs/node.md, "Retention"). The
+leading blocks the store already held at the request's first lookup are kept by one
+``retain`` call then (no bytes sent), so the whole prefix is kept; blocks only vLLM's
+prefix cache had are saved from the store's prefix on, as for any request. A bad
 value (not a number, negative, over 7 days) is logged and ignored: the request runs
 without retention rather than failing.
 
@@ -93,7 +93,7 @@ import xxhash
 
 from kvstore import Client, block_keys
 from kvstore.core.errors import BufferTooSmall
-from kvstore.core.retention import check_retain_s
+from kvstore.core.retention import MAX_RETAIN_KEYS, check_retain_s
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
@@ -170,8 +170,9 @@ class _ReqState:
     """Destination block ids of the load in flight, in block order."""
     load_first_block: int = 0
     retain_s: float = 0.0
-    """The request's ``kvstore_retain_s``; its first save re-puts every full block."""
+    """The request's ``kvstore_retain_s`` (its saves carry it)."""
     retain_from_start: bool = False
+    """Its first lookup is still to retain the prefix the store holds."""
 
 
 def request_retain_s(request: Request) -> float:
@@ -396,6 +397,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             hit = 0
         st.store_blocks = hit
         st.saved_upto = max(st.saved_upto, hit)
+        if st.retain_from_start:  # see "Retention"
+            st.retain_from_start = False
+            self._retain_held(keys[:hit], st.retain_s)
         if not self._do_load:
             return 0, False
         # vLLM computes at least the prompt's last token itself.
@@ -435,8 +439,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             # Only blocks whose token ids are all known (async scheduling appends output
             # tokens a step late) and whose KV this step completes.
             full = min(done, len(st.request.all_token_ids)) // self._block_size
-            # A retained request's first save starts at block 0 (see "Retention").
-            lo = 0 if st.retain_from_start else st.saved_upto
+            lo = st.saved_upto
             if full <= lo:
                 continue
             keys = self._keys_upto(st, full)
@@ -445,8 +448,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta.saves.append(SaveSpec(req_id, keys[lo:full], list(block_ids[lo:full]),
                                        keys[lo - 1] if lo > 0 else None, st.retain_s))
             st.saved_upto = full
-            st.retain_from_start = False
         return meta
+
+    def _retain_held(self, keys: list[bytes], retain_s: float) -> None:
+        """Retains blocks the store holds (a retained request's stored prefix)."""
+        try:
+            for lo in range(0, len(keys), MAX_RETAIN_KEYS):
+                self._client().retain(keys[lo : lo + MAX_RETAIN_KEYS], retain_s)
+        except Exception as exc:  # the cache still works, without the promise
+            logger.warning("kvstore retain of %d stored blocks failed: %s", len(keys), exc)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids or set()
