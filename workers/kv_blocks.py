@@ -75,7 +75,8 @@ class StoredBlocks(Protocol):
     def get_into(self, key: bytes, buf: object) -> int | None: ...
 
     def put_batch(self, keys: Sequence[bytes], values: Sequence[object], *,
-                  parents: Sequence[bytes | None] | None = None) -> list[bool]: ...
+                  parents: Sequence[bytes | None] | None = None,
+                  retain_s: float | None = None) -> list[bool]: ...
 
     def remove(self, key: bytes) -> bool: ...
 
@@ -220,11 +221,13 @@ class KVBlockStore:
         return rows.to("cpu", copy=True) if self.staged else rows
 
     def put_layer(self, layer: int, rows: torch.Tensor, keys: Sequence[BlockKey],
-                  first_block: int, *, tail: BlockKey | None = None) -> int:
+                  first_block: int, *, tail: BlockKey | None = None,
+                  retain_s: float | None = None) -> int:
         """Puts layer ``layer`` of blocks ``first_block..len(keys)-1`` and, if ``tail`` is
         given, of the tail: ``rows`` (from ``host_rows``) starts at token
         ``first_block * B`` and its rows past the last full block are the tail's.
-        Returns the bytes sent. Raises the store's errors."""
+        ``retain_s``: the full blocks are put with that retention (the tail, read once by
+        the decode worker, never is). Returns the bytes sent. Raises the store's errors."""
         B = self.block_tokens
         skeys: list[bytes] = []
         values: list[np.ndarray] = []
@@ -237,13 +240,21 @@ class KVBlockStore:
             parents.append(prev)
             prev = k
         full_rows = (len(keys) - first_block) * B
+        n_full = len(skeys)
         if tail is not None and rows.shape[0] > full_rows:
             skeys.append(layer_key(tail, layer))
             values.append(_bytes_of(rows[full_rows:]))
             parents.append(prev)
         if not skeys:
             return 0
-        self.store.put_batch(skeys, values, parents=parents)
+        if retain_s and n_full:
+            self.store.put_batch(skeys[:n_full], values[:n_full], parents=parents[:n_full],
+                                 retain_s=retain_s)
+            if len(skeys) > n_full:
+                self.store.put_batch(skeys[n_full:], values[n_full:],
+                                     parents=parents[n_full:])
+        else:
+            self.store.put_batch(skeys, values, parents=parents)
         return sum(v.nbytes for v in values)
 
     def remove_tail(self, tail: BlockKey) -> None:

@@ -91,7 +91,8 @@ class _LayerWriter:
     """
 
     def __init__(self, kvb: KVBlockStore, cache: KVCache, keys: Sequence[BlockKey],
-                 first_block: int, stop: int, tail: BlockKey | None) -> None:
+                 first_block: int, stop: int, tail: BlockKey | None,
+                 retain_s: float | None = None) -> None:
         self.kvb = kvb
         self.cache = cache
         self.keys = keys
@@ -99,6 +100,7 @@ class _LayerWriter:
         self.start = first_block * kvb.block_tokens
         self.stop = stop
         self.tail = tail
+        self.retain_s = retain_s
         self.busy: list[tuple[float, float]] = []
         self.bytes = 0
         self.errors: list[str] = []
@@ -118,7 +120,7 @@ class _LayerWriter:
             t0 = time.perf_counter()
             try:
                 self.bytes += self.kvb.put_layer(layer, rows, self.keys, self.first_block,
-                                                 tail=self.tail)
+                                                 tail=self.tail, retain_s=self.retain_s)
             except Exception as exc:  # (reported in the result, not fatal)
                 self.errors.append(f"layer {layer}: {type(exc).__name__}: {exc}")
             self.busy.append((t0, time.perf_counter()))
@@ -162,9 +164,12 @@ class PrefillWorker:
         self._total_tokens = 0
 
     def prefill(self, token_ids: Sequence[int], *, request_id: str | None = None,
-                keep_logits: bool = False, use_cache: bool = True) -> PrefillResult:
+                keep_logits: bool = False, use_cache: bool = True,
+                retain_s: float | None = None) -> PrefillResult:
         """``use_cache=False`` skips the cached-prefix lookup (computes every token, still
-        writes the blocks decode reads): the baseline a cache is measured against."""
+        writes the blocks decode reads): the baseline a cache is measured against.
+        ``retain_s``: the full blocks this call writes are put with that retention
+        (seconds; a session's turn: docs/conductor.md, "Sessions"); None: none."""
         tokens = [int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids
         if not tokens:
             raise ValueError("token_ids must not be empty")
@@ -181,7 +186,7 @@ class PrefillWorker:
                 self._waiting -= 1
                 self._active += 1
             try:
-                result = self._prefill(tokens, rid, t_call, keep_logits, use_cache)
+                result = self._prefill(tokens, rid, t_call, keep_logits, use_cache, retain_s)
             finally:
                 with self._stats_lock:
                     self._active -= 1
@@ -195,7 +200,7 @@ class PrefillWorker:
         return result
 
     def _prefill(self, tokens: list[int], rid: str, t_call: float, keep_logits: bool,
-                 use_cache: bool = True) -> PrefillResult:
+                 use_cache: bool = True, retain_s: float | None = None) -> PrefillResult:
         B = self.block_tokens
         n = len(tokens)
         t0 = time.perf_counter()
@@ -224,7 +229,7 @@ class PrefillWorker:
         tail_tokens = n - n_full * B
         tail = self.kv.tail_key(rid, tokens) if tail_tokens and self.write_tail else None
         stop = n_full * B + (tail_tokens if tail is not None else 0)
-        writer = (_LayerWriter(self.kv, cache, keys, good, stop, tail)
+        writer = (_LayerWriter(self.kv, cache, keys, good, stop, tail, retain_s)
                   if stop > good * B else None)
         c0 = time.perf_counter()
         try:

@@ -9,8 +9,10 @@ Endpoints (all bodies JSON objects; errors are ``{"error": "..."}``):
 
 * ``GET /health``: ``{"ok": true, "role", "queued", "active", "tokens_per_s", ...}``
   (the worker's ``status()``), for a scheduler to poll.
-* ``POST /prefill`` (prefill role): ``{"token_ids": [int], "request_id"?: str}`` ->
-  ``PrefillResult.to_json()``.
+* ``POST /prefill`` (prefill role): ``{"token_ids": [int], "request_id"?: str,
+  "use_cache"?: bool, "retain_s"?: number}`` -> ``PrefillResult.to_json()``. ``retain_s``:
+  the prompt's blocks this request writes are put with that retention (seconds; a
+  Conductor passes a session's TTL: docs/conductor.md, "Sessions"); absent or 0: none.
 * ``POST /decode`` (decode role): ``{"token_ids": [int], "first_token": int,
   "max_new_tokens": int, "request_id"?: str, "stop_token_ids"?: [int]}`` ->
   ``DecodeResult.to_json()``.
@@ -35,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvstore import KVStoreError, Unavailable
+from kvstore.core.retention import check_retain_s
 
 log = logging.getLogger("workers.server")
 
@@ -74,6 +77,14 @@ def _request_id(body: dict[str, Any]) -> str | None:
     return rid
 
 
+def _retain_s(body: dict[str, Any]) -> float | None:
+    """The body's ``retain_s`` checked (None: absent or 0, no retention)."""
+    try:
+        return check_retain_s(body.get("retain_s")) or None
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = set(body) - allowed
     if unknown:
@@ -89,13 +100,14 @@ class Service:
 
     def handle(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.role == "prefill" and path == "/prefill":
-            _check_fields(body, {"token_ids", "request_id", "use_cache"})
+            _check_fields(body, {"token_ids", "request_id", "use_cache", "retain_s"})
             tokens = _int_list(body, "token_ids")
             use_cache = body.get("use_cache", True)
             if not isinstance(use_cache, bool):
                 raise ValueError("use_cache must be true or false")
             return self.worker.prefill(tokens, request_id=_request_id(body),
-                                       use_cache=use_cache).to_json()
+                                       use_cache=use_cache,
+                                       retain_s=_retain_s(body)).to_json()
         if self.role == "decode" and path == "/decode":
             _check_fields(body, {"token_ids", "first_token", "max_new_tokens", "request_id",
                                  "stop_token_ids"})

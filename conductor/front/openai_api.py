@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from conductor.front.vllm_instances import UpstreamError, VllmInstance
+from kvstore.integrations.vllm.describe import RETAIN_PARAM
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``."""
@@ -104,6 +105,19 @@ def check_sampling(body: dict[str, Any]) -> None:
     choices(body)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("stream must be true or false")
+
+
+def with_retention(body: dict[str, Any], retain_s: float) -> tuple[dict[str, Any], bool]:
+    """``body`` asking the instances' connector to save its blocks with ``retain_s``
+    (``kv_transfer_params[RETAIN_PARAM]``), and whether it now does. A client's own
+    ``RETAIN_PARAM`` is kept (its choice), and ``kv_transfer_params`` that are not an
+    object are left for the instance to refuse: then False."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or RETAIN_PARAM in params:
+        return body, False
+    return {**body, "kv_transfer_params": {**params, RETAIN_PARAM: retain_s}}, True
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -150,20 +150,28 @@ class SessionCache:
     def arrive(self, session: str | None, keys: Sequence[bytes]) -> int:
         """A turn of ``session`` with these store keys arrived: prefetches the leading keys
         it shares with the session's last turn (and releases sessions idle past their TTL
-        first). How many keys were asked for."""
+        first). How many keys were asked for. (``to_prefetch`` then ``prefetch``, for a
+        caller that makes the store calls off its request's path.)"""
         if not self.enabled:
             return 0
         self.sweep()
-        if session is None:
-            return 0
+        shared = self.to_prefetch(session, keys)
+        self.prefetch(shared)
+        return len(shared)
+
+    def to_prefetch(self, session: str | None, keys: Sequence[bytes]) -> list[bytes]:
+        """The leading keys a turn of ``session`` with these store keys shares with the
+        session's last turn (what ``arrive`` prefetches); no store call."""
+        if not self.enabled or session is None:
+            return []
         with self._lock:
             s = self._sessions.get(session)
-            if s is None:
-                return 0
-            shared = _shared_prefix(s.keys, keys)
-        if shared:
-            self._call(self._prefetch, shared)
-        return len(shared)
+            return [] if s is None else _shared_prefix(s.keys, keys)
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Asks the store to bring ``keys`` up to DRAM (not waited for; counted)."""
+        if keys:
+            self._call(self._prefetch, keys)
 
     def end_turn(self, session: str | None, keys: Sequence[bytes]) -> None:
         """``session``'s turn with these store keys ended: retains them for ``ttl_s`` and

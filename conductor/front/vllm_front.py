@@ -60,6 +60,7 @@ from conductor.front.openai_api import (
     prefill_body,
     prompt_token_ids,
     sse_error,
+    with_retention,
 )
 from conductor.front.session_cache import SessionCache
 from conductor.front.sessions import PreferSession as PreferSession  # re-exported
@@ -342,9 +343,10 @@ class VllmFront:
         if job.arrival is not None:
             with contextlib.suppress(Exception):
                 await job.arrival
-        if self.colocated and job.keys:
+        if self.colocated and job.keys and not job.retained:
             # The connector saves as the request runs and may finish after it: the blocks
             # to retain must be stored first (disaggregated, the decode already waited).
+            # Not when it saved them retained (``with_retention``): this retain refreshes.
             with contextlib.suppress(NotDurable):
                 await self.store.wait_durable(self.stored_keys(job.keys), timeout_s=min(
                     10.0, self.config.durable_timeout_s), namespace=self.namespace)
@@ -426,13 +428,17 @@ class VllmFront:
         body = {"model": self.model, **body}
         keys = block_keys(tokens, self.block_tokens, self.namespace)
         arrival = self._session_arrival(session, keys)
+        retained = False
+        if session is not None and self.session_cache.enabled:
+            body, retained = with_retention(body, self.session_cache.ttl_s)
         stored = await self.store.prefix_len(keys, self.shards)
         self.metrics.prompt_tokens.inc(len(tokens))
         self.metrics.prefix_tokens.inc(stored * self.block_tokens)
         self._prompt_tokens_seen += len(tokens)
         self._requests_seen += 1
         job = _Job(body=body, route=route, path=path, tokens=tokens, keys=keys, stored=stored,
-                   out_tokens=out_tokens, t0=t0, session=session, arrival=arrival)
+                   out_tokens=out_tokens, t0=t0, session=session, arrival=arrival,
+                   retained=retained)
         try:
             if self.disaggregated:
                 return await self._disaggregated(job)
@@ -679,6 +685,8 @@ class _Job:
     session: str | None
     arrival: asyncio.Future[int] | None = None
     """The session's prefetch, started on arrival (``_session_arrival``)."""
+    retained: bool = False
+    """The instances save its blocks with the session's retention (``with_retention``)."""
 
 
 @dataclass(slots=True)

@@ -163,8 +163,10 @@ def start_conductor(logdir: Path, *, name: str, args: list[str],
 
 
 def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
-                     max_positions: int = 4096) -> Path:
-    """A random Llama (head_dim 32, float32) as a local HF checkpoint, no tokenizer.
+                     max_positions: int = 4096, hidden: int = 128) -> Path:
+    """A random Llama (head_dim 32, float32) as a local HF checkpoint, no tokenizer:
+    ``hidden`` wide (a multiple of 64: ``hidden / 32`` attention heads, half as many KV
+    heads, an MLP twice as wide).
 
     Weights are drawn with a fixed seed and a large enough scale that greedy decoding
     depends visibly on the KV cache (engines run it with ``skip_tokenizer_init``).
@@ -173,8 +175,11 @@ def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+    if hidden < 64 or hidden % 64:
+        raise ValueError(f"hidden must be a positive multiple of 64, got {hidden}")
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                      num_key_value_heads=hidden // 64,
                       head_dim=32, max_position_embeddings=max_positions,
                       torch_dtype="float32", tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)

@@ -23,7 +23,11 @@ prefers its session's previous prefill worker while that meets the TTFT SLO
 (``conductor.front.sessions``), and with ``session_ttl_s`` the session's blocks (every
 layer's object of each full block of its prompt) stay retained in the store between turns,
 the shared prefix is prefetched to DRAM when the next turn arrives
-(``conductor.front.session_cache``).
+(``conductor.front.session_cache``). The retention starts when the blocks are written: the
+prefill worker puts a session turn's new blocks with ``retain_s`` = the TTL, so none is
+evicted between its write and the turn's end (where the Conductor retains the whole prompt
+again, refreshing it). The prefetch (and the idle sweep) run on a thread of their own,
+off the request's path; the turn's end waits for them.
 
 Threads: one lock guards the Conductor and its instance states (they are
 single-owner); worker calls run outside it, so requests proceed in parallel. The session
@@ -36,6 +40,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -100,6 +105,8 @@ class LiveConductor:
         self.n_layers = int(shape["n_layers"])
         self.session_cache = SessionCache(store, ttl_s=session_ttl_s,
                                           max_sessions=max_sessions, clock=clock)
+        self._session_calls = ThreadPoolExecutor(max_workers=4,
+                                                 thread_name_prefix="session-prefetch")
         self._clock = clock
         self._prefill_speed = _Speed()
         self._step_s = _Speed()
@@ -147,7 +154,7 @@ class LiveConductor:
         t0 = self._clock()
         keys = block_keys(tokens, self.block_tokens, self.namespace)
         stored = self.store_keys(keys) if session is not None else []
-        prefetched = self.session_cache.arrive(session, stored)
+        arrival, prefetched = self._arrive(session, stored)
         with self._lock:
             rid = RequestId(next(self._ids))
             req = Request(id=rid, arrival_s=t0, prompt_tokens=len(tokens),
@@ -166,15 +173,38 @@ class LiveConductor:
         if not decision.accepted:
             return {**base, "rejected": True, "reason": decision.reason}
         assert decision.prefill is not None and decision.decode is not None
+        retain_s = (self.session_cache.ttl_s
+                    if session is not None and self.session_cache.enabled else None)
         try:
             out = self._run(rid, req, tokens, decision.prefill, decision.decode, use_cache,
-                            base, t0)
+                            base, t0, retain_s)
         finally:
             with self._lock:
                 self.conductor.forget(rid)
+        if arrival is not None:
+            arrival.result()  # its errors are counted inside; the turn's calls in order
         if not out.get("rejected"):
             self.session_cache.end_turn(session, stored)
         return out
+
+    def _arrive(self, session: str | None, stored: list[bytes]
+                ) -> tuple[Future[None] | None, int]:
+        """Starts a session turn's arrival calls (``SessionCache.arrive``: the idle sweep,
+        the prefetch of the shared prefix) on a thread: (that work, the keys it asks
+        for)."""
+        if not self.session_cache.enabled:
+            return None, 0
+        shared = self.session_cache.to_prefetch(session, stored)
+
+        def calls() -> None:
+            self.session_cache.sweep()
+            self.session_cache.prefetch(shared)
+
+        return self._session_calls.submit(calls), len(shared)
+
+    def close(self) -> None:
+        """Waits for the sessions' store calls under way and stops their threads."""
+        self._session_calls.shutdown(wait=True)
 
     def store_keys(self, keys: Sequence[BlockKey]) -> list[bytes]:
         """The store objects of these blocks: every layer's, block by block (the workers
@@ -189,10 +219,10 @@ class LiveConductor:
         return self.session_cache.delete(session) or routed
 
     def _run(self, rid: RequestId, req: Request, tokens: list[int], p_id: InstanceId,
-             d_id: InstanceId, use_cache: bool, base: dict[str, Any], t0: float
-             ) -> dict[str, Any]:
+             d_id: InstanceId, use_cache: bool, base: dict[str, Any], t0: float,
+             retain_s: float | None = None) -> dict[str, Any]:
         pre = self.prefill_workers[p_id].prefill(tokens, request_id=f"c{rid}",
-                                                 use_cache=use_cache)
+                                                 use_cache=use_cache, retain_s=retain_s)
         t1 = self._clock()
         if pre["computed_tokens"] and pre["compute_s"] > 0:
             self._prefill_speed.add(pre["computed_tokens"] / pre["compute_s"])

@@ -72,6 +72,7 @@ class ConductorService:
         self._thread.join()
         if self._sweeper.is_alive():
             self._sweeper.join()
+        self.live.close()
 
     def _sweep(self) -> None:
         while not self._stop.wait(SWEEP_S):

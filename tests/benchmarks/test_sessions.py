@@ -8,11 +8,13 @@ import pytest
 from benchmarks.sessions import (
     BACKGROUND_BLOCKS,
     MIB,
+    VLLM_BYTES_PER_TOKEN,
     main,
     node_size,
     parse_args,
     spec_of,
     toy_bytes_per_token,
+    vllm_bytes_per_token,
     with_background,
 )
 from benchmarks.sessions_workload import nominal_duration_s
@@ -26,6 +28,17 @@ def test_quick_defaults_and_explicit_flags() -> None:
     assert parse_args([]).backends == "toy,vllm"
     spec = spec_of(a)
     assert spec.pause_s == (1.0, 3.0) and spec.context_tokens() == 384 + 4 * (96 + 8)
+
+
+def test_the_vllm_model_shape_flag() -> None:
+    assert parse_args([]).vllm_model == (128, 2)
+    assert vllm_bytes_per_token((128, 2)) == VLLM_BYTES_PER_TOKEN == 1024
+    a = parse_args(["--backends", "vllm", "--vllm-model", "512,4"])
+    assert a.vllm_model == (512, 4)
+    assert vllm_bytes_per_token(a.vllm_model) == 2 * 4 * 8 * 32 * 4  # 8 KV heads of 32
+    for bad in ("512", "500,4", "512,0", "x,y"):
+        with pytest.raises(SystemExit):
+            parse_args(["--vllm-model", bad])
 
 
 def test_node_and_background_are_sized_from_the_contexts() -> None:

@@ -42,7 +42,7 @@ def sched_output(new: list[tuple[Any, list[int]]], scheduled: dict[str, int]) ->
         scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
 
 
-def test_a_retained_requests_first_save_covers_its_whole_prefix(make_connector: Any,
+def test_a_retained_requests_lookup_and_saves_cover_its_whole_prefix(make_connector: Any,
                                                                   store_node: Any,
                                                                   client: Client) -> None:
     sched = make_connector("SCHEDULER", store_node.addr, namespace=f"s-{time.time_ns()}")
@@ -50,9 +50,17 @@ def test_a_retained_requests_first_save_covers_its_whole_prefix(make_connector: 
     toks = tokens(200, 1)
     keys = block_keys(toks, BLOCK, sched.namespace)
     client.put_batch(keys[:2], [b"x" * 64] * 2)  # the store already holds 2 blocks
+
+    def held() -> int:
+        return int(client.stats()["node"]["retained_blocks"])
+
     kept, plain = request(toks, {"kvstore_retain_s": 600}), request(toks, None)
+    before = held()
+    assert sched.get_num_new_matched_tokens(plain, 0) == (64, True)
+    assert held() == before
+    assert sched.get_num_new_matched_tokens(kept, 0) == (64, True)
+    assert held() == before + 2  # the retained request's lookup kept the store's two
     for req in (kept, plain):
-        assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
         sched._kv_cache_manager.blocks[req.request_id] = list(range(7))
         req.num_computed_tokens = 64  # the two blocks loaded
     meta = sched.build_connector_meta(sched_output(
@@ -60,10 +68,13 @@ def test_a_retained_requests_first_save_covers_its_whole_prefix(make_connector: 
         {kept.request_id: 136, plain.request_id: 136}))  # 64 loaded + 136 = 200 tokens
     by_req = {s.req_id: s for s in meta.saves}
     retained, ordinary = by_req[kept.request_id], by_req[plain.request_id]
-    # Retained: blocks 0..5, the two the store had included, so all six are kept.
+    # Retained: the four new blocks, saved with the retention (the store's two were
+    # retained at the lookup, without sending their bytes again), so all six are kept.
     assert (retained.keys, retained.block_ids, retained.parent, retained.retain_s) == (
-        keys[:6], [0, 1, 2, 3, 4, 5], None, 600.0)
+        keys[2:6], [2, 3, 4, 5], keys[1], 600.0)
     assert (ordinary.keys, ordinary.parent, ordinary.retain_s) == (keys[2:6], keys[1], 0.0)
+    client.retain(keys[:2], 0)  # leave the shared node as it was
+    assert held() == before
 
 
 @pytest.mark.parametrize("bad", [-5, "ten", float("inf"), 10**7])
@@ -122,14 +133,14 @@ def test_the_engine_saves_a_requests_blocks_with_its_retention(engine: Any,
     wait_for(lambda: all(client.exists(keys1)), "the plain request's blocks saved")
     assert retained(client) == (0, 0)
     (size,) = {n for n in (len(client.get(k) or b"") for k in keys1)}
-    # The same prompt with retention: its prefix loads from the store, and its first save
-    # re-puts those six blocks, which refreshes them as retained.
+    # The same prompt with retention: its prefix loads from the store, and its lookup
+    # retains those six blocks (one retain call, no bytes sent again).
     assert engine.reset_prefix_cache()  # vLLM forgets its local copy
     assert generate(engine, first, {"kvstore_retain_s": 600}) == 192
     wait_for(lambda: retained(client)[0] == 6, "the stored prefix retained")
     assert retained(client) == (6, 6 * size)
     # A plain request, then the same prompt with retention from vLLM's own prefix cache
-    # (no external hit): the re-put comes from the engine's cache.
+    # (nothing to load): the lookup still finds the blocks stored and retains them.
     assert generate(engine, second, None) == 0
     wait_for(lambda: all(client.exists(keys2)), "the second prompt's blocks saved")
     assert retained(client) == (6, 6 * size)

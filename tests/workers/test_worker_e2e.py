@@ -176,6 +176,25 @@ def _post(addr: str, path: str, data: bytes, method: str = "POST") -> tuple[int,
         return exc.code, json.loads(exc.read())
 
 
+def test_prefill_puts_its_full_blocks_with_the_retention_asked(cluster: Cluster) -> None:
+    with Client(cluster.node.addr) as store:
+        def retained() -> int:
+            return int(store.stats()["node"]["retained_blocks"])
+
+        before = retained()
+        plain = cluster.pc.prefill(prompt(21, 40))  # 2 full blocks and a tail, no retain_s
+        assert plain["written_blocks"] == 2
+        assert retained() == before
+        kept = cluster.pc.prefill(prompt(22, 40), request_id="kept", retain_s=60.0)
+        assert kept["written_blocks"] == 2
+        layers = PRESETS["tiny"].n_layers
+        assert retained() == before + 2 * layers  # every layer of the full blocks, no tail
+        # A later prompt extending it writes only its new block, retained as well.
+        longer = cluster.pc.prefill(prompt(22, 40)[:32] + prompt(23, 20), retain_s=60.0)
+        assert (longer["cached_tokens"], longer["written_blocks"]) == (32, 1)
+        assert retained() == before + 3 * layers
+
+
 @pytest.mark.parametrize(("path", "body", "status", "message"), [
     ("/prefill", b"{not json", 400, "not JSON"),
     ("/prefill", b"[1, 2]", 400, "JSON object"),
@@ -186,6 +205,9 @@ def _post(addr: str, path: str, data: bytes, method: str = "POST") -> tuple[int,
     ("/prefill", b'{"token_ids": [1, 512]}', 400, "token ids must be integers in [0, 512)"),
     ("/prefill", b'{"token_ids": [1], "request_id": 5}', 400, "request_id"),
     ("/prefill", b'{"token_ids": [1], "extra": 1}', 400, "unknown fields: extra"),
+    ("/prefill", b'{"token_ids": [1], "retain_s": -1}', 400, "retain_s must be finite"),
+    ("/prefill", b'{"token_ids": [1], "retain_s": "60"}', 400, "retain_s must be a number"),
+    ("/prefill", b'{"token_ids": [1], "retain_s": 604801}', 400, "over the limit"),
     ("/decode", b'{"token_ids": [1]}', 404, "on a prefill worker"),
     ("/nope", b"{}", 404, "no endpoint /nope"),
     ("/health", b"{}", 405, "takes GET"),

@@ -58,10 +58,10 @@ failed lookup is a miss, a failed load is recomputed, a failed save is logged.
 *Retention.* A request asks the store to keep its blocks with
 ``kv_transfer_params={"kvstore_retain_s": S}`` (the OpenAI server's ``kv_transfer_params``
 field, or ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` offline): every
-full block of the request is saved with ``retain_s=S`` (docs/node.md, "Retention"). Its first
-save also re-puts the blocks the store or vLLM's prefix cache already had, so the whole
-prefix is kept: the node keeps its copy, discards the bytes and only refreshes the
-retention (those bytes cross the wire once more, for retained requests only). A bad
+full block of the request is saved with ``retain_s=S`` (docs/node.md, "Retention"). The
+leading blocks the store already held at the request's first lookup are kept by one
+``retain`` call then (no bytes sent), so the whole prefix is kept; blocks only vLLM's
+prefix cache had are saved from the store's prefix on, as for any request. A bad
 value (not a number, negative, over 7 days) is logged and ignored: the request runs
 without retention rather than failing.
 
@@ -108,11 +108,11 @@ import xxhash
 
 from kvstore import Client, block_keys
 from kvstore.core.errors import BufferTooSmall
-from kvstore.core.retention import check_retain_s
+from kvstore.core.retention import MAX_RETAIN_KEYS, check_retain_s
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
-from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.describe import RETAIN_PARAM, describe_reply
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
 from kvstore.integrations.vllm.ranks import engine_shard_plan
@@ -145,8 +145,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvstore_connector")
 
 NAMESPACE_VERSION = "vllm-v1"
-RETAIN_PARAM = "kvstore_retain_s"
-"""The ``kv_transfer_params`` key of a request's retention in seconds."""
 
 
 # --- metadata: scheduler -> worker, once per step (pickled) ------------------------------
@@ -197,8 +195,9 @@ class _ReqState:
     """Destination block ids of the load in flight, in block order."""
     load_first_block: int = 0
     retain_s: float = 0.0
-    """The request's ``kvstore_retain_s``; its first save re-puts every full block."""
+    """The request's ``kvstore_retain_s`` (its saves carry it)."""
     retain_from_start: bool = False
+    """Its first lookup is still to retain the prefix the store holds."""
 
 
 def request_retain_s(request: Request) -> float:
@@ -429,6 +428,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hit = min(next((i for i, x in enumerate(p) if not x), len(p)) for p in present)
         st.store_blocks = hit
         st.saved_upto = max(st.saved_upto, hit)
+        if st.retain_from_start:  # see "Retention"
+            st.retain_from_start = False
+            # Every group's and every shard's copy of the stored prefix (what a window
+            # group dropped is simply not found).
+            self._retain_held([k for p in range(len(self._plan.groups))
+                               for chain in self._shards.shard_chains(self._keys_upto(st, hit, p))
+                               for k in chain], st.retain_s)
         if not self._do_load:
             return 0, False
         # vLLM computes at least the prompt's last token itself; every group must hold
@@ -477,8 +483,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Only blocks whose token ids are all known (async scheduling appends output
             # tokens a step late) and whose KV this step completes.
             full = min(done, len(st.request.all_token_ids)) // self._block_size
-            # A retained request's first save starts at block 0 (see "Retention").
-            lo = 0 if st.retain_from_start else st.saved_upto
+            lo = st.saved_upto
             if full <= lo:
                 continue
             assert self._kv_cache_manager is not None
@@ -492,8 +497,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     meta.saves.append(SaveSpec(req_id, keys[a:b], list(ids[a:b]),
                                                keys[a - 1] if a > 0 else None, st.retain_s, p))
             st.saved_upto = full
-            st.retain_from_start = False
         return meta
+
+    def _retain_held(self, keys: list[bytes], retain_s: float) -> None:
+        """Retains blocks the store holds (a retained request's stored prefix)."""
+        try:
+            for lo in range(0, len(keys), MAX_RETAIN_KEYS):
+                self._client().retain(keys[lo : lo + MAX_RETAIN_KEYS], retain_s)
+        except Exception as exc:  # the cache still works, without the promise
+            logger.warning("kvstore retain of %d stored blocks failed: %s", len(keys), exc)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids or set()

@@ -31,6 +31,10 @@ DESCRIBE_PARAM = "kvstore_describe"
 """The ``kv_transfer_params`` key that asks for the description (value ``true``)."""
 REPLY_KEY = "kvstore"
 """The answer's ``kv_transfer_params`` key holding it."""
+RETAIN_PARAM = "kvstore_retain_s"
+"""The ``kv_transfer_params`` key of a request's retention in seconds: the connector saves
+the request's blocks with that ``retain_s`` (``connector``, "Retention"); a router passes a
+session's TTL with it (``conductor.front.session_cache``)."""
 VERSION = 1
 
 

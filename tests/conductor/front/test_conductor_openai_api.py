@@ -14,7 +14,9 @@ from conductor.front.openai_api import (
     output_tokens,
     prefill_body,
     prompt_token_ids,
+    with_retention,
 )
+from kvstore.integrations.vllm.describe import RETAIN_PARAM
 
 
 def test_prompt_token_ids_accepts_ids_and_a_batch_of_one() -> None:
@@ -71,3 +73,23 @@ def test_the_prefill_copy_keeps_the_prompt_and_drops_what_shapes_the_answer() ->
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5,
         "kv_transfer_params": {"kvstore_retain_s": 60}, "max_tokens": 1, "stream": False}
     assert body["n"] == 3  # the client's request is left as it was
+
+
+def test_a_session_turn_asks_the_connector_to_save_retained() -> None:
+    assert RETAIN_PARAM == "kvstore_retain_s"
+    body = {"model": "m", "prompt": [1, 2]}
+    assert with_retention(body, 120.0) == (
+        {"model": "m", "prompt": [1, 2], "kv_transfer_params": {RETAIN_PARAM: 120.0}}, True)
+    assert body == {"model": "m", "prompt": [1, 2]}  # the client's request is left as it was
+    other = {"prompt": [1], "kv_transfer_params": {"kvstore_describe": True}}
+    assert with_retention(other, 60.0) == (
+        {"prompt": [1], "kv_transfer_params": {"kvstore_describe": True, RETAIN_PARAM: 60.0}},
+        True)
+    assert with_retention({"prompt": [1], "kv_transfer_params": None}, 60.0)[0] == {
+        "prompt": [1], "kv_transfer_params": {RETAIN_PARAM: 60.0}}
+
+
+@pytest.mark.parametrize("params", [{RETAIN_PARAM: 5}, {RETAIN_PARAM: 0}, "x", [1]])
+def test_a_clients_own_retention_or_bad_params_are_left_alone(params: object) -> None:
+    body = {"prompt": [1], "kv_transfer_params": params}
+    assert with_retention(body, 60.0) == (body, False)
