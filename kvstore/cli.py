@@ -339,6 +339,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      f"recovered)")
     if exporter is not None:
         announce(f"kvstore: metrics on {exporter.url}", fmt=fmt)
+    announce(f"kvstore: tier index: at most {info['index_budget']}", fmt=fmt)
     announce(f"kvstore: serving on {server.addresses.grpc} (channel {host}:{port}, "
              f"{', '.join(tiers)}, policy {cfg.policy})", fmt=fmt)
     if role is not None:

@@ -258,7 +258,7 @@ class KVEventPublisher:
         blocks, (pending, lost) = self._node.index_snapshot(self._take_pending)
         media = self._media
         resync: list[Event] = [Cleared()]
-        resync += [Stored(k, p, media[level]) for k, p, level in blocks]
+        resync += [Stored(k, p, media[level]) for k, p, level in parents_first(blocks)]
         return resync, pending, lost
 
     def _resync(self) -> None:
@@ -341,3 +341,26 @@ def _bind(sock: Any, endpoint: str) -> str:
 
     sock.bind(endpoint)
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def parents_first(blocks: Sequence[tuple[BlockKey, BlockKey | None, int]]
+                  ) -> list[tuple[BlockKey, BlockKey | None, int]]:
+    """``blocks`` (key, parent, level) with every block after its parent when the parent is
+    among them: a subscriber applying a snapshot in order always knows a block's parent
+    first. Ordered by depth in its chain, then as given (the index's slot order, which says
+    nothing of when a block came)."""
+    parent_of = {k: p for k, p, _ in blocks}
+    depth: dict[BlockKey, int] = {}
+    for k, _, _ in blocks:
+        chain: list[BlockKey] = []
+        seen: set[BlockKey] = set()  # a cycle cannot loop (keys are hashes: none in practice)
+        at: BlockKey | None = k
+        while at is not None and at in parent_of and at not in depth and at not in seen:
+            chain.append(at)
+            seen.add(at)
+            at = parent_of[at]
+        d = depth.get(at, -1) + 1 if at is not None else 0
+        for c in reversed(chain):
+            depth[c] = d
+            d += 1
+    return sorted(blocks, key=lambda b: depth[b[0]])

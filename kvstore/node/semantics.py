@@ -148,7 +148,9 @@ class Node:
         budget = index_budget({"hbm": s.hbm_bytes, "dram": s.dram_bytes,
                                "ssd": s.ssd_bytes if s.ssd_path else 0}, s.block_bytes,
                               kind=NODE_INDEX_KIND)
-        log.info("tier index: at most %s", budget.describe())
+        # Reported once the node serves (``kvstore serve``): a CLI error before that stays
+        # one line.
+        self._info["index_budget"] = budget.describe()
         self._info["index_budget_bytes"] = budget.nbytes
         self._info["index_budget_blocks"] = budget.total_blocks
         check_fits(s.dram_bytes, s.hbm_bytes, s.hbm_device, index=budget)
