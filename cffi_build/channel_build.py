@@ -14,14 +14,13 @@ same bytes on the wire), so without a C compiler this script warns and exits 0.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import sysconfig
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from cffi import FFI
+
+from cffi_build.compile import compile_into, no_compiler
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -73,35 +72,14 @@ def make_builder(*, asan: bool = False) -> FFI:
 ffibuilder = make_builder()
 
 
-def _why_not() -> str | None:
-    """None if the build can be attempted, else why not."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is None and shutil.which("gcc") is None:
-        return f"no C compiler ({cc!r} not found)"
-    return None
-
-
 def build(dest_dir: Path = _ROOT / "kvstore" / "protocol", *, asan: bool = False) -> Path | None:
     """Builds the extension into ``dest_dir``; returns its path, or None (with a warning)."""
-    reason = _why_not()
+    reason = no_compiler()
     if reason is not None:
         print(f"warning: not building {MODULE}: {reason}", file=sys.stderr)
         return None
     builder = make_builder(asan=asan)
-    # Compile in a scratch directory so the generated .c/.o files stay out of the tree.
-    with tempfile.TemporaryDirectory(prefix="kvstore-channel-build-") as tmp:
-        try:
-            built = Path(builder.compile(tmpdir=tmp, verbose=False))
-        except Exception as exc:  # cffi raises distutils/setuptools errors of varying types
-            print(f"warning: not building {MODULE}: {exc}", file=sys.stderr)
-            return None
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        target = dest_dir / built.name
-        # Replace atomically so a process that already mapped the old .so keeps a valid file.
-        tmp_target = target.with_name(target.name + ".tmp")
-        shutil.copyfile(built, tmp_target)
-        tmp_target.replace(target)
-    return target
+    return compile_into(builder, dest_dir, module=MODULE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import ctypes.util
 import platform
-import shutil
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 
 from cffi import FFI
+
+from cffi_build.compile import compile_into, no_compiler
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -104,9 +103,9 @@ ffibuilder = _make_builder(_have_header("xxhash.h"))
 
 def _have_liburing() -> str | None:
     """None if the build can be attempted, else why not."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is None and shutil.which("gcc") is None:
-        return f"no C compiler ({cc!r} not found)"
+    reason = no_compiler()
+    if reason is not None:
+        return reason
     if not _have_header("liburing.h"):
         return "liburing.h not found (install liburing-dev)"
     return None
@@ -128,20 +127,7 @@ def build(dest_dir: Path = _ROOT / "tiers", *, verify: bool | None = None) -> Pa
             print("warning: xxhash.h not found (install libxxhash-dev): tiers._uring "
                   "will leave read checksums to Python", file=sys.stderr)
     builder = _make_builder(verify)
-    # Compile in a scratch directory so the generated .c/.o files stay out of the tree.
-    with tempfile.TemporaryDirectory(prefix="kvstore-uring-build-") as tmp:
-        try:
-            built = Path(builder.compile(tmpdir=tmp, verbose=False))
-        except Exception as exc:  # cffi raises distutils/setuptools errors of varying types
-            print(f"warning: not building tiers._uring: {exc}", file=sys.stderr)
-            return None
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        target = dest_dir / built.name
-        # Replace atomically so a process that already mapped the old .so keeps a valid file.
-        tmp_target = target.with_name(target.name + ".tmp")
-        shutil.copyfile(built, tmp_target)
-        tmp_target.replace(target)
-    return target
+    return compile_into(builder, dest_dir, module="tiers._uring")
 
 
 def main() -> int:
