@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vllm_llm import generate
 
 from kvstore import Client, block_keys
 from replication.cluster_client import ClusterClient
@@ -61,18 +62,6 @@ def close_llm(llm: Any) -> None:
     gc.collect()
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
-    """Greedy output token ids and vLLM's external-hit count for this call."""
-    from vllm import SamplingParams
-
-    def hits() -> int:
-        return int(sum(m.value for m in llm.get_metrics()
-                       if m.name == "vllm:external_prefix_cache_hits"))
-
-    before = hits()
-    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), hits() - before
 
 
 def blocks_on(addr: str, keys: list[bytes]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from vllm_llm import external_hits, kvstore_llm
+from vllm_llm import generate, kvstore_llm, wait_until
 
 from kvstore import Client, block_keys
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header, reseal
@@ -40,22 +40,8 @@ def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
         yield llm
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
-    """Greedy output token ids and vLLM's external-hit count for this call."""
-    from vllm import SamplingParams
-
-    before = external_hits(llm)
-    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def keys_of(tokens: list[int]) -> list[bytes]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import xxhash
 from hybrid_models import WINDOW, write_tiny_gemma3
-from vllm_llm import external_hits, kvstore_llm
+from vllm_llm import generate, kvstore_llm, wait_until
 
 from kvstore import Client, block_keys
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header, reseal
@@ -51,21 +51,8 @@ def engine(tiny_gemma3: Path, store_node: Any) -> Iterator[Any]:
         yield llm
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
-    from vllm import SamplingParams
-
-    before = external_hits(llm)
-    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def group_keys(tokens: list[int], client: Client) -> tuple[list[bytes], list[bytes]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vllm_llm import external_hits, kvstore_llm
+from vllm_llm import generate, kvstore_llm
 
 from kvstore import Client
 from kvstore.integrations.identity import fingerprint_checkpoint
@@ -40,14 +40,6 @@ def prompt(seed: int) -> list[int]:
     return [int(t) for t in rng.integers(3, 500, PROMPT_TOKENS)]
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
-    """Greedy output token ids and vLLM's external-hit count for this call."""
-    from vllm import SamplingParams
-
-    before = external_hits(llm)
-    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
 
 
 def stored_blocks(client: Client) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vllm_llm import external_hits, kvstore_llm
+from vllm_llm import generate, kvstore_llm
 
 from kvstore import Client, block_keys
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, reseal
@@ -40,13 +40,6 @@ def noisy_bf16(value: bytes, seed: int) -> bytes:
     return value[:HEADER_BYTES] + noise
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
-    from vllm import SamplingParams
-
-    before = external_hits(llm)
-    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
 
 
 def test_rank_zero_writes_the_latent_cache_once_and_both_ranks_load_it(

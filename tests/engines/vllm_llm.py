@@ -4,6 +4,7 @@ tests that share one shape: one ``LLM`` per module, shut down whole at the end."
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,3 +45,22 @@ def external_hits(llm: Any) -> int:
     """Tokens vLLM has counted as loaded from the connector so far."""
     return int(sum(m.value for m in llm.get_metrics()
                    if m.name == "vllm:external_prefix_cache_hits"))
+
+
+def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy output token ids (12) and vLLM's external-hit count for this call."""
+    from vllm import SamplingParams
+
+    before = external_hits(llm)
+    params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids), external_hits(llm) - before
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    """Polls ``predicate`` until true; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
