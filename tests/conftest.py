@@ -11,10 +11,47 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    from kvstore.auth.security import TenantRegistry
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+class ManualClock:
+    """A clock the test moves by hand (``now``), for a Node's retention deadlines."""
+
+    def __init__(self) -> None:
+        self.now = 5000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ServedNode:
+    """A Node on a ``ManualClock`` behind a real NodeServer (gRPC and the channel) on
+    loopback; ``close()`` stops both."""
+
+    def __init__(self, *, dram_bytes: int, max_retained_fraction: float = 0.5,
+                 auth: TenantRegistry | None = None) -> None:
+        from kvstore.node.semantics import Node, NodeSettings
+        from kvstore.server import NodeServer
+
+        self.clock = ManualClock()
+        self.node = Node(NodeSettings(dram_bytes=dram_bytes, prefault=False,
+                                      max_retained_fraction=max_retained_fraction),
+                         clock=self.clock)
+        self.server = NodeServer(self.node, listen=f"127.0.0.1:{free_port()}", grpc_workers=4,
+                                 auth=auth)
+        self.server.start()
+        self.addr = self.server.addresses.grpc
+
+    def close(self) -> None:
+        self.server.stop(grace=1.0)
+        self.node.close()
 
 
 def write_auth_file(path: Path, tokens: dict[str, str], *, cluster: str | None = None,

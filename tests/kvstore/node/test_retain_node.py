@@ -15,15 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port, write_auth_file
+from conftest import ServedNode, write_auth_file
 
 from kvstore import Client, InvalidArgument, RetainOutcome
 from kvstore.auth.security import TenantRegistry
 from kvstore.core.retention import MAX_RETAIN_KEYS, MAX_RETAIN_S
-from kvstore.node.semantics import Node, NodeSettings
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import NodeServer
 
 BLOCK = 64 << 10
 SLOTS = 16
@@ -31,32 +29,16 @@ R, D, REL, M = (RetainOutcome.RETAINED, RetainOutcome.DENIED, RetainOutcome.RELE
                 RetainOutcome.MISSING)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
-class Served:
-    def __init__(self, *, fraction: float = 0.5, auth: TenantRegistry | None = None) -> None:
-        self.clock = Clock()
-        self.node = Node(NodeSettings(dram_bytes=SLOTS * BLOCK, prefault=False,
-                                      max_retained_fraction=fraction), clock=self.clock)
-        self.server = NodeServer(self.node, listen=f"127.0.0.1:{free_port()}", grpc_workers=4,
-                                 auth=auth)
-        self.server.start()
-        self.addr = self.server.addresses.grpc
-
-    def close(self) -> None:
-        self.server.stop(grace=1.0)
-        self.node.close()
+def serve(*, fraction: float = 0.5, auth: TenantRegistry | None = None) -> ServedNode:
+    """A served node of SLOTS blocks of BLOCK bytes (``max_retained_fraction=fraction``)."""
+    return ServedNode(dram_bytes=SLOTS * BLOCK, max_retained_fraction=fraction, auth=auth)
 
 
 @pytest.fixture
-def served() -> Iterator[Served]:
-    s = Served()
+def served() -> Iterator[ServedNode]:
+    s = serve()
     yield s
     s.close()
 
@@ -68,7 +50,7 @@ def fill(c: Client, n: int) -> list[bytes]:
     return keys
 
 
-def test_retained_blocks_survive_pressure_until_released(served: Served) -> None:
+def test_retained_blocks_survive_pressure_until_released(served: ServedNode) -> None:
     with Client(served.addr, transport="grpc") as c:
         turn = fill(c, 4)
         stray = os.urandom(16)
@@ -90,7 +72,7 @@ def test_retained_blocks_survive_pressure_until_released(served: Served) -> None
 
 
 def test_over_the_node_cap_a_block_is_denied_and_stays_ordinary() -> None:
-    served = Served(fraction=2 / SLOTS)  # room for two retained blocks
+    served = serve(fraction=2 / SLOTS)  # room for two retained blocks
     try:
         with Client(served.addr, transport="tcp") as c:
             ks = fill(c, 3)
@@ -108,7 +90,7 @@ def test_tenants_retain_only_their_own_blocks_within_their_quota_share(tmp_path:
     auth = TenantRegistry.load(write_auth_file(
         tmp_path / "auth.toml", {"a": "token-of-tenant-a", "b": "token-of-tenant-b"},
         cluster="token-of-the-cluster", quotas={"a": 4 * BLOCK}))
-    served = Served(fraction=0.5, auth=auth)  # tenant a: 2 blocks retained at most
+    served = serve(fraction=0.5, auth=auth)  # tenant a: 2 blocks retained at most
     try:
         with Client(served.addr, transport="grpc", token="token-of-tenant-a") as a, \
                 Client(served.addr, transport="grpc", token="token-of-tenant-b") as b, \
@@ -126,7 +108,7 @@ def test_tenants_retain_only_their_own_blocks_within_their_quota_share(tmp_path:
         served.close()
 
 
-def test_bad_input_is_refused_by_the_client_before_sending(served: Served) -> None:
+def test_bad_input_is_refused_by_the_client_before_sending(served: ServedNode) -> None:
     with Client(served.addr, transport="grpc") as c:
         k = fill(c, 1)
         for bad in (-1.0, math.inf, math.nan, MAX_RETAIN_S + 1):
@@ -137,7 +119,7 @@ def test_bad_input_is_refused_by_the_client_before_sending(served: Served) -> No
         assert c.stats()["node"]["retained_blocks"] == 0
 
 
-def test_the_node_answers_bad_requests_with_invalid_argument(served: Served) -> None:
+def test_the_node_answers_bad_requests_with_invalid_argument(served: ServedNode) -> None:
     with grpc.insecure_channel(served.addr) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         good = os.urandom(16)
@@ -159,7 +141,7 @@ def test_the_node_answers_bad_requests_with_invalid_argument(served: Served) -> 
         assert list(reply.outcomes) == ["retained", "retained"]
 
 
-def test_node_retain_in_process_bounds_its_keys(served: Served) -> None:
+def test_node_retain_in_process_bounds_its_keys(served: ServedNode) -> None:
     with pytest.raises(InvalidArgument, match="at most"):
         served.node.retain([os.urandom(16)] * (MAX_RETAIN_KEYS + 1), 5)
     with pytest.raises(InvalidArgument, match="retain_s"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import TRANSPORTS, free_port, wait_until, write_auth_file
+from conftest import TRANSPORTS, ManualClock, ServedNode, wait_until, write_auth_file
 
 from kvstore import Client, InvalidArgument
 from kvstore.auth.security import TenantRegistry
@@ -25,7 +25,6 @@ from kvstore.node.semantics import Node, NodeSettings
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol import wire
-from kvstore.server import NodeServer
 from replication.copies.replicator import push_blocks
 
 KiB = 1 << 10
@@ -33,36 +32,20 @@ BLOCK = 64 * KiB  # at SHM_PUT_MIN_BYTES: a shared-memory client puts by RESERVE
 SLOTS = 16  # the DRAM tier holds 16 blocks
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key() -> bytes:
     return os.urandom(16)
 
 
-class Served:
-    def __init__(self, *, fraction: float = 0.5, auth: TenantRegistry | None = None) -> None:
-        self.clock = Clock()
-        self.node = Node(NodeSettings(dram_bytes=SLOTS * BLOCK, prefault=False,
-                                      max_retained_fraction=fraction), clock=self.clock)
-        self.server = NodeServer(self.node, listen=f"127.0.0.1:{free_port()}", grpc_workers=4,
-                                 auth=auth)
-        self.server.start()
-        self.addr = self.server.addresses.grpc
-
-    def close(self) -> None:
-        self.server.stop(grace=1.0)
-        self.node.close()
+def serve(*, fraction: float = 0.5, auth: TenantRegistry | None = None) -> ServedNode:
+    """A served node of SLOTS blocks of BLOCK bytes (``max_retained_fraction=fraction``)."""
+    return ServedNode(dram_bytes=SLOTS * BLOCK, max_retained_fraction=fraction, auth=auth)
 
 
 @pytest.fixture
-def served() -> Iterator[Served]:
-    s = Served()
+def served() -> Iterator[ServedNode]:
+    s = serve()
     yield s
     s.close()
 
@@ -83,7 +66,7 @@ def node_stats(c: Client) -> dict:
     return c.stats()["node"]
 
 
-def test_retained_block_survives_pressure_until_the_clock_passes(served: Served,
+def test_retained_block_survives_pressure_until_the_clock_passes(served: ServedNode,
                                                                   transport: str) -> None:
     with Client(served.addr, transport=transport, timeout=30) as c:
         assert c.transport == transport
@@ -107,7 +90,7 @@ def test_retained_block_survives_pressure_until_the_clock_passes(served: Served,
         assert c.exists([kept]) == [False]
 
 
-def test_put_batch_retains_each_block_and_a_later_put_refreshes(served: Served,
+def test_put_batch_retains_each_block_and_a_later_put_refreshes(served: ServedNode,
                                                                 transport: str) -> None:
     with Client(served.addr, transport=transport, timeout=30) as c:
         ks = [key() for _ in range(3)]
@@ -121,7 +104,7 @@ def test_put_batch_retains_each_block_and_a_later_put_refreshes(served: Served,
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, MAX_RETAIN_S + 1])
-def test_bad_retain_s_is_refused_before_sending(served: Served, transport: str,
+def test_bad_retain_s_is_refused_before_sending(served: ServedNode, transport: str,
                                                 bad: float) -> None:
     with Client(served.addr, transport=transport, timeout=30) as c:
         k = key()
@@ -132,7 +115,7 @@ def test_bad_retain_s_is_refused_before_sending(served: Served, transport: str,
         assert c.exists([k]) == [False]
 
 
-def test_the_node_refuses_bad_retain_s_on_grpc(served: Served) -> None:
+def test_the_node_refuses_bad_retain_s_on_grpc(served: ServedNode) -> None:
     with grpc.insecure_channel(served.addr) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         good, bad = key(), key()
@@ -153,7 +136,7 @@ def test_the_node_refuses_bad_retain_s_on_grpc(served: Served) -> None:
     assert served.node.stats()["node"]["retained_blocks"] == 0
 
 
-def _channel(served: Served) -> socket.socket:
+def _channel(served: ServedNode) -> socket.socket:
     with grpc.insecure_channel(served.addr) as ch:
         info = pb_grpc.KVStoreStub(ch).OpenChannel(pb.OpenChannelRequest(client_host_id=""))
     s = socket.create_connection((info.tcp_host or "127.0.0.1", info.tcp_port), timeout=10)
@@ -170,7 +153,7 @@ def _call(s: socket.socket, op: wire.Op, count: int, meta: bytes, payload: bytes
     return status, wire.recv_exact(s, n)
 
 
-def test_channel_put_items_carry_retain_ms_in_their_padding(served: Served) -> None:
+def test_channel_put_items_carry_retain_ms_in_their_padding(served: ServedNode) -> None:
     k1, k2, k3 = key(), key(), key()
     meta = wire.pack_put_items([k1], [100], [None], False, retain_s=1.5)
     assert len(meta) == wire.PUT_ITEM.size == 48
@@ -195,7 +178,7 @@ def test_channel_put_items_carry_retain_ms_in_their_padding(served: Served) -> N
 
 
 def test_over_the_node_cap_a_put_is_stored_without_retention() -> None:
-    served = Served(fraction=2 / SLOTS)  # room for two retained blocks
+    served = serve(fraction=2 / SLOTS)  # room for two retained blocks
     try:
         with Client(served.addr, transport="tcp", timeout=30) as c:
             ks = [key() for _ in range(3)]
@@ -213,7 +196,7 @@ def test_tenant_retention_is_capped_by_its_quota_and_seen_only_by_it(tmp_path: P
     auth = TenantRegistry.load(write_auth_file(
         tmp_path / "auth.toml", {"a": "token-of-tenant-a", "b": "token-of-tenant-b"},
         cluster="token-of-the-cluster", quotas={"a": 4 * BLOCK}))
-    served = Served(fraction=0.5, auth=auth)  # tenant a: 2 blocks retained at most
+    served = serve(fraction=0.5, auth=auth)  # tenant a: 2 blocks retained at most
     try:
         with Client(served.addr, transport="grpc", token="token-of-tenant-a") as a, \
                 Client(served.addr, transport="tcp", token="token-of-tenant-b") as b, \
@@ -232,7 +215,7 @@ def test_tenant_retention_is_capped_by_its_quota_and_seen_only_by_it(tmp_path: P
         served.close()
 
 
-def test_metrics_show_retained_blocks_and_bytes(served: Served) -> None:
+def test_metrics_show_retained_blocks_and_bytes(served: ServedNode) -> None:
     with Client(served.addr, transport="grpc") as c:
         c.put(key(), os.urandom(BLOCK), retain_s=5)
         c.put(key(), os.urandom(BLOCK))
@@ -245,8 +228,8 @@ def test_metrics_show_retained_blocks_and_bytes(served: Served) -> None:
     assert "kvstore_retained_blocks 0.0\n" in NodeMetrics(served.node).render().decode()
 
 
-def test_copies_to_a_replica_carry_the_masters_retention(served: Served) -> None:
-    replica = Served()
+def test_copies_to_a_replica_carry_the_masters_retention(served: ServedNode) -> None:
+    replica = serve()
     try:
         with Client(served.addr, transport="tcp") as c:
             kept, plain = key(), key()
@@ -263,7 +246,7 @@ def test_copies_to_a_replica_carry_the_masters_retention(served: Served) -> None
 
 
 def test_with_an_ssd_tier_a_retained_block_is_demoted_not_dropped(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = ManualClock()
     node = Node(NodeSettings(dram_bytes=8 * BLOCK, prefault=False, ssd_io="python",
                              ssd_path=str(tmp_path / "ssd.img"), ssd_bytes=16 * BLOCK),
                 clock=clock)
@@ -287,7 +270,7 @@ def test_with_an_ssd_tier_a_retained_block_is_demoted_not_dropped(tmp_path: Path
 # ---- across a restart (issue 25): the SSD tier keeps each deadline as wall-clock time -----------
 
 
-def _ssd_node(tmp_path: Path, clock: Clock) -> Node:
+def _ssd_node(tmp_path: Path, clock: ManualClock) -> Node:
     # The fake clock is both clocks: the monotonic one restarts with the node in truth, but
     # only the wall clock carries a deadline across, and that is what the test moves.
     return Node(NodeSettings(dram_bytes=8 * BLOCK, prefault=False, ssd_io="python",
@@ -301,7 +284,7 @@ def _retained(node: Node) -> int:
 
 def test_a_retained_block_on_ssd_stays_retained_across_restarts_until_its_deadline(
         tmp_path: Path) -> None:
-    clock = Clock()
+    clock = ManualClock()
     start = clock.now
     node = _ssd_node(tmp_path, clock)
     kept, short, value = key(), key(), os.urandom(BLOCK)
