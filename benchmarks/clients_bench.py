@@ -23,7 +23,6 @@ uses it: machine load cannot favour one commit over the other.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks import peers
+from benchmarks.stats import write_json
 
 SIZES = (64 << 10, 1 << 20)
 CLIENTS = (1, 16)
@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_results(res))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "clients.json").write_text(json.dumps(res, indent=2))
+    write_json(out / "clients.json", res)
     return 0
 
 

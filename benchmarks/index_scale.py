@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import write_json
 from kvstore.core.keys import BlockKey
 from kvstore.node.fit import available_memory
 from tiers.index_budget import INDEX_KINDS, index_bytes
@@ -404,8 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind, r in scaled.items():
         print(f"{kind}: {r['from_blocks']:,} -> {r['to_blocks']:,} blocks: " + ", ".join(
             f"{k} x{v:.2f}" for k, v in r.items() if k not in ("from_blocks", "to_blocks")))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     plot(args.out.with_suffix(".png"), runs)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import write_json
 from kvstore.core.keys import BlockKey
 from tiers.ssd.types import ALIGNMENT, HEADER_BYTES
 
@@ -294,8 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_report(result))
     result["command"] = "python -m benchmarks.ssd_restart " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.stats import write_json
 from conductor.front.vllm_procs import REPO, start_node, write_tiny_llama
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cached_over_recompute']:.3f} |")
     print(f"TP=2 / TP=1: recompute {two['recompute_s'] / one['recompute_s']:.2f}, "
           f"cached {two['cached_s'] / one['cached_s']:.2f}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_tp_ttft.json").write_text(json.dumps(
-        {"args": vars(args), "results": results}, indent=1) + "\n")
+    write_json(RESULTS / "vllm_tp_ttft.json", {"args": vars(args), "results": results})
     return 0
 
 
