@@ -7,6 +7,7 @@ never a traceback: 1 for an operation that failed (or a miss), 2 for bad usage.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import signal
@@ -549,6 +550,17 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def _print_outcomes(keys: Sequence[bytes], outcomes: Sequence[enum.Enum], *,
+                    as_json: bool) -> None:
+    """``OUTCOME KEY`` per key, or a JSON list of ``{"key", "outcome"}``, in key order."""
+    if as_json:
+        print(json.dumps([{"key": k.hex(), "outcome": o.value}
+                          for k, o in zip(keys, outcomes, strict=True)], indent=2))
+    else:
+        for k, o in zip(keys, outcomes, strict=True):
+            print(f"{o.value} {k.hex()}")
+
+
 def cmd_prefetch(args: argparse.Namespace) -> int:
     """One line per key, ``OUTCOME KEY``; exit 1 unless every key is (or is on its way) up:
     present, queued or promoted."""
@@ -557,12 +569,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     keys = [parse_key(k) for k in args.keys]
     with _client(args) as c:
         outcomes = c.prefetch(keys, args.tier, wait=args.wait)
-    if args.json:
-        print(json.dumps([{"key": k.hex(), "outcome": o.value}
-                          for k, o in zip(keys, outcomes, strict=True)], indent=2))
-    else:
-        for k, o in zip(keys, outcomes, strict=True):
-            print(f"{o.value} {k.hex()}")
+    _print_outcomes(keys, outcomes, as_json=args.json)
     up = {PrefetchOutcome.PRESENT, PrefetchOutcome.QUEUED, PrefetchOutcome.PROMOTED}
     return 0 if all(o in up for o in outcomes) else 1
 
@@ -573,12 +580,7 @@ def cmd_retain(args: argparse.Namespace) -> int:
     keys = [parse_key(k) for k in args.keys]
     with _client(args) as c:
         outcomes = c.retain(keys, args.seconds)
-    if args.json:
-        print(json.dumps([{"key": k.hex(), "outcome": o.value}
-                          for k, o in zip(keys, outcomes, strict=True)], indent=2))
-    else:
-        for k, o in zip(keys, outcomes, strict=True):
-            print(f"{o.value} {k.hex()}")
+    _print_outcomes(keys, outcomes, as_json=args.json)
     return 0 if all(o in ("retained", "released") for o in outcomes) else 1
 
 
