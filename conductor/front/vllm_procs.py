@@ -132,10 +132,14 @@ def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
     return p
 
 
-def start_node(logdir: Path, *, dram: str = "512MiB", python: str = sys.executable) -> Proc:
+def start_node(logdir: Path, *, dram: str = "512MiB", python: str = sys.executable,
+               kv_events: bool = False) -> Proc:
+    """A node on 127.0.0.1, waited until it serves; ``kv_events``: it publishes KV events
+    (a Conductor then waits for durability by them instead of polling)."""
     port = free_port()
+    events = ["--kv-events-endpoint", "tcp://127.0.0.1:0"] if kv_events else []
     p = _spawn("node", [python, "-m", "kvstore", "serve", "--listen", f"127.0.0.1:{port}",
-                        "--dram-bytes", dram, "--no-prefault"], logdir / "node.log")
+                        "--dram-bytes", dram, "--no-prefault", *events], logdir / "node.log")
     p.url = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while "kvstore: serving on" not in p.output():
