@@ -21,6 +21,7 @@ Assumption: at most one durable tier, and it is the last (SSD).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import deque
@@ -37,6 +38,15 @@ from tiers.reads import leased_block_view as leased_block_view
 from tiers.reads import leased_block_views as leased_block_views
 
 log = logging.getLogger("kvstore.tiers.mover")
+
+
+class Room(enum.Enum):
+    """What ``TierMover.room_for`` did for a put that found its tier full."""
+
+    FREED = "freed"  # blocks left the tier: try the put again
+    WAITED = "waited"  # nothing could move now, but moves were in flight: they ended
+    UNDONE = "undone"  # moves were planned, none took effect (the tier below had no room)
+    NONE = "none"  # nothing could move and nothing was moving: the tier is full
 
 
 class TierMover:
@@ -181,15 +191,29 @@ class TierMover:
     # ---- rounds --------------------------------------------------------------------------
 
     def make_room(self, level: int, nbytes: int) -> bool:
-        """Moves at least ``nbytes`` (when possible) out of ``level``; False if nothing could go."""
+        """Moves at least ``nbytes`` (when possible) out of ``level``; False if no block
+        left it (nothing could go, or every move planned was undone)."""
+        return self.room_for(level, nbytes, timeout=0.0) is Room.FREED
+
+    def room_for(self, level: int, nbytes: int, *, timeout: float) -> Room:
+        """``make_room`` for a put that found ``level`` full. Where nothing can move because
+        the blocks that could are being moved by others (another put, a round, a prefetch),
+        waits up to ``timeout`` for those moves instead of answering that nothing could go:
+        whether any move is in flight is read under the owner's lock together with the
+        plan, so a move that ends between the two is never mistaken for a full tier."""
         with self._lock:
             moves = self._m.plan_moves(level, max(nbytes, 1))
-        if not moves:
-            return False
-        self._execute(moves)
-        return True
+            busy = not moves and self._m.moves_in_flight > 0
+        if moves:
+            return Room.FREED if self._execute(moves) else Room.UNDONE
+        if not busy:
+            return Room.NONE
+        if timeout > 0:
+            self.wait_for_moves(timeout)
+        return Room.WAITED
 
-    def _execute(self, moves: Sequence[Move]) -> None:
+    def _execute(self, moves: Sequence[Move]) -> int:
+        """Copies and finishes ``moves``; how many took effect (the others were undone)."""
         with self._rounds:
             self._in_flight += 1
         try:
@@ -201,6 +225,7 @@ class TierMover:
                 self._in_flight -= 1
                 self._rounds.notify_all()
             self.delete_durable(garbage)
+        return sum(m.applied for m in moves)
 
     def wait_for_moves(self, timeout: float) -> bool:
         """Waits until no round is in flight; False if none was (nothing to wait for)."""

@@ -19,7 +19,7 @@ from kvstore.core.keys import BlockKey
 from kvstore.core.prefetch import PrefetchOutcome
 from tiers.dram import DramTier
 from tiers.manager import PrefetchPlan, TierManager, Watermarks
-from tiers.mover import TierMover, leased_block_view
+from tiers.mover import Room, TierMover, leased_block_view
 from tiers.policy import make_policy
 from tiers.retention import RetainAsk
 from tiers.ssd.tier import SsdTier
@@ -191,6 +191,66 @@ def test_ssd_to_hbm_in_one_move(tmp_path: Path) -> None:
         for tier in (hbm, dram, ssd):
             tier.close()
 
+
+
+# ---- room for a put (``room_for``: what ``kvstore.node.room`` acts on) ---------------------
+
+
+def test_room_for_a_put_is_freed_by_demoting(small: Tiers) -> None:
+    t = small
+    keys = [t.put(f"b{i}") for i in range(4)]  # DRAM full
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.FREED
+    assert t.where(*keys) == ["ssd", "dram", "dram", "dram"]
+    with t.lock:
+        assert t.manager.moves_in_flight == 0
+
+
+def test_room_for_a_put_is_none_when_nothing_could_move(small: Tiers) -> None:
+    t = small
+    with t.lock:
+        held = [t.manager.reserve(BlockKey(bytes([i]) * 16), BLOCK) for i in range(4)]
+        assert t.manager.reserved_bytes == 4 * BLOCK
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.NONE  # only reservations there
+    assert not t.mover.make_room(0, BLOCK)
+    with t.lock:
+        for r in held:
+            assert r is not None
+            t.manager.abort(r)
+        assert t.manager.reserved_bytes == 0
+
+
+def test_room_for_a_put_waits_for_moves_in_flight(small: Tiers) -> None:
+    """Every DRAM block is planned to move by another caller: nothing can move now, but
+    room will come; the answer is WAITED (not NONE), read with the plan under the lock."""
+    t = small
+    for i in range(4):
+        t.put(f"b{i}")
+    with t.lock:
+        theirs = t.manager.plan_moves(0, 4 * BLOCK)
+        assert len(theirs) == 4 and t.manager.moves_in_flight == 4
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.WAITED
+    with t.lock:
+        t.manager.finish_moves(theirs)  # never copied: undone
+        assert t.manager.moves_in_flight == 0
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.FREED
+
+
+def test_room_for_a_put_is_undone_when_the_ssd_keeps_every_block(tmp_path: Path) -> None:
+    t = make(tmp_path, dram_blocks=2, ssd_blocks=2)
+    try:
+        kept = [t.put(f"k{i}", retain_s=600) for i in range(2)]
+        assert t.mover.make_room(0, 2 * BLOCK)  # the SSD is full of retained blocks
+        more = [t.put(f"m{i}", retain_s=600) for i in range(2)]  # and DRAM too
+        assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.UNDONE
+        assert not t.mover.make_room(0, BLOCK)  # planned, but nothing left DRAM
+        assert t.where(*kept, *more) == ["ssd", "ssd", "dram", "dram"]
+        with t.lock:
+            assert t.manager.moves_in_flight == 0
+        assert all(t.read(k) == v for k, v in t.values.items())
+    finally:
+        t.mover.stop()
+        for lv in t.manager.levels:
+            lv.tier.close()
 
 
 SMALL = 64  # a value far below the SSD's 8 KiB per block (a header page, the value aligned)
