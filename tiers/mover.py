@@ -39,6 +39,10 @@ from tiers.reads import leased_block_views as leased_block_views
 
 log = logging.getLogger("kvstore.tiers.mover")
 
+WRITE_PASSES = 8
+"""Writes of one demotion batch to the durable tier at most: after each, the blocks that
+did not fit in one piece get more room made for them (``_copy_to_durable``)."""
+
 
 class Room(enum.Enum):
     """What ``TierMover.room_for`` did for a put that found its tier full."""
@@ -290,8 +294,28 @@ class TierMover:
             free = dst.capacity - dst.used
             short = m.target_bytes(dst_level, need) if dst.used + need > \
                 m.watermarks.high * dst.capacity else 0
-        if (short or free < need) and not any(mv.no_drops for mv in moves):
+        drops = not any(mv.no_drops for mv in moves)
+        if (short or free < need) and drops:
             self.make_room(dst_level, max(short, need - free))
+        pending = list(moves)
+        for _ in range(WRITE_PASSES):
+            failed = self._write_durable(pending)
+            if not failed or not drops:
+                return
+            # The tier had the bytes, but not in one piece: the blocks dropped for them were
+            # of other sizes (a node serves several models, each with its block size), and
+            # the pieces did not join. Drop as much again, and write those again.
+            if not self.make_room(dst_level, sum(dst.footprint(mv.entry.nbytes)
+                                                 for mv in failed)):
+                return
+            pending = failed
+
+    def _write_durable(self, moves: Sequence[Move]) -> list[Move]:
+        """Writes the moves' blocks to the durable tier in one batch; the moves whose block
+        did not fit there."""
+        m = self._m
+        dst_level = moves[0].dst
+        assert dst_level is not None
         items: list[tuple[BlockKey, BlockKey | None, memoryview]] = []
         sources: list[Move] = []
         for mv in moves:
@@ -300,11 +324,15 @@ class TierMover:
                 items.append((mv.entry.key, mv.entry.parent, data))
                 sources.append(mv)
         if not items:
-            return
+            return []
         with self._lock:  # each block's deadline goes with it, for a restart to find
             kept = [m.retention.kept(mv.entry.key) for mv in sources]
-        locations = dst.write_blocks(items, kept)
+        locations = m.levels[dst_level].store.write_blocks(items, kept)
+        failed = []
         for mv, loc in zip(sources, locations, strict=True):
             if loc is not None:
                 mv.dst_location = loc
                 mv.copied = True
+            else:
+                failed.append(mv)
+        return failed

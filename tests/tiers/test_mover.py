@@ -35,11 +35,11 @@ class Tiers:
     lock: threading.Lock
     values: dict[BlockKey, bytes]
 
-    def put(self, name: str, retain_s: float = 0.0) -> BlockKey:
+    def put(self, name: str, retain_s: float = 0.0, nbytes: int = BLOCK) -> BlockKey:
         key = BlockKey(name.encode().ljust(16, b"."))
-        value = os.urandom(BLOCK)
+        value = os.urandom(nbytes)
         with self.lock:
-            r = self.manager.reserve(key, BLOCK,
+            r = self.manager.reserve(key, nbytes,
                                      retain=RetainAsk(seconds=retain_s) if retain_s else None)
             assert r is not None
             self.manager.fill_view(r)[:] = value
@@ -57,6 +57,19 @@ class Tiers:
         with self.lock:
             return self.manager.plan_prefetch(list(keys), 0, max_bytes=1 << 30)
 
+    def read_as_user(self, key: BlockKey) -> bytes:
+        """``read``, counted as a read (a hit, and the block's recency)."""
+        with self.lock:
+            e = self.manager.acquire_read(key)
+        assert e is not None
+        try:
+            view = leased_block_view(self.manager, self.lock, e)
+            assert view is not None
+            return bytes(view)
+        finally:
+            with self.lock:
+                self.manager.release_read(e)
+
     def read(self, key: BlockKey) -> bytes:
         with self.lock:
             e = self.manager.acquire_read(key, access=False)
@@ -70,12 +83,12 @@ class Tiers:
                 self.manager.release_read(e)
 
 
-def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int) -> Tiers:
+def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int, low: float = 0.5) -> Tiers:
     dram = DramTier(dram_blocks * BLOCK, prefault=False)
     # each SSD block takes its header page too (format 2)
     ssd = SsdTier(tmp_path / "kv.img", ssd_blocks * (BLOCK + HEADER_BYTES), io="python")
     manager = TierManager([dram, ssd], make_policy("lru"),
-                          watermarks=Watermarks(high=1.0, low=0.5))
+                          watermarks=Watermarks(high=1.0, low=low))
     lock = threading.Lock()
     return Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
 
@@ -247,6 +260,29 @@ def test_room_for_a_put_is_undone_when_the_ssd_keeps_every_block(tmp_path: Path)
         with t.lock:
             assert t.manager.moves_in_flight == 0
         assert all(t.read(k) == v for k, v in t.values.items())
+    finally:
+        t.mover.stop()
+        for lv in t.manager.levels:
+            lv.tier.close()
+
+
+
+def test_a_demotion_drops_more_when_the_room_made_is_not_in_one_piece(tmp_path: Path) -> None:
+    """The SSD is full of blocks one page smaller than the one demoted (another model's
+    size). The coldest two are dropped for it, but they are not neighbours: the block does
+    not fit in either hole. The mover drops more until the holes join, rather than undo."""
+    t = make(tmp_path, dram_blocks=4, ssd_blocks=4, low=1.0)
+    try:
+        small = [t.put(f"s{i}") for i in range(4)]
+        assert t.mover.make_room(0, 4 * BLOCK)
+        assert t.where(*small) == ["ssd"] * 4
+        for k in (small[1], small[3]):  # read: now s0 and s2 are the coldest
+            assert t.read_as_user(k) == t.values[k]
+        big = t.put("big", nbytes=BLOCK + HEADER_BYTES)
+        assert t.mover.make_room(0, BLOCK + HEADER_BYTES)
+        assert t.where(big) == ["ssd"] and t.read(big) == t.values[big]
+        with t.lock:
+            assert t.manager.moves_in_flight == 0
     finally:
         t.mover.stop()
         for lv in t.manager.levels:
