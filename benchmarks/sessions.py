@@ -356,6 +356,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="run sessions off after sessions on instead of both at once")
     ap.add_argument("--sample-s", type=float, default=0.5, help="node stats every (0.5 s)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                    help="run in DIR (new) and keep it: each process's log, per backend "
+                         "and mode (default: a temporary directory, removed)")
     args = ap.parse_args(argv)
     quick = {"sessions": 4, "turns": 5, "first_tokens": 384, "user_tokens": 96,
              "output_tokens": 8, "pause": "1,3", "stagger": 0.5}
@@ -411,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp:
         root = Path(tmp)
+        if args.keep_logs is not None:  # every process's log (and the SSD files) kept there
+            root = args.keep_logs
+            root.mkdir(parents=True, exist_ok=False)
         if "vllm" in backends:
             hidden, layers = args.vllm_model
             subprocess.run([args.vllm_python, "-c", "import sys; from pathlib import Path; "

@@ -155,6 +155,8 @@ class TierManager:
         self.retention = retention if retention is not None else RetentionBook()
         self.observer: TierObserver | None = None  # told of commits, unlinks and moves
         self._prefetch_bytes = 0  # of plans not yet settled
+        self._moving = 0  # blocks marked moving: planned moves not finished yet
+        self._reserved = 0  # bytes of the landing tier held by puts not committed yet
         self._prefetched: Counter[PrefetchOutcome] = Counter()  # settled, per block
 
     # ---- single-tier compatibility ---------------------------------------------------------
@@ -232,6 +234,7 @@ class TierManager:
             extent = tier.allocate(nbytes)
             if extent is None:
                 raise NeedsRoom(level, nbytes)
+            self._reserved += extent.length
             return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
                                retain=retain)
         # The parent of the block being written stays: evicting it would strand its child.
@@ -254,6 +257,7 @@ class TierManager:
 
             self._evict_until(level, fits, strict=True, protect=protect)
             extent = holder[0]
+        self._reserved += extent.length
         return Reservation(key=key, parent=parent, nbytes=nbytes, extent=extent, pin=pin,
                            retain=retain)
 
@@ -267,6 +271,7 @@ class TierManager:
         blocks = s.blocks
         key = reservation.key
         level = self.levels[self.landing]
+        self._reserved -= reservation.extent.length
         if key in blocks:
             level.tier.free(reservation.extent)
             if reservation.retain is not None:
@@ -293,7 +298,14 @@ class TierManager:
         return True
 
     def abort(self, reservation: Reservation) -> None:
+        self._reserved -= reservation.extent.length
         self.levels[self.landing].tier.free(reservation.extent)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the landing tier held by reservations not committed nor aborted yet
+        (no move can free them: they are not blocks yet)."""
+        return self._reserved
 
     def adopt(self, key: BlockKey, parent: BlockKey | None, nbytes: int, *, level: int,
               location: Any, retention: Retention | None = None) -> bool:
@@ -630,11 +642,17 @@ class TierManager:
                         break
                 entry.flags |= MOVING
                 entry.readers += 1
+                self._moving += 1
                 moves.append(move)
                 planned += lv.tier.footprint(entry.nbytes)  # what it frees here
         finally:
             lv.queue.restore(deferred)
         return moves
+
+    @property
+    def moves_in_flight(self) -> int:
+        """Blocks planned to move (phase 1) whose move has not finished (phase 3)."""
+        return self._moving
 
     def plan_promotions(self, limit: int) -> tuple[list[Move], tuple[int, int] | None]:
         """Up to ``limit`` queued promotions, in queue order, into room below the
@@ -676,6 +694,7 @@ class TierManager:
             return None
         entry.flags |= MOVING
         entry.readers += 1
+        self._moving += 1
         EvictionQueue.forget(entry)
         return Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent)
 
@@ -814,6 +833,7 @@ class TierManager:
             e = m.entry
             e.flags &= ~MOVING
             e.readers -= 1
+            self._moving -= 1
             unlinked = e.flags & UNLINKED
             src = self.levels[m.src]
             ok = m.copied and not unlinked and e.readers == 0
@@ -824,6 +844,7 @@ class TierManager:
                         gone = self._unlink(e)
                         if gone is not None:
                             to_delete.append(gone)
+                        m.applied = True
                         src.counters.evictions += 1
                         s.evicted.append(e.key)
                     else:

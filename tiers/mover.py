@@ -21,6 +21,7 @@ Assumption: at most one durable tier, and it is the last (SSD).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import deque
@@ -37,6 +38,19 @@ from tiers.reads import leased_block_view as leased_block_view
 from tiers.reads import leased_block_views as leased_block_views
 
 log = logging.getLogger("kvstore.tiers.mover")
+
+WRITE_PASSES = 8
+"""Writes of one demotion batch to the durable tier at most: after each, the blocks that
+did not fit in one piece get more room made for them (``_copy_to_durable``)."""
+
+
+class Room(enum.Enum):
+    """What ``TierMover.room_for`` did for a put that found its tier full."""
+
+    FREED = "freed"  # blocks left the tier: try the put again
+    WAITED = "waited"  # nothing could move now, but moves were in flight: they ended
+    UNDONE = "undone"  # moves were planned, none took effect (the tier below had no room)
+    NONE = "none"  # nothing could move and nothing was moving: the tier is full
 
 
 class TierMover:
@@ -181,15 +195,29 @@ class TierMover:
     # ---- rounds --------------------------------------------------------------------------
 
     def make_room(self, level: int, nbytes: int) -> bool:
-        """Moves at least ``nbytes`` (when possible) out of ``level``; False if nothing could go."""
+        """Moves at least ``nbytes`` (when possible) out of ``level``; False if no block
+        left it (nothing could go, or every move planned was undone)."""
+        return self.room_for(level, nbytes, timeout=0.0) is Room.FREED
+
+    def room_for(self, level: int, nbytes: int, *, timeout: float) -> Room:
+        """``make_room`` for a put that found ``level`` full. Where nothing can move because
+        the blocks that could are being moved by others (another put, a round, a prefetch),
+        waits up to ``timeout`` for those moves instead of answering that nothing could go:
+        whether any move is in flight is read under the owner's lock together with the
+        plan, so a move that ends between the two is never mistaken for a full tier."""
         with self._lock:
             moves = self._m.plan_moves(level, max(nbytes, 1))
-        if not moves:
-            return False
-        self._execute(moves)
-        return True
+            busy = not moves and self._m.moves_in_flight > 0
+        if moves:
+            return Room.FREED if self._execute(moves) else Room.UNDONE
+        if not busy:
+            return Room.NONE
+        if timeout > 0:
+            self.wait_for_moves(timeout)
+        return Room.WAITED
 
-    def _execute(self, moves: Sequence[Move]) -> None:
+    def _execute(self, moves: Sequence[Move]) -> int:
+        """Copies and finishes ``moves``; how many took effect (the others were undone)."""
         with self._rounds:
             self._in_flight += 1
         try:
@@ -201,6 +229,7 @@ class TierMover:
                 self._in_flight -= 1
                 self._rounds.notify_all()
             self.delete_durable(garbage)
+        return sum(m.applied for m in moves)
 
     def wait_for_moves(self, timeout: float) -> bool:
         """Waits until no round is in flight; False if none was (nothing to wait for)."""
@@ -265,8 +294,28 @@ class TierMover:
             free = dst.capacity - dst.used
             short = m.target_bytes(dst_level, need) if dst.used + need > \
                 m.watermarks.high * dst.capacity else 0
-        if (short or free < need) and not any(mv.no_drops for mv in moves):
+        drops = not any(mv.no_drops for mv in moves)
+        if (short or free < need) and drops:
             self.make_room(dst_level, max(short, need - free))
+        pending = list(moves)
+        for _ in range(WRITE_PASSES):
+            failed = self._write_durable(pending)
+            if not failed or not drops:
+                return
+            # The tier had the bytes, but not in one piece: the blocks dropped for them were
+            # of other sizes (a node serves several models, each with its block size), and
+            # the pieces did not join. Drop as much again, and write those again.
+            if not self.make_room(dst_level, sum(dst.footprint(mv.entry.nbytes)
+                                                 for mv in failed)):
+                return
+            pending = failed
+
+    def _write_durable(self, moves: Sequence[Move]) -> list[Move]:
+        """Writes the moves' blocks to the durable tier in one batch; the moves whose block
+        did not fit there."""
+        m = self._m
+        dst_level = moves[0].dst
+        assert dst_level is not None
         items: list[tuple[BlockKey, BlockKey | None, memoryview]] = []
         sources: list[Move] = []
         for mv in moves:
@@ -275,11 +324,15 @@ class TierMover:
                 items.append((mv.entry.key, mv.entry.parent, data))
                 sources.append(mv)
         if not items:
-            return
+            return []
         with self._lock:  # each block's deadline goes with it, for a restart to find
             kept = [m.retention.kept(mv.entry.key) for mv in sources]
-        locations = dst.write_blocks(items, kept)
+        locations = m.levels[dst_level].store.write_blocks(items, kept)
+        failed = []
         for mv, loc in zip(sources, locations, strict=True):
             if loc is not None:
                 mv.dst_location = loc
                 mv.copied = True
+            else:
+                failed.append(mv)
+        return failed

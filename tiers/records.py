@@ -241,7 +241,7 @@ class Move:
     dst_extent: Extent | None = None  # reserved when ``dst`` is a memory tier
     dst_location: Any = None  # filled by the mover when ``dst`` is durable
     copied: bool = False
-    applied: bool = False  # set by ``finish_moves`` when the move took effect
+    applied: bool = False  # set by ``finish_moves`` when the move (or drop) took effect
     # Room a prefetch makes: a copy into a durable tier never makes room there in turn
     # (no drop); if it does not fit, the move is undone.
     no_drops: bool = False

@@ -108,9 +108,10 @@ def _receive(conn: _Connection, items: list[tuple[bytes, bytes, int, int, int, i
         pin = bool(flags & wire.FLAG_PIN)
         retain_s = wire.item_retain_s(meta, i, wire.RPUT_ITEM.size)
         try:
+            holding = sum(s.reservation.extent.length for s in slots if s is not None)
             slot = stack.enter_context(node.put_slot(stored_key, nbytes, parent=par, pin=pin,
                                                      owner=p.owner, quota=p.quota,
-                                                     retain_s=retain_s))
+                                                     retain_s=retain_s, holding=holding))
         except KVStoreError as exc:
             failure = exc  # the writer has sent the rest: consume it to stay in frame
             conn.discard(nbytes)

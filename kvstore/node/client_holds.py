@@ -85,7 +85,7 @@ class ReservationSet:
     when they expire (``expire``); a later commit of one fails cleanly. With ``staging``
     the client fills them in its staging areas and the node lands the bytes at commit."""
 
-    __slots__ = ("_clock", "_next_id", "_node", "_pending", "_staging")
+    __slots__ = ("_clock", "_held_bytes", "_next_id", "_node", "_pending", "_staging")
 
     def __init__(self, node: Node, clock: Callable[[], float] = time.monotonic,
                  staging: Staging | None = None) -> None:
@@ -93,6 +93,7 @@ class ReservationSet:
         self._clock = clock
         self._staging = staging
         self._pending: dict[int, tuple[_Held, float]] = {}  # in grant order
+        self._held_bytes = 0  # the landing tier's bytes the pending reservations hold
         self._next_id = 1
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None, pin: bool,
@@ -103,7 +104,7 @@ class ReservationSet:
         cluster-role copy charged to a tenant: ``kvstore.auth.tenancy.charging``; tenants
         never map the region)."""
         reservation = self._node.reserve(key, nbytes, parent=parent, pin=pin, retain_s=retain_s,
-                                         owner=owner, quota=quota)
+                                         owner=owner, quota=quota, holding=self._held_bytes)
         if reservation is None:
             return None
         held = _Held(reservation=reservation)
@@ -117,6 +118,7 @@ class ReservationSet:
         rid = self._next_id
         self._next_id += 1
         self._pending[rid] = (held, self._clock())
+        self._held_bytes += reservation.extent.length
         return rid, reservation
 
     def staged_slot(self, rid: int) -> tuple[int, int] | None:
@@ -177,6 +179,7 @@ class ReservationSet:
             self._done(got[0], expired=False)
 
     def _done(self, held: _Held, *, expired: bool) -> None:
+        self._held_bytes -= held.reservation.extent.length
         if self._staging is not None and held.area is not None and held.slot is not None:
             self._staging.done(held.area, held.slot, expired=expired)
 
@@ -193,6 +196,7 @@ class ReservationSet:
         for held, _ in self._pending.values():
             self._node.abort(held.reservation)
         self._pending.clear()
+        self._held_bytes = 0
         if self._staging is not None:
             self._staging.close()
 

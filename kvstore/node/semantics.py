@@ -48,6 +48,7 @@ from kvstore.core.prefetch import (
 )
 from kvstore.core.retention import MAX_RETAIN_KEYS, RetainOutcome
 from kvstore.node.fit import check_fits, index_budget
+from kvstore.node.room import PutRoom, RoomTries
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
@@ -60,7 +61,6 @@ from tiers.retention import DEFAULT_MAX_RETAINED_FRACTION, RetentionBook, retain
 
 log = logging.getLogger("kvstore.node.semantics")
 T = TypeVar("T")
-_ROOM_ATTEMPTS = 8
 
 
 @dataclass(slots=True, kw_only=True)
@@ -134,8 +134,10 @@ class Node:
         )
         self._recover()
         self._mover: TierMover | None = None
+        self._room: PutRoom | None = None
         if len(tiers) > 1:
             self._mover = TierMover(self._manager, self._lock)
+            self._room = PutRoom(self._manager, self._lock, self._mover)
             self._mover.start()
         self._admission = threading.Lock()
         # guarded by _admission:
@@ -257,14 +259,15 @@ class Node:
 
     def _reserve(self, key: BlockKey, nbytes: int, parent: BlockKey | None, pin: bool,
                  owner: str | None = None, quota: int | None = None,
-                 retain_s: float | None = None) -> Reservation | None:
+                 retain_s: float | None = None, holding: int = 0) -> Reservation | None:
         if nbytes <= 0:
             raise InvalidArgument("a block value must not be empty")
         if parent == key:
             raise InvalidArgument("a block cannot be its own parent")
         retain = retain_ask(retain_s, owner=owner, quota=quota,
                             fraction=self.settings.max_retained_fraction)
-        for _ in range(_ROOM_ATTEMPTS):
+        tries: RoomTries | None = None
+        while True:
             try:
                 with self._lock:
                     if owner is not None and quota is not None and key not in self._manager:
@@ -283,28 +286,26 @@ class Node:
                     self._mover.nudge()
                 return reservation
             except NeedsRoom as need:
-                # The background mover fell behind: demote here, outside the lock.
-                assert self._mover is not None
-                with self._lock:
-                    size = self._manager.levels[need.level].tier.footprint(need.nbytes)
-                    want = self._manager.target_bytes(need.level, size)
-                if (not self._mover.make_room(need.level, max(want, size))
-                        and not self._mover.wait_for_moves(timeout=5.0)):
-                    break  # nothing could move and nothing was moving: truly full
+                # The background mover fell behind: make room here, outside the lock, or
+                # wait for it (``kvstore.node.room``); raises when none will come.
+                assert self._room is not None
+                if tries is None:
+                    tries = self._room.start()
+                self._room.make(need, tries, holding=holding)
             except (BlockTooLarge, OutOfSpace) as exc:
                 raise ResourceExhausted(str(exc)) from exc
-        raise ResourceExhausted("no room: every block that could move is pinned, being read "
-                                "or already moving")
 
     def reserve(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
                 pin: bool = False, owner: str | None = None, quota: int | None = None,
-                retain_s: float | None = None) -> Reservation | None:
+                retain_s: float | None = None, holding: int = 0) -> Reservation | None:
         """Space for a put whose bytes arrive later (None: the key is already stored).
 
         The caller owns the reservation until it hands it to ``commit`` or ``abort``;
         transports keep them in a ``ReservationSet`` that aborts leftovers on close.
+        ``holding``: bytes of reservations the caller holds already (``reserved_bytes``
+        of them), which a full DRAM tier must not wait for (``kvstore.node.room``).
         """
-        return self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
+        return self._reserve(key, nbytes, parent, pin, owner, quota, retain_s, holding)
 
     def fill_view(self, reservation: Reservation) -> memoryview:
         return self._manager.fill_view(reservation)
@@ -315,24 +316,30 @@ class Node:
         with self._lock:
             stored = self._manager.commit(reservation)
             self._quotas.settle(reservation, reservation.key, stored=stored)
-            return stored
+        if self._room is not None:
+            self._room.settled()
+        return stored
 
     def abort(self, reservation: Reservation) -> None:
         with self._lock:
             self._manager.abort(reservation)
             self._quotas.settle(reservation, reservation.key, stored=False)
+        if self._room is not None:
+            self._room.settled()
 
     @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
                  pin: bool = False, owner: str | None = None, quota: int | None = None,
-                 retain_s: float | None = None) -> Iterator[PutSlot | None]:
+                 retain_s: float | None = None, holding: int = 0
+                 ) -> Iterator[PutSlot | None]:
         """Two-phase put: reserve, let the caller fill ``slot.view``, commit on a clean exit.
 
         Yields None when the key is already stored (the put is an idempotent no-op).
         ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.auth.quotas``);
-        ``retain_s``: see ``tiers.retention``.
+        ``retain_s``: see ``tiers.retention``; ``holding``: see ``reserve``.
         """
-        reservation = self._reserve(key, nbytes, parent, pin, owner, quota, retain_s)
+        reservation = self._reserve(key, nbytes, parent, pin, owner, quota, retain_s,
+                                    holding)
         if reservation is None:
             yield None
             return

@@ -30,6 +30,28 @@ from kvstore.protocol.wire import HEADER, Mode, Op
 SHM_PUT_MIN_BYTES = 64 << 10
 """Puts at least this large (per batch) go through reserve/commit in shared memory."""
 
+SHM_PUT_REGION_SHARE = 16
+"""A shared-memory put reserves at most 1/16 of the node's DRAM region at a time (at least
+one value, and at least ``SHM_PUT_MIN_BYTES``): reserved space is held, neither a block
+nor movable, until its commit, so writers that each reserved a large batch at once could
+fill DRAM between them and leave each other no room (``kvstore.node.room``)."""
+
+
+def shm_parts(sizes: Sequence[int], bound: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of ``sizes`` in order, each at most ``max(bound,
+    SHM_PUT_MIN_BYTES)`` bytes in all or a single value."""
+    bound = max(bound, SHM_PUT_MIN_BYTES)
+    parts: list[tuple[int, int]] = []
+    lo, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > lo and total + n > bound:
+            parts.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes):
+        parts.append((lo, len(sizes)))
+    return parts
+
 
 @dataclass(slots=True, kw_only=True)
 class ChannelSession:
@@ -339,12 +361,21 @@ class ChannelConnection:
 
     def _put_shm(self, keys: Sequence[bytes], values: Sequence[memoryview], meta: bytes
                  ) -> list[bool]:
-        rids, slots = self._reserve_and_fill(keys, values, meta)
-        if not rids:
-            return [False] * len(keys)
-        _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
-        done = iter(committed)
-        return [False if offset is None else bool(next(done)) for offset in slots]
+        """Reserve, fill and commit, in parts of at most ``SHM_PUT_REGION_SHARE`` of the
+        region (one part for a batch that small)."""
+        out: list[bool] = []
+        size = wire.PUT_ITEM.size
+        for lo, hi in shm_parts([len(v) for v in values],
+                                self.session.region_bytes // SHM_PUT_REGION_SHARE):
+            part = meta[lo * size:hi * size]  # PUT items are of one size
+            rids, slots = self._reserve_and_fill(keys[lo:hi], values[lo:hi], part)
+            if not rids:
+                out += [False] * (hi - lo)
+                continue
+            _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
+            done = iter(committed)
+            out += [False if offset is None else bool(next(done)) for offset in slots]
+        return out
 
     def _take_new_staging(self, reply: bytes) -> None:
         """Maps the staging area that rode along with a RESERVE reply, if one did."""

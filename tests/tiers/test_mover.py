@@ -19,7 +19,7 @@ from kvstore.core.keys import BlockKey
 from kvstore.core.prefetch import PrefetchOutcome
 from tiers.dram import DramTier
 from tiers.manager import PrefetchPlan, TierManager, Watermarks
-from tiers.mover import TierMover, leased_block_view
+from tiers.mover import Room, TierMover, leased_block_view
 from tiers.policy import make_policy
 from tiers.retention import RetainAsk
 from tiers.ssd.tier import SsdTier
@@ -35,11 +35,11 @@ class Tiers:
     lock: threading.Lock
     values: dict[BlockKey, bytes]
 
-    def put(self, name: str, retain_s: float = 0.0) -> BlockKey:
+    def put(self, name: str, retain_s: float = 0.0, nbytes: int = BLOCK) -> BlockKey:
         key = BlockKey(name.encode().ljust(16, b"."))
-        value = os.urandom(BLOCK)
+        value = os.urandom(nbytes)
         with self.lock:
-            r = self.manager.reserve(key, BLOCK,
+            r = self.manager.reserve(key, nbytes,
                                      retain=RetainAsk(seconds=retain_s) if retain_s else None)
             assert r is not None
             self.manager.fill_view(r)[:] = value
@@ -57,6 +57,19 @@ class Tiers:
         with self.lock:
             return self.manager.plan_prefetch(list(keys), 0, max_bytes=1 << 30)
 
+    def read_as_user(self, key: BlockKey) -> bytes:
+        """``read``, counted as a read (a hit, and the block's recency)."""
+        with self.lock:
+            e = self.manager.acquire_read(key)
+        assert e is not None
+        try:
+            view = leased_block_view(self.manager, self.lock, e)
+            assert view is not None
+            return bytes(view)
+        finally:
+            with self.lock:
+                self.manager.release_read(e)
+
     def read(self, key: BlockKey) -> bytes:
         with self.lock:
             e = self.manager.acquire_read(key, access=False)
@@ -70,12 +83,12 @@ class Tiers:
                 self.manager.release_read(e)
 
 
-def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int) -> Tiers:
+def make(tmp_path: Path, *, dram_blocks: int, ssd_blocks: int, low: float = 0.5) -> Tiers:
     dram = DramTier(dram_blocks * BLOCK, prefault=False)
     # each SSD block takes its header page too (format 2)
     ssd = SsdTier(tmp_path / "kv.img", ssd_blocks * (BLOCK + HEADER_BYTES), io="python")
     manager = TierManager([dram, ssd], make_policy("lru"),
-                          watermarks=Watermarks(high=1.0, low=0.5))
+                          watermarks=Watermarks(high=1.0, low=low))
     lock = threading.Lock()
     return Tiers(manager=manager, mover=TierMover(manager, lock), lock=lock, values={})
 
@@ -191,6 +204,89 @@ def test_ssd_to_hbm_in_one_move(tmp_path: Path) -> None:
         for tier in (hbm, dram, ssd):
             tier.close()
 
+
+
+# ---- room for a put (``room_for``: what ``kvstore.node.room`` acts on) ---------------------
+
+
+def test_room_for_a_put_is_freed_by_demoting(small: Tiers) -> None:
+    t = small
+    keys = [t.put(f"b{i}") for i in range(4)]  # DRAM full
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.FREED
+    assert t.where(*keys) == ["ssd", "dram", "dram", "dram"]
+    with t.lock:
+        assert t.manager.moves_in_flight == 0
+
+
+def test_room_for_a_put_is_none_when_nothing_could_move(small: Tiers) -> None:
+    t = small
+    with t.lock:
+        held = [t.manager.reserve(BlockKey(bytes([i]) * 16), BLOCK) for i in range(4)]
+        assert t.manager.reserved_bytes == 4 * BLOCK
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.NONE  # only reservations there
+    assert not t.mover.make_room(0, BLOCK)
+    with t.lock:
+        for r in held:
+            assert r is not None
+            t.manager.abort(r)
+        assert t.manager.reserved_bytes == 0
+
+
+def test_room_for_a_put_waits_for_moves_in_flight(small: Tiers) -> None:
+    """Every DRAM block is planned to move by another caller: nothing can move now, but
+    room will come; the answer is WAITED (not NONE), read with the plan under the lock."""
+    t = small
+    for i in range(4):
+        t.put(f"b{i}")
+    with t.lock:
+        theirs = t.manager.plan_moves(0, 4 * BLOCK)
+        assert len(theirs) == 4 and t.manager.moves_in_flight == 4
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.WAITED
+    with t.lock:
+        t.manager.finish_moves(theirs)  # never copied: undone
+        assert t.manager.moves_in_flight == 0
+    assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.FREED
+
+
+def test_room_for_a_put_is_undone_when_the_ssd_keeps_every_block(tmp_path: Path) -> None:
+    t = make(tmp_path, dram_blocks=2, ssd_blocks=2)
+    try:
+        kept = [t.put(f"k{i}", retain_s=600) for i in range(2)]
+        assert t.mover.make_room(0, 2 * BLOCK)  # the SSD is full of retained blocks
+        more = [t.put(f"m{i}", retain_s=600) for i in range(2)]  # and DRAM too
+        assert t.mover.room_for(0, BLOCK, timeout=0.0) is Room.UNDONE
+        assert not t.mover.make_room(0, BLOCK)  # planned, but nothing left DRAM
+        assert t.where(*kept, *more) == ["ssd", "ssd", "dram", "dram"]
+        with t.lock:
+            assert t.manager.moves_in_flight == 0
+        assert all(t.read(k) == v for k, v in t.values.items())
+    finally:
+        t.mover.stop()
+        for lv in t.manager.levels:
+            lv.tier.close()
+
+
+
+def test_a_demotion_drops_more_when_the_room_made_is_not_in_one_piece(tmp_path: Path) -> None:
+    """The SSD is full of blocks one page smaller than the one demoted (another model's
+    size). The coldest two are dropped for it, but they are not neighbours: the block does
+    not fit in either hole. The mover drops more until the holes join, rather than undo."""
+    t = make(tmp_path, dram_blocks=4, ssd_blocks=4, low=1.0)
+    try:
+        small = [t.put(f"s{i}") for i in range(4)]
+        assert t.mover.make_room(0, 4 * BLOCK)
+        assert t.where(*small) == ["ssd"] * 4
+        for k in (small[1], small[3]):  # read: now s0 and s2 are the coldest
+            assert t.read_as_user(k) == t.values[k]
+        big = t.put("big", nbytes=BLOCK + HEADER_BYTES)
+        assert t.mover.make_room(0, BLOCK + HEADER_BYTES)
+        assert t.where(big) == ["ssd"] and t.read(big) == t.values[big]
+        with t.lock:
+            assert t.manager.moves_in_flight == 0
+    finally:
+        t.mover.stop()
+        for lv in t.manager.levels:
+            lv.tier.close()
 
 
 SMALL = 64  # a value far below the SSD's 8 KiB per block (a header page, the value aligned)
