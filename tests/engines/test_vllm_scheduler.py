@@ -148,6 +148,30 @@ def test_a_routers_stored_blocks_stand_for_the_lookup(sched: Any, client: Client
     assert (sched.stats["store_lookups"], sched.stats["lookups_from_router"]) == (5, 3)
 
 
+@pytest.mark.parametrize("router", [False, True])
+def test_after_a_refused_first_block_the_store_is_asked_again(sched: Any, client: Client,
+                                                              router: bool) -> None:
+    """vLLM looks a request up again when its load's first block was refused; the kept
+    answer (or the router's count) would load the dropped block again, for ever."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    toks = tokens(200, 10 + router)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys)
+    req = hinted(toks, {"kvstore_stored_blocks": 6}) if router else request(toks)
+    ids = list(range(30, 37))
+    sched._kv_cache_manager.blocks[req.request_id] = ids
+    assert sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    sched.update_state_after_alloc(req, blocks_of(ids), 192)
+    sched.build_connector_meta(sched_output())
+    client.remove(keys[0])  # the worker refused block 0 and removed it
+    sched.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
+                                                    invalid_block_ids=set(ids[:6])))
+    asked = sched.stats["store_lookups"]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats["store_lookups"] == asked + 1
+
+
 def test_load_spec_names_the_external_blocks(sched: Any, client: Client) -> None:
     toks = tokens(200, 4)
     keys = block_keys(toks, BLOCK, sched.namespace)

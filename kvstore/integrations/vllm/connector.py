@@ -378,15 +378,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _lookup(self, st: RequestState, full: int) -> list[list[bool]]:
         """Per group, which of the request's first ``full`` blocks the store holds: asked
-        once per request (and again after a preemption grew its tokens), or taken from
-        the router's ``kvstore_stored_blocks`` when the request carries it and its keys
-        are the router's (one group, no LoRA, salt or media: the router's keys have no
-        ``extra``). A failed lookup is a miss."""
+        once per request (and again after a preemption grew its tokens, or after a load
+        from the answer failed: vLLM asks again when the first block was refused, and the
+        store, which dropped it, must answer, or the load would be retried for ever), or
+        taken from the router's ``kvstore_stored_blocks`` when the request carries it and
+        its keys are the router's (one group, no LoRA, salt or media: the router's keys
+        have no ``extra``) and no load from it failed. A failed lookup is a miss."""
         request = st.request
         if st.present is not None and st.looked_up_tokens == request.num_tokens:
             self.stats["lookups_reused"] += 1
             return st.present
-        hint = request_stored_blocks(request)
+        hint = None if st.load_failed else request_stored_blocks(request)
         if hint is not None and not self._plan.hybrid and not st.extra:
             self.stats["lookups_from_router"] += 1
             present = [[True] * min(hint, full)]
@@ -505,6 +507,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     first_bad = st.load_first_block + i
                     st.saved_upto = min(st.saved_upto, first_bad)
                     st.store_blocks = min(st.store_blocks, first_bad)
+                    st.forget_lookup()  # a lookup vLLM makes again asks the store
                     break
         for req_id in connector_output.finished_recving or ():
             if (done := self._reqs.get(req_id)) is None:
@@ -514,6 +517,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # recomputes the request whole.
                 done.saved_upto = min(done.saved_upto, done.load_first_block)
                 done.store_blocks = min(done.store_blocks, done.load_first_block)
+                done.forget_lookup()
             done.loading = []
 
     def request_finished(self, request: Request, block_ids: list[int]

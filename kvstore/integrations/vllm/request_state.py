@@ -51,6 +51,14 @@ class RequestState:
     """``request.num_tokens`` at that lookup: vLLM asks again on every scheduler pass the
     request waits through (the answer is reused) and after a preemption (then its tokens
     grew by its output, and the store is asked again)."""
+    load_failed: bool = False
+    """A load from a lookup's answer failed: lookups from then on ask the store (not the
+    kept answer, not the router's count)."""
+
+    def forget_lookup(self) -> None:
+        """A load from the last answer failed: the next lookup asks the store."""
+        self.present = None
+        self.load_failed = True
 
     def keys_upto(self, num_blocks: int, group: int, *, roots: Sequence[bytes],
                   block_size: int) -> list[bytes]:
