@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from conductor.front.vllm_instances import UpstreamError, VllmInstance
-from kvstore.integrations.vllm.describe import RETAIN_PARAM
+from kvstore.integrations.vllm.describe import RETAIN_PARAM, STORED_PARAM
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``."""
@@ -118,6 +118,20 @@ def with_retention(body: dict[str, Any], retain_s: float) -> tuple[dict[str, Any
     if not isinstance(params, dict) or RETAIN_PARAM in params:
         return body, False
     return {**body, "kv_transfer_params": {**params, RETAIN_PARAM: retain_s}}, True
+
+
+def with_stored(body: dict[str, Any], blocks: int) -> dict[str, Any]:
+    """``body`` telling the instance's connector that the store holds the prompt's first
+    ``blocks`` blocks (``kv_transfer_params[STORED_PARAM]``: the front's own lookup, so
+    the instance does not ask the store again). A client's own ``STORED_PARAM`` is kept,
+    and ``kv_transfer_params`` that are not an object are left for the instance to
+    refuse."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or STORED_PARAM in params:
+        return body
+    return {**body, "kv_transfer_params": {**params, STORED_PARAM: int(blocks)}}
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

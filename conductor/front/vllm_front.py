@@ -18,14 +18,19 @@ Disaggregated (``--vllm-prefill`` / ``--vllm-decode``), per request:
 3. the front waits until every full block of the prompt is in the store (see
    ``conductor.front.store_view``: woken by the nodes' KV events, or polled; bounded by
    ``durable_timeout_s``; HTTP 504 if not);
-4. the decode instance (``kv_consumer``) gets the client's request unchanged; its
-   answer, streamed or not, is passed through as it comes.
+4. the decode instance (``kv_consumer``) gets the client's request, its
+   ``kv_transfer_params`` telling the connector that every full block is stored
+   (``kvstore_stored_blocks``, so it does not ask the store again); its answer, streamed
+   or not, is passed through as it comes.
 
 A prompt shorter than one block has nothing to hand over: it goes straight to decode.
 
 Colocated (``--vllm``): the instance with the lowest estimated TTFT = queue + prefill
 of the tokens neither its own prefix cache (what the front sent there) nor the store
-holds (the session's instance when it meets the SLO); the request goes there unchanged.
+holds (the session's instance when it meets the SLO); the request goes there with the
+store's answer in ``kv_transfer_params`` (``kvstore_stored_blocks``: the instance's
+connector takes it instead of a lookup of its own). The prefill instance of a
+disaggregated pair gets the same.
 
 An instance's own refusal of a request (its 4xx) reaches the client verbatim.
 
@@ -61,6 +66,7 @@ from conductor.front.openai_api import (
     prompt_token_ids,
     sse_error,
     with_retention,
+    with_stored,
 )
 from conductor.front.session_cache import SessionCache
 from conductor.front.sessions import PreferSession as PreferSession  # re-exported
@@ -499,7 +505,7 @@ class VllmFront:
         try:
             if keys:
                 self.metrics.chosen.labels("prefill", pinst.id).inc()
-                pre = prefill_body(body)
+                pre = with_stored(prefill_body(body), stored)
                 pinst.in_flight += 1
                 tp = time.monotonic()
                 try:
@@ -525,6 +531,8 @@ class VllmFront:
                 return self._reject(route, reason)
             d = c.decode_of(rid)
             d.start(rid, len(tokens), out_tokens, out_tokens)
+            # Every full block is stored now (step 3): the decode instance need not ask.
+            job.body = with_stored(body, len(keys))
         except BaseException:
             if not forgotten:
                 c.forget(rid)
@@ -550,6 +558,7 @@ class VllmFront:
             self._follow_session(session, prefer, iid, now)
         self._local[iid].use(keys)
         self.metrics.chosen.labels("colocated", inst.id).inc()
+        job.body = with_stored(job.body, stored)  # the instance need not ask the store
         return await self._forward(inst, job, lambda: None, prefill_tokens=len(tokens) - min(
             stored * self.block_tokens, len(tokens) - 1))
 

@@ -314,10 +314,13 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
                                                          tmp_path: Path) -> None:
     """Step 3's ordering, checked where it matters: a recording proxy in front of D asks
     the store, when each decode request arrives, whether every full block of its prompt
-    is there. A front that asked decode before the prefill's saves landed fails this."""
+    is there. A front that asked decode before the prefill's saves landed fails this. The
+    request also tells the decode instance's connector so (``kvstore_stored_blocks``:
+    every full block), so the instance does not ask the store itself."""
     import uvicorn
 
     seen: list[tuple[int, int]] = []
+    hinted: list[int | None] = []
     app = FastAPI()
     upstream = servers["D"].url
     client = Client(store_node.addr)
@@ -331,6 +334,7 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
         if path == "v1/completions" and not describe:
             keys = block_keys(body["prompt"], BLOCK, NS)
             seen.append((client.prefix_match(keys), len(keys)))
+            hinted.append((body.get("kv_transfer_params") or {}).get("kvstore_stored_blocks"))
         async with httpx.AsyncClient() as h:
             r = await h.request(request.method, f"{upstream}/{path}", content=raw,
                                 headers={"content-type": "application/json"}, timeout=120)
@@ -361,6 +365,7 @@ def test_decode_is_asked_only_once_the_blocks_are_stored(servers: dict[str, Proc
             assert p.stop() == 0, p.output()
         assert len(seen) == 6
         assert all(found == want and want >= 3 for found, want in seen), seen
+        assert hinted == [want for _, want in seen]
     finally:
         server.should_exit = True
         t.join(10)

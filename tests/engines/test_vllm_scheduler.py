@@ -98,6 +98,80 @@ def test_an_unreachable_store_is_a_miss(make_connector: Any) -> None:
     assert time.monotonic() - t0 < 10
 
 
+def test_the_store_is_asked_once_per_request_and_again_after_a_preemption(
+        sched: Any, client: Client) -> None:
+    toks = tokens(200, 8)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys[:2])
+    req = request(toks)
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    store(client, keys[2:])
+    # vLLM asks on every scheduler pass the request waits through: the first answer holds
+    # (the store is not asked again, so the blocks stored since are not seen).
+    assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
+    assert sched.get_num_new_matched_tokens(req, 32) == (32, True)
+    assert (sched.stats["store_lookups"], sched.stats["lookups_reused"]) == (1, 2)
+    # Preempted after an output token: its tokens grew, so the store is asked again.
+    req.append_output_token_ids(7)
+    assert sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    assert sched.stats["store_lookups"] == 2
+
+
+def hinted(toks: list[int], params: dict[str, Any], **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id(), toks, SamplingParams(
+        max_tokens=64, extra_args={"kv_transfer_params": params}), None, **kw)
+
+
+def test_a_routers_stored_blocks_stand_for_the_lookup(sched: Any, client: Client) -> None:
+    toks = tokens(200, 9)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys[:5])
+    # The router found 3 blocks: the connector offers those, asking the store nothing.
+    assert sched.get_num_new_matched_tokens(hinted(toks, {"kvstore_stored_blocks": 3}), 0
+                                            ) == (96, True)
+    # More than the prompt's full blocks: its last token is still computed by vLLM.
+    assert sched.get_num_new_matched_tokens(hinted(toks, {"kvstore_stored_blocks": 99}), 0
+                                            ) == (192, True)
+    assert sched.get_num_new_matched_tokens(hinted(toks, {"kvstore_stored_blocks": 0}), 0
+                                            ) == (0, False)
+    assert (sched.stats["store_lookups"], sched.stats["lookups_from_router"]) == (0, 3)
+    # Keys the router did not compute (a cache salt) or a value that is not a block
+    # count: the store is asked.
+    assert sched.get_num_new_matched_tokens(
+        hinted(toks, {"kvstore_stored_blocks": 6}, cache_salt="t"), 0) == (0, False)
+    for bad in (-1, "3", 2.0, True):
+        assert sched.get_num_new_matched_tokens(hinted(toks, {"kvstore_stored_blocks": bad}),
+                                                0) == (160, True)
+    assert (sched.stats["store_lookups"], sched.stats["lookups_from_router"]) == (5, 3)
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_after_a_refused_first_block_the_store_is_asked_again(sched: Any, client: Client,
+                                                              router: bool) -> None:
+    """vLLM looks a request up again when its load's first block was refused; the kept
+    answer (or the router's count) would load the dropped block again, for ever."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    toks = tokens(200, 10 + router)
+    keys = block_keys(toks, BLOCK, sched.namespace)
+    store(client, keys)
+    req = hinted(toks, {"kvstore_stored_blocks": 6}) if router else request(toks)
+    ids = list(range(30, 37))
+    sched._kv_cache_manager.blocks[req.request_id] = ids
+    assert sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    sched.update_state_after_alloc(req, blocks_of(ids), 192)
+    sched.build_connector_meta(sched_output())
+    client.remove(keys[0])  # the worker refused block 0 and removed it
+    sched.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
+                                                    invalid_block_ids=set(ids[:6])))
+    asked = sched.stats["store_lookups"]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats["store_lookups"] == asked + 1
+
+
 def test_load_spec_names_the_external_blocks(sched: Any, client: Client) -> None:
     toks = tokens(200, 4)
     keys = block_keys(toks, BLOCK, sched.namespace)

@@ -256,3 +256,37 @@ def test_a_namespace_shared_by_engines_on_other_weights_loads_nothing(
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_saves_block_a_step_only_when_max_pending_saves_are_in_flight(
+        make_connector: Any, store_node: Any, client: Client) -> None:
+    import threading
+
+    from kvstore.integrations.vllm_connector import KVStoreConnectorMetadata, SaveSpec
+
+    conn = make_connector("WORKER", store_node.addr, namespace=f"pending-{time.time_ns()}",
+                          max_pending_saves=2)
+    conn.register_kv_caches({name: torch.randn(SHAPE) for name in LAYERS})
+    gate = threading.Event()
+    try:
+        conn._saver.submit(gate.wait)  # the saver thread is busy until the gate opens
+        keys = keys_for(conn, 3, 40)
+        steps = [KVStoreConnectorMetadata(saves=[SaveSpec(f"r{i}", [k], [i], None)])
+                 for i, k in enumerate(keys)]
+        # Two batches in flight: both steps return with the saver still blocked.
+        run_step(conn, steps[0])
+        run_step(conn, steps[1])
+        assert len(conn._saves) == 2 and not any(f.done() for f in conn._saves)
+        # The third waits for the oldest batch.
+        third = threading.Thread(target=run_step, args=(conn, steps[2]))
+        third.start()
+        third.join(timeout=1.0)  # a step that did not wait would be over by now
+        assert third.is_alive()
+        gate.set()
+        third.join(timeout=30)
+        assert not third.is_alive()
+        drain_saves(conn)
+        assert all(v is not None for v in client.get_batch(keys))
+    finally:
+        gate.set()
+        conn.shutdown()

@@ -35,9 +35,10 @@ settings wrote (under a namespace both were given), is refused, never loaded.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -59,6 +60,20 @@ class BlockLayout:
     dtype: torch.dtype
     identity: int = 0
     """The writing engine's identity (header offset 56); a reader refuses another."""
+    itemsize: int = field(init=False, repr=False, compare=False)
+    layer_bytes_each: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    fingerprint: int = field(init=False, repr=False, compare=False)
+    """xxh3_64 of the dtype and per-layer shapes (header offset 24)."""
+
+    def __post_init__(self) -> None:
+        # Derived once: seal and check read them for every block of every step.
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        each = tuple(itemsize * math.prod(shape) for shape in self.layer_shapes)
+        fingerprint = xxhash.xxh3_64_intdigest(
+            repr((str(self.dtype), self.layer_shapes)).encode())
+        object.__setattr__(self, "itemsize", itemsize)
+        object.__setattr__(self, "layer_bytes_each", each)
+        object.__setattr__(self, "fingerprint", fingerprint)
 
     @classmethod
     def from_caches(cls, caches: Sequence[torch.Tensor], *, identity: int = 0
@@ -83,30 +98,12 @@ class BlockLayout:
         return len(self.layer_shapes)
 
     @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def layer_bytes_each(self) -> list[int]:
-        out = []
-        for shape in self.layer_shapes:
-            n = self.itemsize
-            for d in shape:
-                n *= d
-            out.append(n)
-        return out
-
-    @property
     def layer_bytes(self) -> int:
         return self.layer_bytes_each[0]
 
     @property
     def value_bytes(self) -> int:
         return HEADER_BYTES + self.num_layers * self.layer_bytes
-
-    @property
-    def fingerprint(self) -> int:
-        return xxhash.xxh3_64_intdigest(repr((str(self.dtype), self.layer_shapes)).encode())
 
     # --- staging buffers: one row of value_bytes per block --------------------------------
 

@@ -34,7 +34,13 @@ then the engine's own bytes of each layer's block. A block is present or absent 
 
 *Scheduler side.* ``get_num_new_matched_tokens`` asks the store how many leading blocks
 it holds (one ``prefix_match``) and offers those beyond vLLM's local prefix-cache hit,
-block-aligned and always leaving the prompt's last token to compute. Loads are
+block-aligned and always leaving the prompt's last token to compute. The store is asked
+once per request: vLLM asks again on every scheduler pass a request waits through, and
+gets the first answer; a preempted request (its tokens grown by its output) is looked up
+again. A request whose ``kv_transfer_params`` carry ``kvstore_stored_blocks`` (the
+Conductor's own lookup) is not looked up at all, when its keys are the router's (one KV
+cache group; no LoRA, cache salt or media). A block's key is hashed once, chained from
+the previous one as the request's blocks fill. Loads are
 asynchronous (it returns ``load_async=True``): vLLM allocates the blocks and parks the
 request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running.
 ``build_connector_meta`` hands the worker each new load (keys, destination block ids)
@@ -97,7 +103,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -106,16 +112,24 @@ import torch
 import vllm
 import xxhash
 
-from kvstore import Client, block_keys
+from kvstore import Client
 from kvstore.core.errors import BufferTooSmall
-from kvstore.core.retention import MAX_RETAIN_KEYS, check_retain_s
+from kvstore.core.keys import namespace_root_key
+from kvstore.core.retention import MAX_RETAIN_KEYS
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
-from kvstore.integrations.vllm.describe import RETAIN_PARAM, describe_reply
+from kvstore.integrations.vllm.describe import describe_reply
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
 from kvstore.integrations.vllm.ranks import engine_shard_plan
+from kvstore.integrations.vllm.request_state import (
+    RequestState,
+    request_extra,
+    request_retain_s,
+    request_stored_blocks,
+)
+from kvstore.integrations.vllm.threads import io_executor
 from kvstore.integrations.vllm.versions import check_vllm_version
 
 # Before any other vLLM import (hence the E402s below): a version outside the list fails
@@ -178,40 +192,6 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 # --- scheduler-side state ----------------------------------------------------------------
-
-@dataclass(slots=True)
-class _ReqState:
-    request: Request
-    extra: bytes
-    keys: list[list[bytes]] = field(default_factory=list)
-    """Per group of the plan, the keys of the request's leading blocks."""
-    store_blocks: int = 0
-    """Leading blocks the store held at the last lookup (or that were saved since)."""
-    saved_upto: int = 0
-    """Leading blocks that are in the store or already handed to the worker to save."""
-    lookup_local_tokens: int = 0
-    """``num_computed_tokens`` vLLM passed to the last lookup (its local hit)."""
-    loading: list[int] = field(default_factory=list)
-    """Destination block ids of the load in flight, in block order."""
-    load_first_block: int = 0
-    retain_s: float = 0.0
-    """The request's ``kvstore_retain_s`` (its saves carry it)."""
-    retain_from_start: bool = False
-    """Its first lookup is still to retain the prefix the store holds."""
-
-
-def request_retain_s(request: Request) -> float:
-    """``kv_transfer_params["kvstore_retain_s"]`` checked (0.0: none or refused)."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    raw = params.get(RETAIN_PARAM) if isinstance(params, dict) else None
-    if raw is None:
-        return 0.0
-    try:
-        return check_retain_s(raw)
-    except ValueError as exc:
-        logger.warning("request %s: ignoring %s: %s", request.request_id, RETAIN_PARAM, exc)
-        return 0.0
-
 
 def engine_identity(vllm_config: VllmConfig, *,
                     weights: WeightsIdentity | None = None) -> dict[str, str]:
@@ -277,20 +257,6 @@ def header_identity(identity: dict[str, str], *, shard: str) -> int:
     return xxhash.xxh3_64_intdigest(text.encode()) or 1
 
 
-def request_extra(request: Request) -> bytes:
-    """Bytes mixed into every key of ``request``'s blocks (see ``kvstore.core.keys``)."""
-    parts = []
-    lora = request.lora_request
-    if lora is not None:  # its name and where it was loaded from
-        parts.append(f"lora={lora.lora_name}")
-        parts.append(f"lora_path={getattr(lora, 'lora_path', '') or ''}")
-    if request.cache_salt:
-        parts.append(f"salt={request.cache_salt}")
-    for feature in request.mm_features or ():
-        parts.append(f"mm={getattr(feature, 'identifier', '')}")
-    return "\x00".join(parts).encode()
-
-
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's external KV cache in kvstore (see the module docstring)."""
 
@@ -325,8 +291,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     self._do_load, self._do_save)
         if role == KVConnectorRole.SCHEDULER:
             self._sched_client: Client | None = None
-            self._reqs: dict[str, _ReqState] = {}
+            self._reqs: dict[str, RequestState] = {}
+            self._roots = [namespace_root_key(self._plan.group_namespace(self._namespace, q))
+                           for q in range(len(self._plan.groups))]
+            """Each group's chain root (the parent of its first block's key)."""
             self._pending_loads: list[LoadSpec] = []
+            self.stats = {"store_lookups": 0, "lookups_reused": 0, "lookups_from_router": 0}
         else:
             self._layout: BlockLayout | None = None
             """The primary group's layout (all of a one-group model's layers)."""
@@ -336,8 +306,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._step: StepStaging | None = None
             self._load_client = self._new_client()
             self._save_client = self._new_client()
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+            # Not pinned to the compute's cores, as threads the worker starts would be.
+            self._loader = io_executor("kvstore-load")
+            self._saver = io_executor("kvstore-save")
             self._loads: dict[str, Future] = {}
             self._load_errors: set[int] = set()
             self._saves: deque[Future] = deque()
@@ -375,33 +346,28 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched_client = self._new_client()
         return self._sched_client
 
-    def _state(self, request: Request) -> _ReqState:
+    def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
             keep = request_retain_s(request)
-            st = _ReqState(request=request, extra=request_extra(request), retain_s=keep,
+            st = RequestState(request=request, extra=request_extra(request), retain_s=keep,
                            retain_from_start=keep > 0)
             self._reqs[request.request_id] = st
         return st
 
-    def _keys_upto(self, st: _ReqState, num_blocks: int, group: int | None = None
+    def _keys_upto(self, st: RequestState, num_blocks: int, group: int | None = None
                    ) -> list[bytes]:
         """The keys of the first ``num_blocks`` blocks of ``st``'s request in ``group``
         (a position of the plan; None: the primary group, the namespace's own keys)."""
         p = self._plan.primary if group is None else group
-        if not st.keys or len(st.keys[p]) < num_blocks:
-            tokens = list(st.request.all_token_ids[: num_blocks * self._block_size])
-            st.keys = [[bytes(k) for k in block_keys(
-                tokens, self._block_size, self._plan.group_namespace(self._namespace, q),
-                extra=st.extra)] for q in range(len(self._plan.groups))]
-        return st.keys[p][:num_blocks]
+        return st.keys_upto(num_blocks, p, roots=self._roots, block_size=self._block_size)
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
         # Prompt embeddings have no token ids to name them by.
         return request.prompt_embeds is None
 
-    def _present(self, st: _ReqState, full: int) -> list[list[bool]]:
+    def _present(self, st: RequestState, full: int) -> list[list[bool]]:
         """Per group, which of the request's first ``full`` blocks the store holds in
         every shard (``groups.GroupPlan.present``, ``ranks.ShardPlan``)."""
         client = self._client()
@@ -409,6 +375,32 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             [self._keys_upto(st, full, p) for p in range(len(self._plan.groups))],
             prefix_match=partial(self._shards.stored_prefix, client.prefix_match),
             exists=partial(self._shards.stored_flags, client.exists))
+
+    def _lookup(self, st: RequestState, full: int) -> list[list[bool]]:
+        """Per group, which of the request's first ``full`` blocks the store holds: asked
+        once per request (and again after a preemption grew its tokens, or after a load
+        from the answer failed: vLLM asks again when the first block was refused, and the
+        store, which dropped it, must answer, or the load would be retried for ever), or
+        taken from the router's ``kvstore_stored_blocks`` when the request carries it and
+        its keys are the router's (one group, no LoRA, salt or media: the router's keys
+        have no ``extra``) and no load from it failed. A failed lookup is a miss."""
+        request = st.request
+        if st.present is not None and st.looked_up_tokens == request.num_tokens:
+            self.stats["lookups_reused"] += 1
+            return st.present
+        hint = None if st.load_failed else request_stored_blocks(request)
+        if hint is not None and not self._plan.hybrid and not st.extra:
+            self.stats["lookups_from_router"] += 1
+            present = [[True] * min(hint, full)]
+        else:
+            self.stats["store_lookups"] += 1
+            try:
+                present = self._present(st, full)
+            except Exception as exc:
+                logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
+                present = [[] for _ in self._plan.groups]
+        st.present, st.looked_up_tokens = present, request.num_tokens
+        return present
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -419,11 +411,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         full = request.num_tokens // self._block_size
         if full == 0:
             return 0, False
-        try:
-            present = self._present(st, full)
-        except Exception as exc:
-            logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
-            present = [[] for _ in self._plan.groups]
+        present = self._lookup(st, full)
         # Leading blocks every group holds: nothing to save there.
         hit = min(next((i for i, x in enumerate(p) if not x), len(p)) for p in present)
         st.store_blocks = hit
@@ -519,6 +507,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     first_bad = st.load_first_block + i
                     st.saved_upto = min(st.saved_upto, first_bad)
                     st.store_blocks = min(st.store_blocks, first_bad)
+                    st.forget_lookup()  # a lookup vLLM makes again asks the store
                     break
         for req_id in connector_output.finished_recving or ():
             if (done := self._reqs.get(req_id)) is None:
@@ -528,6 +517,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # recomputes the request whole.
                 done.saved_upto = min(done.saved_upto, done.load_first_block)
                 done.store_blocks = min(done.store_blocks, done.load_first_block)
+                done.forget_lookup()
             done.loading = []
 
     def request_finished(self, request: Request, block_ids: list[int]
@@ -719,6 +709,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self._role != KVConnectorRole.WORKER:
+            logger.info("KVStoreConnector scheduler stats: %s", self.stats)
             if self._sched_client is not None:
                 self._sched_client.close()
             return

@@ -35,6 +35,11 @@ RETAIN_PARAM = "kvstore_retain_s"
 """The ``kv_transfer_params`` key of a request's retention in seconds: the connector saves
 the request's blocks with that ``retain_s`` (``connector``, "Retention"); a router passes a
 session's TTL with it (``conductor.front.session_cache``)."""
+STORED_PARAM = "kvstore_stored_blocks"
+"""The ``kv_transfer_params`` key of how many leading blocks of the prompt a router found
+in the store (its own ``prefix_match`` over every shard): the connector takes it instead of
+asking the store again (``connector``, "Scheduler side"), when the request's keys are the
+router's (one KV cache group, no LoRA, cache salt or media)."""
 VERSION = 1
 
 

@@ -15,8 +15,9 @@ from conductor.front.openai_api import (
     prefill_body,
     prompt_token_ids,
     with_retention,
+    with_stored,
 )
-from kvstore.integrations.vllm.describe import RETAIN_PARAM
+from kvstore.integrations.vllm.describe import RETAIN_PARAM, STORED_PARAM
 
 
 def test_prompt_token_ids_accepts_ids_and_a_batch_of_one() -> None:
@@ -93,3 +94,19 @@ def test_a_session_turn_asks_the_connector_to_save_retained() -> None:
 def test_a_clients_own_retention_or_bad_params_are_left_alone(params: object) -> None:
     body = {"prompt": [1], "kv_transfer_params": params}
     assert with_retention(body, 60.0) == (body, False)
+
+
+def test_the_fronts_lookup_goes_to_the_instance_in_kv_transfer_params() -> None:
+    assert STORED_PARAM == "kvstore_stored_blocks"
+    body = {"model": "m", "prompt": [1, 2], "kv_transfer_params": {RETAIN_PARAM: 5.0}}
+    assert with_stored(body, 3) == {"model": "m", "prompt": [1, 2],
+                                    "kv_transfer_params": {RETAIN_PARAM: 5.0, STORED_PARAM: 3}}
+    assert body["kv_transfer_params"] == {RETAIN_PARAM: 5.0}  # left as it was
+    assert with_stored({"prompt": [1]}, 0) == {"prompt": [1],
+                                               "kv_transfer_params": {STORED_PARAM: 0}}
+
+
+@pytest.mark.parametrize("params", [{STORED_PARAM: 7}, "x", [1]])
+def test_a_clients_own_stored_blocks_or_bad_params_are_left_alone(params: object) -> None:
+    body = {"prompt": [1], "kv_transfer_params": params}
+    assert with_stored(body, 2) is body
