@@ -4,15 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint typecheck bench proto docs clean native asan-channel test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
+.PHONY: setup demo demo-serving demo-vllm test test-native-index test-all test-engines lint typecheck bench proto docs clean native asan-channel test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py cffi_build/block_index.c cffi_build/block_index_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs,typecheck,bench,torch,serve,events]'
 	$(PY) -m cffi_build.uring_build
 	$(PY) -m cffi_build.channel_build
+	$(PY) -m cffi_build.block_index_build
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +35,17 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
+	$(MAKE) test-native-index
+
+# The suites over the tier index once more on the native index (tiers.block_table: the
+# test functions of tests/tiers run on both indexes anyway; this covers its Hypothesis
+# state machines and the node, replication and engine-facing suites); skipped, and said,
+# where the native index is not built.
+test-native-index: $(STAMP)
+	@if $(PY) -c 'import sys, tiers.block_table as b; sys.exit(not b.native_available())'; then \
+	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" -k Machine tests/tiers && \
+	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" tests/kvstore tests/replication; \
+	else echo "test-native-index: the native tier index is not built: skipped"; fi
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
@@ -52,6 +64,7 @@ typecheck: $(STAMP)
 native: $(STAMP)
 	$(PY) -m cffi_build.uring_build
 	$(PY) -m cffi_build.channel_build
+	$(PY) -m cffi_build.block_index_build
 
 # The transfer channel's native helper under AddressSanitizer + UBSan (the runtime preloaded
 # into pytest and the node processes it starts): its fuzz tests, the old/new interop test and
