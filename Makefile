@@ -42,7 +42,7 @@ test: $(STAMP)
 # state machines and the node, replication and engine-facing suites); skipped, and said,
 # where the native index is not built.
 test-native-index: $(STAMP)
-	@if $(PY) -c 'import sys, tiers.block_table as b; sys.exit(not b.native_available())'; then \
+	@if $(PY) -c 'import sys, tiers.index_kind as k; sys.exit(not k.native_available())'; then \
 	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" -k Machine tests/tiers && \
 	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" tests/kvstore tests/replication; \
 	else echo "test-native-index: the native tier index is not built: skipped"; fi

@@ -77,6 +77,16 @@ int kvb_heap_restore(struct kvb_table *t, int level, int64_t slot, uint64_t seq)
 int kvb_heap_remove(struct kvb_table *t, int64_t slot);
 int64_t kvb_heap_pop(struct kvb_table *t, int level);
 int64_t kvb_heap_len(const struct kvb_table *t, int level);
+struct kvb_map;
+struct kvb_map *kvb_map_open(void);
+void kvb_map_close(struct kvb_map *m);
+uint64_t kvb_map_count(const struct kvb_map *m);
+uint64_t kvb_map_bytes(const struct kvb_map *m);
+int64_t kvb_map_get(const struct kvb_map *m, int64_t offset);
+int kvb_map_set(struct kvb_map *m, int64_t offset, int64_t value);
+int64_t kvb_map_del(struct kvb_map *m, int64_t offset);
+uint64_t kvb_map_items(const struct kvb_map *m, uint64_t *from, int64_t *offsets,
+                       int64_t *values, uint64_t cap);
 """
 MODULE = "tiers._block_index"
 ASAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]

@@ -249,7 +249,7 @@ def tier_index(request: pytest.FixtureRequest) -> Iterator[str]:
     (``KVSTORE_NATIVE_INDEX``, which every TierManager made without naming its index reads,
     in this process and in the node processes it starts); native is skipped where its
     extension is not built."""
-    from tiers.block_table import ENV, native_available
+    from tiers.index_kind import ENV, native_available
 
     if request.param == "native" and not native_available():
         pytest.skip("the native tier index is not built (python -m cffi_build.block_index_build)")

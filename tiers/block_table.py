@@ -8,32 +8,19 @@ over them, behind one Protocol with two implementations.
   is a handle onto its record (one per block while anyone holds it).
 
 Both keep the manager's semantics exactly (leases, pins, orders: the same tests run on
-each). ``KVSTORE_NATIVE_INDEX=1`` selects the native index where a caller does not name
-one, ``0`` the Python one; unset, ``DEFAULT_INDEX``. Without the built extension
-(``python -m cffi_build.block_index_build``) a request for the native index falls back to
-the Python one where no kind was named, and raises ``IndexUnavailable`` where one was.
+each); which one runs: ``tiers.index_kind``.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from kvstore.core.keys import BlockKey, leading_run
-from tiers.errors import TierError
 from tiers.index_budget import IndexKind
+from tiers.index_kind import resolve
 from tiers.policy import EvictionPolicy, EvictionQueue
 from tiers.records import BlockEntry
-
-ENV = "KVSTORE_NATIVE_INDEX"
-DEFAULT_INDEX: IndexKind = "python"
-"""The index a TierManager runs when neither its caller nor ``KVSTORE_NATIVE_INDEX`` says."""
-
-
-class IndexUnavailable(TierError):
-    """The native index was asked for by name and its extension is not built."""
 
 
 class BlockTable(Protocol):
@@ -102,39 +89,9 @@ class PyBlockTable(dict[BlockKey, BlockEntry]):
         return EvictionQueue(policy, clock=clock)
 
 
-def requested_kind() -> IndexKind | None:
-    """What ``KVSTORE_NATIVE_INDEX`` asks for (None: unset or empty)."""
-    value = os.environ.get(ENV, "").strip()
-    if not value:
-        return None
-    if value in ("1", "native"):
-        return "native"
-    if value in ("0", "python"):
-        return "python"
-    raise ValueError(f"{ENV} must be 1 (native) or 0 (python), got {value!r}")
-
-
-def native_available() -> bool:
-    try:
-        importlib.import_module("tiers._block_index")
-    except ImportError:
-        return False
-    return True
-
-
 def make_table(kind: str | None = None) -> BlockTable:
-    """The block table of ``kind`` (None: ``KVSTORE_NATIVE_INDEX``, else ``DEFAULT_INDEX``,
-    the Python one where the native one is not built)."""
-    named = kind is not None
-    chosen = kind if kind is not None else requested_kind() or DEFAULT_INDEX
-    if chosen == "python":
-        return PyBlockTable()
-    if chosen != "native":
-        raise ValueError(f"index must be 'python' or 'native', got {chosen!r}")
-    if not native_available():
-        if named:
-            raise IndexUnavailable("the native tier index is not built "
-                                   "(python -m cffi_build.block_index_build)")
+    """The block table of ``kind`` (``tiers.index_kind.resolve``)."""
+    if resolve(kind) == "python":
         return PyBlockTable()
     from tiers.native_index import NativeBlockTable
 

@@ -1,5 +1,5 @@
-"""The native block table against the Python one, operation by operation (Hypothesis),
-and the C side's bounds checks; the TierManager's own tests run on both (conftest)."""
+"""The native block table and live table against the Python ones, operation by operation
+(Hypothesis), and the C side's bounds checks; the TierManager's own tests run on both (conftest)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import itertools
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
-from tiers.block_table import BlockTable, PyBlockTable, native_available
+from tiers.block_table import BlockTable, PyBlockTable
+from tiers.index_kind import native_available
+from tiers.live_table import NativeLiveTable, PyLiveTable
 from tiers.policy import Eligibility, EvictionQueue, make_policy
 from tiers.records import MOVING, PINNED, UNLINKED, BlockEntry
 
@@ -303,3 +305,38 @@ def test_a_native_entry_is_a_block_entry() -> None:
         BlockKey(b"p" * 16), Extent(128, 64), None, True, 1)
     e.location = Location(3)
     assert (e.extent, e.location, e.place) == (None, Location(3), Location(3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "del", "get"]),
+                              st.integers(0, 3000) | st.integers(0, 1 << 62),
+                              st.integers(0, 1 << 40)), max_size=300))
+def test_native_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]]) -> None:
+    native, ref = NativeLiveTable(), PyLiveTable()
+    for op, offset, length in ops:
+        if op == "set":
+            native[offset] = length
+            ref[offset] = length
+        elif op == "del":
+            if offset in ref:
+                del native[offset]
+                del ref[offset]
+            else:
+                with pytest.raises(KeyError):
+                    del native[offset]
+        assert native.get(offset) == ref.get(offset)
+        assert len(native) == len(ref)
+    assert sorted(native.items()) == sorted(ref.items())
+    native.clear()
+    assert len(native) == 0 and list(native.items()) == []
+
+
+def test_native_live_table_grows_and_refuses_negative_values() -> None:
+    t = NativeLiveTable()
+    for i in range(50_000):
+        t[i * 64] = 64
+    for i in range(0, 50_000, 2):
+        del t[i * 64]
+    assert len(t) == 25_000 and t.get(64) == 64 and t.get(0) is None and t.get(-1) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        t[-64] = 1
