@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.block_table import BlockTable, PyBlockTable
+from tiers.index_budget import NATIVE_BYTES_PER_BLOCK
 from tiers.index_kind import native_available
 from tiers.live_table import NativeLiveTable, PyLiveTable
 from tiers.policy import Eligibility, EvictionQueue, make_policy
@@ -340,3 +341,19 @@ def test_native_live_table_grows_and_refuses_negative_values() -> None:
     assert len(t) == 25_000 and t.get(64) == 64 and t.get(0) is None and t.get(-1) is None
     with pytest.raises(ValueError, match=">= 0"):
         t[-64] = 1
+
+
+def test_the_native_budget_covers_what_the_tables_hold() -> None:
+    """``NATIVE_BYTES_PER_BLOCK`` against the native memory of the block table (records,
+    key table, heap) and the live table, filled to two whole record chunks."""
+    n = 2 << lib.KVB_CHUNK_BITS
+    t, live = NativeBlockTable(), NativeLiveTable()
+    queue = t.make_queue(make_policy("lru"), clock=itertools.count(1), level=0)
+    for i in range(n):
+        k = BlockKey(i.to_bytes(16, "big"))
+        e = t.new_entry(key=k, parent=None, nbytes=1, level=0, extent=Extent(i, 1))
+        t[k] = e
+        queue.push(k, e)
+        live[i] = 1
+    per_block = (t.native_bytes() + live.native_bytes()) / n
+    assert 160 < per_block <= NATIVE_BYTES_PER_BLOCK
