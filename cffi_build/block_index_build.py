@@ -1,5 +1,6 @@
 """cffi (API mode) build of ``tiers._block_index``: the tier index in native memory
-(``cffi_build/block_index.c``, issue #24).
+(``cffi_build/block_index.c``, and the allocators' live tables in ``block_map.c``;
+issue #24).
 
 Run from the repository root::
 
@@ -97,9 +98,9 @@ def make_builder(*, asan: bool = False) -> FFI:
     builder.cdef(CDEF)
     builder.set_source(
         MODULE,
-        '#include "block_index.c"\n',
+        '#include "block_index.c"\n#include "block_map.c"\n',
         include_dirs=[str(_HERE)],
-        depends=[str(_C_SOURCE)],
+        depends=[str(_C_SOURCE), str(_HERE / "block_map.c")],
         extra_compile_args=(ASAN_FLAGS if asan else ["-O2"]) + ["-std=gnu11", "-Wall"],
         extra_link_args=["-fsanitize=address,undefined"] if asan else [],
     )
