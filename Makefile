@@ -4,15 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-serving demo-vllm test test-all test-engines lint typecheck bench proto docs clean native asan-channel test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
+.PHONY: setup demo demo-serving demo-vllm test test-native-index test-all test-engines lint typecheck bench proto docs clean native asan-channel asan-index test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py cffi_build/block_index.c cffi_build/block_map.c cffi_build/block_index_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,docs,typecheck,bench,torch,serve,events]'
 	$(PY) -m cffi_build.uring_build
 	$(PY) -m cffi_build.channel_build
+	$(PY) -m cffi_build.block_index_build
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +35,17 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
+	$(MAKE) test-native-index
+
+# The suites over the tier index once more on the native index (tiers.block_table: the
+# test functions of tests/tiers run on both indexes anyway; this covers its Hypothesis
+# state machines and the node, replication and engine-facing suites); skipped, and said,
+# where the native index is not built.
+test-native-index: $(STAMP)
+	@if $(PY) -c 'import sys, tiers.index_kind as k; sys.exit(not k.native_available())'; then \
+	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" -k Machine tests/tiers && \
+	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" tests/kvstore tests/replication; \
+	else echo "test-native-index: the native tier index is not built: skipped"; fi
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
@@ -52,6 +64,7 @@ typecheck: $(STAMP)
 native: $(STAMP)
 	$(PY) -m cffi_build.uring_build
 	$(PY) -m cffi_build.channel_build
+	$(PY) -m cffi_build.block_index_build
 
 # The transfer channel's native helper under AddressSanitizer + UBSan (the runtime preloaded
 # into pytest and the node processes it starts): its fuzz tests, the old/new interop test and
@@ -65,6 +78,17 @@ asan-channel: $(STAMP)
 	  $(PY) -m pytest -q -p no:cacheprovider tests/kvstore/protocol/test_native_channel.py \
 	  tests/kvstore/remote/test_channel_interop.py tests/kvstore/test_bad_input.py; \
 	  rc=$$?; $(PY) -m cffi_build.channel_build; exit $$rc
+
+# The tier index's native helper under AddressSanitizer + UBSan: its fuzz tests (the native
+# tables against the Python ones, op by op) and the manager's tests on it; then the -O2
+# build goes back in place, whatever the outcome.
+asan-index: $(STAMP)
+	$(PY) -m cffi_build.block_index_build --asan
+	LD_PRELOAD="$(ASAN_RT)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 KVSTORE_NATIVE_INDEX=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/tiers/test_native_index.py \
+	  tests/tiers/test_manager.py tests/tiers/test_tier_moves.py tests/tiers/test_allocator.py \
+	  tests/tiers/test_retention.py tests/tiers/test_tier_prefetch.py; \
+	  rc=$$?; $(PY) -m cffi_build.block_index_build; exit $$rc
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstore bench api

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import random
@@ -49,6 +48,7 @@ from benchmarks.stats import write_json
 from kvstore.core.keys import BlockKey
 from kvstore.node.fit import available_memory
 from tiers.index_budget import INDEX_KINDS, index_bytes
+from tiers.index_kind import native_available
 from tiers.manager import TierManager, Watermarks
 from tiers.metadata import MetadataTier
 from tiers.policy import make_policy
@@ -76,15 +76,14 @@ def key_of(i: int) -> BlockKey:
 
 def make_manager(kind: str, capacity_blocks: int) -> TierManager:
     """A one-tier LRU index over a metadata tier of ``capacity_blocks`` one-byte blocks."""
-    kwargs: dict[str, Any] = {}
-    if kind == "native":
-        if "index" not in inspect.signature(TierManager).parameters:
-            raise IndexUnavailable("the native tier index (issue #24) is not in this tree")
-        kwargs["index"] = "native"
-    elif kind != "python":
+    if kind not in INDEX_KINDS:
         raise ValueError(f"--index must be one of {', '.join(INDEX_KINDS)}, got {kind!r}")
-    return TierManager(MetadataTier(capacity_blocks), make_policy("lru"),
-                       watermarks=Watermarks(high=1.0, low=1.0), **kwargs)
+    if kind == "native" and not native_available():
+        raise IndexUnavailable("the native tier index is not built "
+                               "(python -m cffi_build.block_index_build)")
+    # Both the manager's block table and the allocator's live table are the kind's.
+    return TierManager(MetadataTier(capacity_blocks, index=kind), make_policy("lru"),
+                       watermarks=Watermarks(high=1.0, low=1.0), index=kind)
 
 
 def rss_bytes() -> int:

@@ -226,6 +226,44 @@ def channel_path(request: pytest.FixtureRequest,
             os.environ[native_channel.ENV] = before
 
 
+INDEX_KINDS = ["python", "native"]
+INDEX_MODULES = ("tests/tiers/", "tests/kvstore/test_concurrency.py")
+"""Where every test function runs on both tier indexes (``tier_index``); Hypothesis state
+machines (unittest classes: no parameters) run on the one the environment names, and
+``make test`` runs them once more with ``KVSTORE_NATIVE_INDEX=1``."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    path = Path(metafunc.definition.path).resolve().relative_to(REPO).as_posix()
+    if not path.startswith(INDEX_MODULES) or path.startswith("tests/tiers/ssd/") \
+            or path.endswith("test_native_index.py"):
+        return
+    if "tier_index" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("tier_index")
+    metafunc.parametrize("tier_index", INDEX_KINDS, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def tier_index(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test on the pure-Python tier index or the native one
+    (``KVSTORE_NATIVE_INDEX``, which every TierManager made without naming its index reads,
+    in this process and in the node processes it starts); native is skipped where its
+    extension is not built."""
+    from tiers.index_kind import ENV, native_available
+
+    if request.param == "native" and not native_available():
+        pytest.skip("the native tier index is not built (python -m cffi_build.block_index_build)")
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "1" if request.param == "native" else "0"
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[NodeProcess]:
     """A fresh node (64 MiB DRAM, LRU) for one test; must exit 0 on SIGTERM."""

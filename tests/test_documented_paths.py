@@ -98,7 +98,8 @@ def test_console_scripts(script: str, target: str) -> None:
 
 @pytest.mark.parametrize("module", [
     "kvstore", "kvstore.demo", "conductor", "conductor.demo_vllm", "workers",
-    "cffi_build.uring_build", "cffi_build.channel_build", "benchmarks.vllm_serving",
+    "cffi_build.uring_build", "cffi_build.channel_build", "cffi_build.block_index_build",
+    "benchmarks.vllm_serving",
     "benchmarks.tls_bench",
     "benchmarks.conductor_bench", "benchmarks.placement_bench", "benchmarks.kv_events_bench",
     "benchmarks.retention_bench", "benchmarks.serving_ttft", "benchmarks.mooncake_sessions",

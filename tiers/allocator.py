@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiers.live_table import LiveTable, make_live_table
+
 _MAX_SHARED_LENGTHS = 256
 MAX_RECENT = 1024
 
@@ -57,7 +59,9 @@ class ExtentAllocator:
     __slots__ = ("_alignment", "_bins", "_capacity", "_free_by_end", "_free_by_start", "_lengths",
                  "_live", "_nonempty", "_recent", "_recent_count", "_used")
 
-    def __init__(self, capacity: int, *, alignment: int = 64) -> None:
+    def __init__(self, capacity: int, *, alignment: int = 64, index: str | None = None
+                 ) -> None:
+        """``index``: the live table's kind (``tiers.index_kind``; None: the environment's)."""
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if capacity < 0:
@@ -71,7 +75,7 @@ class ExtentAllocator:
         self._bins: list[set[int]] = [set() for _ in range(max(1, self._capacity.bit_length()))]
         self._nonempty = 0  # bit k set iff bins[k] is non-empty: finds a bin without a scan
         # offset -> length of every live allocation: the proof that a free is legitimate.
-        self._live: dict[int, int] = {}
+        self._live: LiveTable = make_live_table(index)
         # One int object per distinct extent length: the lengths of live extents (here and
         # in their owners' records) share it instead of holding one int each (bounded).
         self._lengths: dict[int, int] = {}

@@ -64,10 +64,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.core.keys import BlockKey, leading_run
+from kvstore.core.keys import BlockKey
 from kvstore.core.prefetch import PrefetchOutcome
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
+from tiers.block_table import BlockTable, make_table
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.observer import TierObserver
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
@@ -107,7 +108,7 @@ _FINAL = (PrefetchOutcome.PRESENT, PrefetchOutcome.PROMOTED, PrefetchOutcome.MIS
 
 @dataclass(slots=True, kw_only=True)
 class _State:
-    blocks: dict[BlockKey, BlockEntry] = field(default_factory=dict)
+    blocks: BlockTable  # key -> entry, and the entries' queues (``tiers.block_table``)
     orphans: dict[BlockKey, int] = field(default_factory=dict)
     evicted: list[BlockKey] = field(default_factory=list)  # events for the owner to drain
     promote: dict[BlockKey, None] = field(default_factory=dict)  # ordered set
@@ -127,7 +128,9 @@ class TierManager:
         landing: int | None = None,
         durable: Sequence[bool] | None = None,
         retention: RetentionBook | None = None,
+        index: str | None = None,
     ) -> None:
+        """``index``: ``"python"`` or ``"native"`` (``tiers.block_table.make_table``)."""
         tier_list = [tiers] if not isinstance(tiers, Sequence) else list(tiers)
         if not tier_list:
             raise ValueError("a TierManager needs at least one tier")
@@ -137,20 +140,18 @@ class TierManager:
         # One clock stamps accesses (``last_access``) and orders every queue's pushes:
         # an access pushed at once uses its tick as the heap seq (one int, not two).
         self._clock = itertools.count(1)
+        self._s = _State(blocks=make_table(index))
         # The first tier uses the given policy object (tests inspect its state);
         # the others get fresh instances of the same policy.
         # ``durable`` (tests) overrides what each tier's protocol says.
-        self.levels = [
-            Level.of(t, EvictionQueue(policy if i == 0 else make_policy(policy.name),
-                                      clock=self._clock), durable=flags[i])
-            for i, t in enumerate(tier_list)
-        ]
+        self.levels = [Level.of(t, self._s.blocks.make_queue(
+            policy if i == 0 else make_policy(policy.name), clock=self._clock, level=i),
+            durable=flags[i]) for i, t in enumerate(tier_list)]
         if landing is None:
             landing = next((i for i, lv in enumerate(self.levels) if lv.tier.name == "dram"), 0)
         if not self.levels[landing].mapped:
             raise ValueError("the landing tier must be addressable memory")
         self.landing = landing
-        self._s = _State()
         # Retained blocks (``tiers.retention``): demotable, but never dropped while held.
         self.retention = retention if retention is not None else RetentionBook()
         self.observer: TierObserver | None = None  # told of commits, unlinks and moves
@@ -185,8 +186,7 @@ class TierManager:
         return self._s.blocks.get(key)
 
     def prefix_length(self, keys: list[BlockKey]) -> int:
-        blocks = self._s.blocks
-        return leading_run(map(blocks.__contains__, keys))  # map: no frame per key
+        return self._s.blocks.prefix_length(keys)
 
     def is_mapped(self, entry: BlockEntry) -> bool:
         return self.levels[entry.level].mapped
@@ -278,16 +278,10 @@ class TierManager:
                 self.retention.grant(key, blocks[key].nbytes, reservation.retain)
             return False
         tick = next(self._clock)
-        entry = BlockEntry(
-            key=key,
-            parent=reservation.parent,
-            nbytes=reservation.nbytes,
-            level=self.landing,
-            extent=reservation.extent,
-            pinned=reservation.pin,
-            last_access=tick,
-            children=s.orphans.pop(key, 0) if s.orphans else 0,
-        )
+        entry = blocks.new_entry(key=key, parent=reservation.parent, nbytes=reservation.nbytes,
+                                 level=self.landing, extent=reservation.extent,
+                                 pinned=reservation.pin, last_access=tick,
+                                 children=s.orphans.pop(key, 0) if s.orphans else 0)
         self._index(entry, tick)
         if reservation.retain is not None:
             self.retention.grant(key, entry.nbytes, reservation.retain)
@@ -315,8 +309,9 @@ class TierManager:
         if key in s.blocks:
             return False
         tick = next(self._clock)
-        entry = BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, location=location,
-                           last_access=tick, children=s.orphans.pop(key, 0))
+        entry = s.blocks.new_entry(key=key, parent=parent, nbytes=nbytes, level=level,
+                                   location=location, last_access=tick,
+                                   children=s.orphans.pop(key, 0))
         self._index(entry, tick)
         if retention is not None:
             self.retention.restore(key, nbytes, retention)
@@ -464,17 +459,21 @@ class TierManager:
                 self.levels[entry.level].tier.free(Extent(entry.place, entry.length))
                 entry.place = None
                 entry.length = 0
+                s.blocks.retire(entry)
                 return None
             return self._free_space(entry)
         return None
 
     def _free_space(self, entry: BlockEntry) -> DurableCopy | None:
-        """Frees a memory extent now; returns a durable copy for the owner to delete."""
-        location = entry.place
+        """Frees a memory extent now; returns a durable copy for the owner to delete. An
+        unlinked entry is then retired (``BlockTable.retire``): nothing reads it again."""
+        location, level = entry.place, entry.level
         entry.place = None
-        if entry.length:
-            self.levels[entry.level].tier.free(Extent(location, entry.length))
-            entry.length = 0
+        length, entry.length = entry.length, 0
+        if entry.flags & UNLINKED:
+            self._s.blocks.retire(entry)
+        if length:
+            self.levels[level].tier.free(Extent(location, length))
             return None
         return DurableCopy(entry.key, location) if location is not None else None
 

@@ -15,8 +15,8 @@ class MetadataTier(AllocatorBacked):
 
     name = "metadata"
 
-    def __init__(self, capacity: int, *, alignment: int = 1) -> None:
-        self._allocator = ExtentAllocator(capacity, alignment=alignment)
+    def __init__(self, capacity: int, *, alignment: int = 1, index: str | None = None) -> None:
+        self._allocator = ExtentAllocator(capacity, alignment=alignment, index=index)
 
     def view(self, extent: Extent, nbytes: int) -> memoryview:
         raise TypeError("a metadata-only tier holds no bytes")

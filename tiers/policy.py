@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvstore.core.keys import BlockKey
 
@@ -40,6 +40,18 @@ class QueuedBlock(Protocol):
 
 B = TypeVar("B", bound=QueuedBlock)
 """The caller's block type: its ``eligibility`` is asked about its own blocks."""
+B_co = TypeVar("B_co", bound=QueuedBlock, covariant=True)
+
+
+class Blocks(Protocol[B_co]):
+    """Where a queue looks its keys up (a dict, or ``tiers.block_table.BlockTable``)."""
+
+    def get(self, key: BlockKey, /) -> B_co | None: ...
+
+
+Deferred = list[tuple[float, int, Any]]
+"""Items a victim search passed over, for ``restore``: (priority, seq, the queue's own
+reference to the block: its key here, a slot in ``tiers.native_index``)."""
 
 
 class EvictionPolicy(Protocol):
@@ -169,9 +181,9 @@ class EvictionQueue:
 
     def pop_victim(
         self,
-        blocks: Mapping[BlockKey, B],
+        blocks: Blocks[B],
         eligibility: Callable[[B], Eligibility],
-        deferred: list[tuple[float, int, BlockKey]],
+        deferred: Deferred,
     ) -> BlockKey | None:
         """The next victim, or None when no queued block is eligible.
 
@@ -197,7 +209,7 @@ class EvictionQueue:
                 block.queue_seq = 0
         return None
 
-    def restore(self, deferred: list[tuple[float, int, BlockKey]]) -> None:
+    def restore(self, deferred: Deferred) -> None:
         for item in deferred:
             heapq.heappush(self._heap, item)
         deferred.clear()

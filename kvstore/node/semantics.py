@@ -52,7 +52,8 @@ from kvstore.node.room import PutRoom, RoomTries
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
-from tiers.index_budget import DEFAULT_BLOCK_BYTES, NODE_INDEX_KIND
+from tiers.index_budget import DEFAULT_BLOCK_BYTES
+from tiers.index_kind import resolve as index_kind
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.observer import TierObserver
@@ -149,7 +150,7 @@ class Node:
     def _open_tiers(self, s: NodeSettings) -> list[Tier]:
         budget = index_budget({"hbm": s.hbm_bytes, "dram": s.dram_bytes,
                                "ssd": s.ssd_bytes if s.ssd_path else 0}, s.block_bytes,
-                              kind=NODE_INDEX_KIND)
+                              kind=index_kind(None))  # the one its TierManager runs
         # Reported once the node serves (``kvstore serve``): a CLI error before that stays
         # one line.
         self._info["index_budget"] = budget.describe()

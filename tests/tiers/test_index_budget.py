@@ -35,7 +35,7 @@ def test_python_bytes_per_block_is_the_fixed_part_plus_two_tables() -> None:
     assert ib.index_bytes_per_block(0, kind="python") > ib.PYTHON_FIXED_BYTES_PER_BLOCK
 
 
-def test_native_is_the_placeholder_until_measured() -> None:
+def test_native_is_the_measured_top_of_its_range_at_every_count() -> None:
     assert ib.index_bytes_per_block(50_000_000, kind="native") == ib.NATIVE_BYTES_PER_BLOCK
     assert ib.index_bytes(0, kind="native") == 0
 

@@ -1,0 +1,480 @@
+/* The tier index in native memory (issue #24): 16-byte keys to slots, one fixed-size
+ * record per block, insertion order, and one indexed min-heap per tier level.
+ *
+ * Records live in chunks of KVB_CHUNK entries that are never moved or freed while the
+ * table is open, so a pointer to a record (what Python holds for a leased block, read
+ * outside the owner's lock) stays valid. A retired slot goes to the back of a FIFO and is
+ * reused only once KVB_QUARANTINE other slots wait there, so a stale pointer sees the
+ * old block's fields for a long while rather than another block at once.
+ *
+ * The allocators' live tables (extent offset -> length) are in block_map.c.
+ *
+ * Single owner: every call is made under the owner's lock (cffi releases the GIL around
+ * each call; nothing here touches Python objects). Every slot and level argument is
+ * bounds-checked; a bad one returns KVB_EBAD and changes nothing.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVB_KEY 16
+#define KVB_CHUNK_BITS 16
+#define KVB_CHUNK (1u << KVB_CHUNK_BITS)
+#define KVB_NONE 0xFFFFFFFFu
+#define KVB_LEVELS 8
+#define KVB_QUARANTINE 4096u
+#define KVB_EBAD (-2)
+#define KVB_ENOMEM (-3)
+
+struct kvb_entry {
+    uint8_t key[KVB_KEY];
+    uint8_t parent[KVB_KEY];
+    int64_t nbytes;
+    int64_t place;
+    int64_t length;
+    uint64_t last_access;
+    uint64_t queue_seq;
+    double queue_priority;
+    uint32_t readers;
+    uint32_t children;
+    uint32_t hits;
+    uint32_t tier_hits;
+    uint32_t heap_pos;  /* index in heaps[heap_id], KVB_NONE when in no heap */
+    uint32_t gen;       /* bumped when the slot is retired */
+    uint32_t prev;      /* insertion order (linked records only) */
+    uint32_t next;
+    uint8_t level;
+    uint8_t flags;
+    uint8_t has_parent;
+    uint8_t pkind;      /* 0: no place, 1: int place, 2: place kept by the owner */
+    uint8_t heap_id;
+    uint8_t linked;     /* in the key table */
+    uint8_t used;       /* allocated, not retired */
+    uint8_t pad;
+};
+
+struct kvb_heap {
+    uint32_t *a;
+    uint32_t n;
+    uint32_t cap;
+};
+
+struct kvb_table {
+    struct kvb_entry **chunks;
+    uint32_t nchunks;
+    uint32_t chunk_cap;
+    uint32_t nslots;      /* slots handed out so far (high water) */
+    uint32_t *freeq;      /* FIFO ring of retired slots */
+    uint32_t fq_head;
+    uint32_t fq_len;
+    uint32_t fq_cap;
+    uint64_t *buckets;    /* 0: empty, else (slot + 1) << 32 | low 32 bits of the hash */
+    uint64_t mask;
+    uint64_t count;
+    uint32_t head;
+    uint32_t tail;
+    struct kvb_heap heaps[KVB_LEVELS];
+};
+
+int kvb_api_version(void) { return 1; }
+
+static uint64_t kvb_hash(const uint8_t *key) {
+    uint64_t a, b;
+    memcpy(&a, key, 8);
+    memcpy(&b, key + 8, 8);
+    uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull);
+    h ^= h >> 32;
+    h *= 0xD6E8FEB86659FD93ull;
+    h ^= h >> 32;
+    h *= 0xD6E8FEB86659FD93ull;
+    h ^= h >> 32;
+    return h;
+}
+
+static inline struct kvb_entry *at(const struct kvb_table *t, uint32_t slot) {
+    return &t->chunks[slot >> KVB_CHUNK_BITS][slot & (KVB_CHUNK - 1)];
+}
+
+static inline int valid(const struct kvb_table *t, int64_t slot) {
+    return slot >= 0 && slot < (int64_t)t->nslots && at(t, (uint32_t)slot)->used;
+}
+
+struct kvb_table *kvb_open(void) {
+    struct kvb_table *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return NULL;
+    t->mask = 1023;
+    t->buckets = calloc(t->mask + 1, sizeof *t->buckets);
+    if (t->buckets == NULL) {
+        free(t);
+        return NULL;
+    }
+    t->head = t->tail = KVB_NONE;
+    return t;
+}
+
+void kvb_close(struct kvb_table *t) {
+    if (t == NULL)
+        return;
+    for (uint32_t i = 0; i < t->nchunks; i++)
+        free(t->chunks[i]);
+    free(t->chunks);
+    free(t->freeq);
+    free(t->buckets);
+    for (int i = 0; i < KVB_LEVELS; i++)
+        free(t->heaps[i].a);
+    free(t);
+}
+
+uint64_t kvb_count(const struct kvb_table *t) { return t->count; }
+
+uint32_t kvb_nchunks(const struct kvb_table *t) { return t->nchunks; }
+
+struct kvb_entry *kvb_chunk(const struct kvb_table *t, uint32_t i) {
+    return i < t->nchunks ? t->chunks[i] : NULL;
+}
+
+/* Bytes of native memory the table holds (records, key table, heaps, free ring). */
+uint64_t kvb_native_bytes(const struct kvb_table *t) {
+    uint64_t n = sizeof *t + (uint64_t)t->nchunks * KVB_CHUNK * sizeof(struct kvb_entry)
+        + (uint64_t)t->chunk_cap * sizeof *t->chunks + (t->mask + 1) * sizeof *t->buckets
+        + (uint64_t)t->fq_cap * sizeof *t->freeq;
+    for (int i = 0; i < KVB_LEVELS; i++)
+        n += (uint64_t)t->heaps[i].cap * sizeof(uint32_t);
+    return n;
+}
+
+/* ---- slots ------------------------------------------------------------------------ */
+
+static int add_chunk(struct kvb_table *t) {
+    if (t->nchunks == t->chunk_cap) {
+        uint32_t cap = t->chunk_cap ? t->chunk_cap * 2 : 16;
+        if (cap > (KVB_NONE >> KVB_CHUNK_BITS))
+            cap = KVB_NONE >> KVB_CHUNK_BITS;
+        if (cap <= t->nchunks)
+            return KVB_ENOMEM;
+        struct kvb_entry **c = realloc(t->chunks, cap * sizeof *c);
+        if (c == NULL)
+            return KVB_ENOMEM;
+        t->chunks = c;
+        t->chunk_cap = cap;
+    }
+    struct kvb_entry *chunk = calloc(KVB_CHUNK, sizeof *chunk);
+    if (chunk == NULL)
+        return KVB_ENOMEM;
+    t->chunks[t->nchunks++] = chunk;
+    return 0;
+}
+
+/* A fresh record for ``key`` (not yet in the key table); its slot, or KVB_ENOMEM. */
+int64_t kvb_new(struct kvb_table *t, const uint8_t *key) {
+    uint32_t slot;
+    if (t->fq_len > KVB_QUARANTINE) {
+        slot = t->freeq[t->fq_head];
+        t->fq_head = (t->fq_head + 1) % t->fq_cap;
+        t->fq_len--;
+    } else {
+        if (t->nslots == KVB_NONE - 1)
+            return KVB_ENOMEM;
+        if ((t->nslots >> KVB_CHUNK_BITS) >= t->nchunks && add_chunk(t) != 0)
+            return KVB_ENOMEM;
+        slot = t->nslots++;
+    }
+    struct kvb_entry *e = at(t, slot);
+    uint32_t gen = e->gen;
+    memset(e, 0, sizeof *e);
+    e->gen = gen;
+    memcpy(e->key, key, KVB_KEY);
+    e->heap_pos = e->prev = e->next = KVB_NONE;
+    e->used = 1;
+    return slot;
+}
+
+static void heap_remove(struct kvb_table *t, uint32_t slot);
+
+/* The record of ``slot`` is done with: out of its heap, slot queued for reuse. */
+int kvb_retire(struct kvb_table *t, int64_t slot) {
+    if (!valid(t, slot) || at(t, (uint32_t)slot)->linked)
+        return KVB_EBAD;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    heap_remove(t, (uint32_t)slot);
+    if (t->fq_len == t->fq_cap) {
+        uint32_t cap = t->fq_cap ? t->fq_cap * 2 : 1024;
+        uint32_t *q = malloc((size_t)cap * sizeof *q);
+        if (q == NULL)
+            return KVB_ENOMEM;  /* the slot stays used: leaked, never reused */
+        for (uint32_t i = 0; i < t->fq_len; i++)
+            q[i] = t->freeq[(t->fq_head + i) % t->fq_cap];
+        free(t->freeq);
+        t->freeq = q;
+        t->fq_head = 0;
+        t->fq_cap = cap;
+    }
+    t->freeq[(t->fq_head + t->fq_len) % t->fq_cap] = (uint32_t)slot;
+    t->fq_len++;
+    e->used = 0;
+    e->gen++;
+    return 0;
+}
+
+/* ---- the key table ----------------------------------------------------------------- */
+
+static int64_t find(const struct kvb_table *t, const uint8_t *key, uint64_t *where) {
+    uint64_t h = kvb_hash(key) & 0xFFFFFFFFull;
+    for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
+        uint64_t b = t->buckets[i];
+        if (b == 0) {
+            if (where)
+                *where = i;
+            return -1;
+        }
+        if ((b & 0xFFFFFFFFull) == h) {
+            uint32_t slot = (uint32_t)(b >> 32) - 1;
+            if (memcmp(at(t, slot)->key, key, KVB_KEY) == 0) {
+                if (where)
+                    *where = i;
+                return slot;
+            }
+        }
+    }
+}
+
+int64_t kvb_find(const struct kvb_table *t, const uint8_t *key) {
+    return find(t, key, NULL);
+}
+
+/* How many of the ``n`` keys (16 bytes each, back to back) are present before the
+ * first absent one. */
+uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n) {
+    uint64_t i = 0;
+    while (i < n && find(t, keys + i * KVB_KEY, NULL) >= 0)
+        i++;
+    return i;
+}
+
+static int grow(struct kvb_table *t) {
+    uint64_t cap = (t->mask + 1) * 2;
+    uint64_t *nb = calloc(cap, sizeof *nb);
+    if (nb == NULL)
+        return KVB_ENOMEM;
+    for (uint64_t i = 0; i <= t->mask; i++) {
+        uint64_t b = t->buckets[i];
+        if (b == 0)
+            continue;
+        uint64_t j = (b & 0xFFFFFFFFull) & (cap - 1);
+        while (nb[j] != 0)
+            j = (j + 1) & (cap - 1);
+        nb[j] = b;
+    }
+    free(t->buckets);
+    t->buckets = nb;
+    t->mask = cap - 1;
+    return 0;
+}
+
+/* Puts ``slot`` in the key table, last in insertion order. KVB_EBAD if its key is
+ * already there (or the slot is not a fresh record). */
+int kvb_link(struct kvb_table *t, int64_t slot) {
+    if (!valid(t, slot) || at(t, (uint32_t)slot)->linked)
+        return KVB_EBAD;
+    /* At most 7/8 full; the hash's low 32 bits place a key, so 2**32 buckets at most. */
+    if ((t->count + 1) * 8 > (t->mask + 1) * 7) {
+        if (t->mask + 1 >= (1ull << 32) || grow(t) != 0)
+            return KVB_ENOMEM;
+    }
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    uint64_t where;
+    if (find(t, e->key, &where) >= 0)
+        return KVB_EBAD;
+    t->buckets[where] = ((uint64_t)slot + 1) << 32 | (kvb_hash(e->key) & 0xFFFFFFFFull);
+    t->count++;
+    e->linked = 1;
+    e->prev = t->tail;
+    e->next = KVB_NONE;
+    if (t->tail != KVB_NONE)
+        at(t, t->tail)->next = (uint32_t)slot;
+    else
+        t->head = (uint32_t)slot;
+    t->tail = (uint32_t)slot;
+    return 0;
+}
+
+/* Takes ``slot`` out of the key table and the insertion order (backward-shift deletion:
+ * no tombstones). */
+int kvb_unlink(struct kvb_table *t, int64_t slot) {
+    if (!valid(t, slot) || !at(t, (uint32_t)slot)->linked)
+        return KVB_EBAD;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    uint64_t i;
+    if (find(t, e->key, &i) != slot)
+        return KVB_EBAD;
+    for (uint64_t j = (i + 1) & t->mask;; j = (j + 1) & t->mask) {
+        uint64_t b = t->buckets[j];
+        if (b == 0)
+            break;
+        uint64_t home = (b & 0xFFFFFFFFull) & t->mask;
+        /* Move b back to i unless its home lies cyclically in (i, j]. */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            t->buckets[i] = b;
+            i = j;
+        }
+    }
+    t->buckets[i] = 0;
+    t->count--;
+    e->linked = 0;
+    if (e->prev != KVB_NONE)
+        at(t, e->prev)->next = e->next;
+    else
+        t->head = e->next;
+    if (e->next != KVB_NONE)
+        at(t, e->next)->prev = e->prev;
+    else
+        t->tail = e->prev;
+    e->prev = e->next = KVB_NONE;
+    return 0;
+}
+
+/* Up to ``cap`` linked slots in insertion order from the cursor ``*from`` (KVB_NONE:
+ * the first); ``*from`` becomes the next slot to read, KVB_NONE at the end. */
+uint64_t kvb_slots(const struct kvb_table *t, uint32_t *from, uint32_t *out, uint64_t cap) {
+    uint32_t s = *from == KVB_NONE ? t->head : *from;
+    uint64_t n = 0;
+    if (s != KVB_NONE && !(s < t->nslots && at(t, s)->linked)) {
+        *from = KVB_NONE;
+        return 0;
+    }
+    while (s != KVB_NONE && n < cap) {
+        out[n++] = s;
+        s = at(t, s)->next;
+    }
+    *from = s;
+    return n;
+}
+
+/* ---- heaps: (queue_priority, queue_seq) min-first, one per level ------------------- */
+
+static inline int less(const struct kvb_table *t, uint32_t a, uint32_t b) {
+    const struct kvb_entry *x = at(t, a), *y = at(t, b);
+    if (x->queue_priority != y->queue_priority)
+        return x->queue_priority < y->queue_priority;
+    return x->queue_seq < y->queue_seq;
+}
+
+static void place_at(struct kvb_table *t, struct kvb_heap *h, uint32_t i, uint32_t slot) {
+    h->a[i] = slot;
+    at(t, slot)->heap_pos = i;
+}
+
+static void sift_up(struct kvb_table *t, struct kvb_heap *h, uint32_t i) {
+    uint32_t slot = h->a[i];
+    while (i > 0) {
+        uint32_t p = (i - 1) / 2;
+        if (!less(t, slot, h->a[p]))
+            break;
+        place_at(t, h, i, h->a[p]);
+        i = p;
+    }
+    place_at(t, h, i, slot);
+}
+
+static void sift_down(struct kvb_table *t, struct kvb_heap *h, uint32_t i) {
+    uint32_t slot = h->a[i];
+    for (;;) {
+        uint32_t c = 2 * i + 1;
+        if (c >= h->n)
+            break;
+        if (c + 1 < h->n && less(t, h->a[c + 1], h->a[c]))
+            c++;
+        if (!less(t, h->a[c], slot))
+            break;
+        place_at(t, h, i, h->a[c]);
+        i = c;
+    }
+    place_at(t, h, i, slot);
+}
+
+static void heap_remove(struct kvb_table *t, uint32_t slot) {
+    struct kvb_entry *e = at(t, slot);
+    if (e->heap_pos == KVB_NONE)
+        return;
+    struct kvb_heap *h = &t->heaps[e->heap_id];
+    uint32_t i = e->heap_pos;
+    e->heap_pos = KVB_NONE;
+    uint32_t last = h->a[--h->n];
+    if (i == h->n)
+        return;
+    place_at(t, h, i, last);
+    sift_up(t, h, i);
+    sift_down(t, h, at(t, last)->heap_pos);
+}
+
+static int heap_insert(struct kvb_table *t, int level, uint32_t slot) {
+    struct kvb_heap *h = &t->heaps[level];
+    if (h->n == h->cap) {
+        uint32_t cap = h->cap ? h->cap * 2 : 1024;
+        if (cap <= h->cap)
+            return KVB_ENOMEM;
+        uint32_t *a = realloc(h->a, (size_t)cap * sizeof *a);
+        if (a == NULL)
+            return KVB_ENOMEM;
+        h->a = a;
+        h->cap = cap;
+    }
+    struct kvb_entry *e = at(t, slot);
+    e->heap_id = (uint8_t)level;
+    h->a[h->n] = slot;
+    e->heap_pos = h->n++;
+    sift_up(t, h, e->heap_pos);
+    return 0;
+}
+
+/* Queues ``slot`` in ``level``'s heap at (priority, seq), out of any heap it was in. */
+int kvb_heap_push(struct kvb_table *t, int level, int64_t slot, double priority,
+                  uint64_t seq) {
+    if (level < 0 || level >= KVB_LEVELS || !valid(t, slot))
+        return KVB_EBAD;
+    heap_remove(t, (uint32_t)slot);
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    e->queue_priority = priority;
+    e->queue_seq = seq;
+    return heap_insert(t, level, (uint32_t)slot);
+}
+
+/* Queues ``slot`` again at its kept (priority, seq) if its seq is still ``seq`` and it
+ * is in no heap (a deferred victim's return); 1 if queued, 0 if stale. */
+int kvb_heap_restore(struct kvb_table *t, int level, int64_t slot, uint64_t seq) {
+    if (level < 0 || level >= KVB_LEVELS || slot < 0 || slot >= (int64_t)t->nslots)
+        return KVB_EBAD;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    if (!e->used || e->queue_seq != seq || seq == 0 || e->heap_pos != KVB_NONE)
+        return 0;
+    int rc = heap_insert(t, level, (uint32_t)slot);
+    return rc == 0 ? 1 : rc;
+}
+
+/* Out of its heap (its seq kept). */
+int kvb_heap_remove(struct kvb_table *t, int64_t slot) {
+    if (!valid(t, slot))
+        return KVB_EBAD;
+    heap_remove(t, (uint32_t)slot);
+    return 0;
+}
+
+/* The slot at the top of ``level``'s heap, taken out of it (its seq kept); -1 if empty. */
+int64_t kvb_heap_pop(struct kvb_table *t, int level) {
+    if (level < 0 || level >= KVB_LEVELS)
+        return KVB_EBAD;
+    struct kvb_heap *h = &t->heaps[level];
+    if (h->n == 0)
+        return -1;
+    uint32_t slot = h->a[0];
+    heap_remove(t, slot);
+    return slot;
+}
+
+int64_t kvb_heap_len(const struct kvb_table *t, int level) {
+    if (level < 0 || level >= KVB_LEVELS)
+        return KVB_EBAD;
+    return t->heaps[level].n;
+}

@@ -1,0 +1,359 @@
+"""The native block table and live table against the Python ones, operation by operation
+(Hypothesis), and the C side's bounds checks; the TierManager's own tests run on both (conftest)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.core.keys import BlockKey
+from tiers.allocator import Extent
+from tiers.block_table import BlockTable, PyBlockTable
+from tiers.index_budget import NATIVE_BYTES_PER_BLOCK
+from tiers.index_kind import native_available
+from tiers.live_table import NativeLiveTable, PyLiveTable
+from tiers.policy import Eligibility, EvictionQueue, make_policy
+from tiers.records import MOVING, PINNED, UNLINKED, BlockEntry
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="native index not built")
+
+if native_available():
+    from tiers._block_index import ffi, lib
+
+    from tiers.native_index import NativeBlockTable, NativeEntry, NativeIndexError
+
+KEYS = [BlockKey(bytes([i % 7]) * 8 + i.to_bytes(8, "big")) for i in range(40)]
+FIELDS = ("key", "parent", "nbytes", "level", "flags", "readers", "children", "hits",
+          "tier_hits", "last_access", "queue_seq", "place", "length", "extent", "location")
+
+
+class Location:
+    """A durable tier's location record (any Python object)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Location) and other.n == self.n
+
+    def __hash__(self) -> int:
+        return self.n
+
+
+class TableMachine(RuleBasedStateMachine):
+    """The same operations on a ``PyBlockTable`` (the reference) and a ``NativeBlockTable``;
+    every answer and every field must be equal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[Any] = []
+        self.queues: list[list[EvictionQueue]] = []
+        self.held: dict[BlockKey, list[BlockEntry]] = {}  # unlinked but leased entries
+
+    @initialize(policy=st.sampled_from(["lru", "lfu", "prefix"]))
+    def build(self, policy: str) -> None:
+        for table in (PyBlockTable(), NativeBlockTable()):
+            clock = itertools.count(1)
+            self.tables.append(table)
+            self.queues.append([table.make_queue(make_policy(policy), clock=clock, level=i)
+                                for i in range(2)])
+
+    def each(self) -> list[tuple[BlockTable, list[EvictionQueue]]]:
+        return list(zip(self.tables, self.queues, strict=True))
+
+    @rule(i=st.integers(0, len(KEYS) - 1), parent=st.none() | st.integers(0, len(KEYS) - 1),
+          nbytes=st.integers(1, 1 << 40), level=st.integers(0, 1),
+          place=st.none() | st.integers(0, 1 << 50) | st.integers(0, 5).map(Location),
+          pinned=st.booleans())
+    def add(self, i: int, parent: int | None, nbytes: int, level: int, place: Any,
+            pinned: bool) -> None:
+        key = KEYS[i]
+        if key in self.tables[0]:
+            return
+        for table, queues in self.each():
+            extent = Extent(place, 64) if isinstance(place, int) and place % 2 else None
+            e = table.new_entry(key=key, parent=None if parent is None else KEYS[parent],
+                                nbytes=nbytes, level=level, extent=extent,
+                                location=None if extent else place, pinned=pinned,
+                                children=i % 3, last_access=i)
+            table[key] = e
+            if not pinned:
+                queues[level].push(key, e)
+
+    @rule(i=st.integers(0, len(KEYS) - 1), leased=st.booleans())
+    def remove(self, i: int, leased: bool) -> None:
+        key = KEYS[i]
+        if key not in self.tables[0]:
+            return
+        entries = []
+        for table, _ in self.each():
+            e = table[key]
+            del table[key]
+            e.flags |= UNLINKED
+            e.queue_seq = 0
+            if leased:
+                e.readers += 1
+                entries.append(e)
+            else:
+                table.retire(e)
+        if leased:
+            self.held.setdefault(key, []).append(entries)  # type: ignore[arg-type]
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        pair = self.held[key].pop()
+        if not self.held[key]:
+            del self.held[key]
+        for (table, _), e in zip(self.each(), pair, strict=True):  # type: ignore[call-overload]
+            assert e.flags & UNLINKED and e.readers == 1
+            e.readers -= 1
+            table.retire(e)
+            assert e.readers == 0
+
+    @rule(i=st.integers(0, len(KEYS) - 1), push=st.booleans())
+    def access(self, i: int, push: bool) -> None:
+        key = KEYS[i]
+        for table, queues in self.each():
+            e = table.get(key)
+            if e is None:
+                continue
+            e.hits += 1
+            e.tier_hits += 1
+            e.last_access += 1000
+            if push and not e.flags:
+                queues[e.level].push(key, e)
+
+    @rule(i=st.integers(0, len(KEYS) - 1), bit=st.sampled_from([PINNED, MOVING]))
+    def flag(self, i: int, bit: int) -> None:
+        for table, _ in self.each():
+            e = table.get(KEYS[i])
+            if e is not None:
+                e.flags ^= bit
+
+    @rule(i=st.integers(0, len(KEYS) - 1))
+    def forget(self, i: int) -> None:
+        for table, _ in self.each():
+            e = table.get(KEYS[i])
+            if e is not None:
+                EvictionQueue.forget(e)
+
+    @rule(i=st.integers(0, len(KEYS) - 1), level=st.integers(0, 1))
+    def move(self, i: int, level: int) -> None:
+        for table, queues in self.each():
+            e = table.get(KEYS[i])
+            if e is not None and not e.flags:
+                e.level = level
+                e.place, e.length = 64 * i, 64
+                queues[level].push(e.key, e)
+
+    @rule(level=st.integers(0, 1), rounds=st.integers(1, 6),
+          defer=st.sets(st.integers(0, len(KEYS) - 1)),
+          drop=st.sets(st.integers(0, len(KEYS) - 1)))
+    def evict(self, level: int, rounds: int, defer: set[int], drop: set[int]) -> None:
+        deferred_keys = {KEYS[i] for i in defer}
+        dropped_keys = {KEYS[i] for i in drop}
+
+        def eligibility(e: BlockEntry) -> Eligibility:
+            if e.key in dropped_keys:
+                return Eligibility.DROP
+            if e.key in deferred_keys:
+                return Eligibility.DEFER
+            return Eligibility.EVICT
+
+        answers = []
+        for table, queues in self.each():
+            deferred: list[Any] = []
+            got = [queues[level].pop_victim(table, eligibility, deferred)
+                   for _ in range(rounds)]
+            queues[level].restore(deferred)
+            answers.append(got)
+        assert answers[0] == answers[1]
+
+    @rule(picks=st.lists(st.integers(0, len(KEYS) - 1), max_size=10))
+    def prefix(self, picks: list[int]) -> None:
+        keys = [KEYS[i] for i in picks]
+        assert self.tables[0].prefix_length(keys) == self.tables[1].prefix_length(keys)
+
+    @invariant()
+    def same(self) -> None:
+        if not self.tables:
+            return
+        py, native = self.tables
+        assert list(py) == list(native)  # insertion order
+        assert len(py) == len(native)
+        for key in KEYS:
+            a, b = py.get(key), native.get(key)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert b is native.get(key)  # one handle per record
+                for f in FIELDS:
+                    assert getattr(a, f) == getattr(b, f), f
+                assert a.queue_priority == b.queue_priority
+
+
+TableMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60,
+                                          deadline=None)
+TestTableMachine = TableMachine.TestCase
+
+
+def test_key_table_survives_growth_and_deletion_in_any_order() -> None:
+    """Thousands of keys through the table's growths and backward-shift deletions."""
+    t = NativeBlockTable()
+    keys = [BlockKey(i.to_bytes(16, "little")) for i in range(20_000)]
+    for k in keys:
+        t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    for k in keys[::3]:
+        e = t[k]
+        del t[k]
+        e.flags |= UNLINKED
+        t.retire(e)
+    kept = [k for i, k in enumerate(keys) if i % 3]
+    assert list(t) == kept and len(t) == len(kept)
+    assert all(k in t for k in kept) and not any(k in t for k in keys[::3])
+    for k in keys[::3]:  # reused slots
+        t[k] = t.new_entry(key=k, parent=None, nbytes=2, level=0)
+    assert list(t) == kept + keys[::3]
+    assert t.prefix_length([*kept[:50], BlockKey(b"z" * 16), *kept]) == 50
+
+
+def test_a_handle_nobody_holds_is_dropped_and_one_held_is_kept() -> None:
+    t = NativeBlockTable()
+    keys = [BlockKey(i.to_bytes(16, "big")) for i in range(5000)]
+    for k in keys:
+        t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    held = t[keys[7]]
+    for k in keys:  # sweeps run as handles are made
+        t.get(k)
+    assert t[keys[7]] is held
+    assert len(t._handles) < len(keys)
+
+
+def test_a_retired_records_stale_handle_has_no_readers() -> None:
+    t = NativeBlockTable()
+    k = BlockKey(b"a" * 16)
+    e = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    t[k] = e
+    e.readers += 1
+    del t[k]
+    e.flags |= UNLINKED
+    e.readers -= 1
+    t.retire(e)
+    assert e.readers == 0 and e.unlinked
+
+
+def test_wrong_keys_are_refused_or_absent() -> None:
+    t = NativeBlockTable()
+    with pytest.raises(ValueError, match="16-byte keys"):
+        t.new_entry(key=BlockKey(b"short"), parent=None, nbytes=1, level=0)
+    assert BlockKey(b"short") not in t and t.get(BlockKey(b"short")) is None
+    assert t.prefix_length([BlockKey(b"short")]) == 0
+    with pytest.raises(KeyError):
+        del t[BlockKey(b"b" * 16)]
+
+
+def test_linking_an_indexed_key_again_or_retiring_an_indexed_entry_is_refused() -> None:
+    t = NativeBlockTable()
+    k = BlockKey(b"a" * 16)
+    e = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    t[k] = e
+    with pytest.raises(NativeIndexError):
+        t[k] = e
+    twin = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    with pytest.raises(NativeIndexError):
+        t[k] = twin
+    with pytest.raises(NativeIndexError):
+        t.retire(e)
+    with pytest.raises(TypeError):
+        t.retire(BlockEntry(key=k, parent=None, nbytes=1))
+
+
+@pytest.mark.parametrize("slot", [-1, 1, 1 << 20, (1 << 32) - 1])
+def test_c_calls_check_their_slot_and_level(slot: int) -> None:
+    t = NativeBlockTable()
+    k = BlockKey(b"a" * 16)
+    t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)  # slot 0 is the only one
+    c = t.c
+    assert lib.kvb_link(c, slot) == lib.KVB_EBAD
+    assert lib.kvb_unlink(c, slot) == lib.KVB_EBAD
+    assert lib.kvb_retire(c, slot) == lib.KVB_EBAD
+    assert lib.kvb_heap_push(c, 0, slot, 1.0, 1) == lib.KVB_EBAD
+    assert lib.kvb_heap_remove(c, slot) == lib.KVB_EBAD
+    for level in (-1, lib.KVB_LEVELS):
+        assert lib.kvb_heap_push(c, level, 0, 1.0, 1) == lib.KVB_EBAD
+        assert lib.kvb_heap_pop(c, level) == lib.KVB_EBAD
+        assert lib.kvb_heap_len(c, level) == lib.KVB_EBAD
+    assert lib.kvb_heap_pop(c, 0) == -1
+    cursor = ffi.new("uint32_t *", 12345)  # not a linked slot: nothing, cursor at the end
+    assert lib.kvb_slots(c, cursor, ffi.new("uint32_t[]", 4), 4) == 0
+    assert cursor[0] == lib.KVB_NONE
+    assert list(t) == [k]
+
+
+def test_a_native_entry_is_a_block_entry() -> None:
+    t = NativeBlockTable()
+    k = BlockKey(b"a" * 16)
+    e = t.new_entry(key=k, parent=BlockKey(b"p" * 16), nbytes=5, level=1,
+                    extent=Extent(128, 64), pinned=True)
+    assert isinstance(e, NativeEntry) and isinstance(e, BlockEntry)
+    assert (e.parent, e.extent, e.location, e.pinned, e.tier) == (
+        BlockKey(b"p" * 16), Extent(128, 64), None, True, 1)
+    e.location = Location(3)
+    assert (e.extent, e.location, e.place) == (None, Location(3), Location(3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "del", "get"]),
+                              st.integers(0, 3000) | st.integers(0, 1 << 62),
+                              st.integers(0, 1 << 40)), max_size=300))
+def test_native_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]]) -> None:
+    native, ref = NativeLiveTable(), PyLiveTable()
+    for op, offset, length in ops:
+        if op == "set":
+            native[offset] = length
+            ref[offset] = length
+        elif op == "del":
+            if offset in ref:
+                del native[offset]
+                del ref[offset]
+            else:
+                with pytest.raises(KeyError):
+                    del native[offset]
+        assert native.get(offset) == ref.get(offset)
+        assert len(native) == len(ref)
+    assert sorted(native.items()) == sorted(ref.items())
+    native.clear()
+    assert len(native) == 0 and list(native.items()) == []
+
+
+def test_native_live_table_grows_and_refuses_negative_values() -> None:
+    t = NativeLiveTable()
+    for i in range(50_000):
+        t[i * 64] = 64
+    for i in range(0, 50_000, 2):
+        del t[i * 64]
+    assert len(t) == 25_000 and t.get(64) == 64 and t.get(0) is None and t.get(-1) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        t[-64] = 1
+
+
+def test_the_native_budget_covers_what_the_tables_hold() -> None:
+    """``NATIVE_BYTES_PER_BLOCK`` against the native memory of the block table (records,
+    key table, heap) and the live table, filled to two whole record chunks."""
+    n = 2 << lib.KVB_CHUNK_BITS
+    t, live = NativeBlockTable(), NativeLiveTable()
+    queue = t.make_queue(make_policy("lru"), clock=itertools.count(1), level=0)
+    for i in range(n):
+        k = BlockKey(i.to_bytes(16, "big"))
+        e = t.new_entry(key=k, parent=None, nbytes=1, level=0, extent=Extent(i, 1))
+        t[k] = e
+        queue.push(k, e)
+        live[i] = 1
+    per_block = (t.native_bytes() + live.native_bytes()) / n
+    assert 160 < per_block <= NATIVE_BYTES_PER_BLOCK
