@@ -35,12 +35,12 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
-	$(MAKE) test-native-index
 
 # The suites over the tier index once more on the native index (tiers.block_table: the
-# test functions of tests/tiers run on both indexes anyway; this covers its Hypothesis
-# state machines and the node, replication and engine-facing suites); skipped, and said,
-# where the native index is not built.
+# test functions of tests/tiers and tests/kvstore/test_concurrency.py run on both indexes
+# in `make test` anyway; this covers its Hypothesis state machines and the node and
+# replication suites, ~6 min more, so CI runs it (.ci/run) and `make test` does not);
+# skipped, and said, where the native index is not built.
 test-native-index: $(STAMP)
 	@if $(PY) -c 'import sys, tiers.index_kind as k; sys.exit(not k.native_available())'; then \
 	  KVSTORE_NATIVE_INDEX=1 $(PY) -m pytest -q -m "not slow" -k Machine tests/tiers && \
