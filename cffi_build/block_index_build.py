@@ -14,18 +14,16 @@ same tests), so without a C compiler this script warns and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from cffi import FFI
 
-from cffi_build.compile import compile_into, no_compiler
+from cffi_build.compile import build_main, build_module, sources_builder
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-_C_SOURCE = _HERE / "block_index.c"
 
 # What tiers/native_index.py expects of a build (kvb_api_version()).
 API_VERSION = 1
@@ -90,21 +88,11 @@ uint64_t kvb_map_items(const struct kvb_map *m, uint64_t *from, int64_t *offsets
                        int64_t *values, uint64_t cap);
 """
 MODULE = "tiers._block_index"
-ASAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
+SOURCES = ["block_index.c", "block_map.c"]
 
 
-def make_builder(*, asan: bool = False) -> FFI:
-    builder = FFI()
-    builder.cdef(CDEF)
-    builder.set_source(
-        MODULE,
-        '#include "block_index.c"\n#include "block_map.c"\n',
-        include_dirs=[str(_HERE)],
-        depends=[str(_C_SOURCE), str(_HERE / "block_map.c")],
-        extra_compile_args=(ASAN_FLAGS if asan else ["-O2"]) + ["-std=gnu11", "-Wall"],
-        extra_link_args=["-fsanitize=address,undefined"] if asan else [],
-    )
-    return builder
+def make_builder(asan: bool = False) -> FFI:
+    return sources_builder(module=MODULE, cdef=CDEF, sources=SOURCES, asan=asan)
 
 
 ffibuilder = make_builder()
@@ -112,22 +100,11 @@ ffibuilder = make_builder()
 
 def build(dest_dir: Path = _ROOT / "tiers", *, asan: bool = False) -> Path | None:
     """Builds the extension into ``dest_dir``; returns its path, or None (with a warning)."""
-    reason = no_compiler()
-    if reason is not None:
-        print(f"warning: not building {MODULE}: {reason}", file=sys.stderr)
-        return None
-    return compile_into(make_builder(asan=asan), dest_dir, module=MODULE)
+    return build_module(make_builder, dest_dir, module=MODULE, asan=asan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cffi_build.block_index_build")
-    p.add_argument("--asan", action="store_true",
-                   help="AddressSanitizer + UBSan build (run with LD_PRELOAD=$(gcc "
-                   "-print-file-name=libasan.so))")
-    target = build(asan=p.parse_args(argv).asan)
-    if target is not None:
-        print(f"built {target}")
-    return 0
+    return build_main("python -m cffi_build.block_index_build", lambda asan: build(asan=asan), argv)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,16 @@ same bytes on the wire), so without a C compiler this script warns and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from cffi import FFI
 
-from cffi_build.compile import compile_into, no_compiler
+from cffi_build.compile import build_main, build_module, sources_builder
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-_C_SOURCE = _HERE / "channel.c"
 
 # What kvstore/protocol/native_channel.py expects of a build (kvc_api_version()).
 API_VERSION = 1
@@ -52,21 +50,11 @@ int64_t kvc_get(int fd, const char *keys, uint32_t n, char *const *outs,
 int kvc_recv_exact(int fd, char *buf, uint64_t n);
 """
 MODULE = "kvstore.protocol._channel"
-ASAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
+SOURCES = ["channel.c"]
 
 
-def make_builder(*, asan: bool = False) -> FFI:
-    builder = FFI()
-    builder.cdef(CDEF)
-    builder.set_source(
-        MODULE,
-        '#include "channel.c"\n',
-        include_dirs=[str(_HERE)],
-        depends=[str(_C_SOURCE)],
-        extra_compile_args=(ASAN_FLAGS if asan else ["-O2"]) + ["-std=gnu11", "-Wall"],
-        extra_link_args=["-fsanitize=address,undefined"] if asan else [],
-    )
-    return builder
+def make_builder(asan: bool = False) -> FFI:
+    return sources_builder(module=MODULE, cdef=CDEF, sources=SOURCES, asan=asan)
 
 
 ffibuilder = make_builder()
@@ -74,27 +62,11 @@ ffibuilder = make_builder()
 
 def build(dest_dir: Path = _ROOT / "kvstore" / "protocol", *, asan: bool = False) -> Path | None:
     """Builds the extension into ``dest_dir``; returns its path, or None (with a warning)."""
-    reason = no_compiler()
-    if reason is not None:
-        print(f"warning: not building {MODULE}: {reason}", file=sys.stderr)
-        return None
-    builder = make_builder(asan=asan)
-    return compile_into(builder, dest_dir, module=MODULE)
+    return build_module(make_builder, dest_dir, module=MODULE, asan=asan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cffi_build.channel_build")
-    p.add_argument(
-        "--asan",
-        action="store_true",
-        help="AddressSanitizer + UBSan build (run with LD_PRELOAD=$(gcc "
-        "-print-file-name=libasan.so))",
-    )
-    args = p.parse_args(argv)
-    target = build(asan=args.asan)
-    if target is not None:
-        print(f"built {target}")
-    return 0
+    return build_main("python -m cffi_build.channel_build", lambda asan: build(asan=asan), argv)
 
 
 if __name__ == "__main__":
