@@ -57,22 +57,11 @@ class Tiers:
         with self.lock:
             return self.manager.plan_prefetch(list(keys), 0, max_bytes=1 << 30)
 
-    def read_as_user(self, key: BlockKey) -> bytes:
-        """``read``, counted as a read (a hit, and the block's recency)."""
+    def read(self, key: BlockKey, *, as_user: bool = False) -> bytes:
+        """The block's bytes; ``as_user``: counted as a read (a hit, and the block's
+        recency), else not."""
         with self.lock:
-            e = self.manager.acquire_read(key)
-        assert e is not None
-        try:
-            view = leased_block_view(self.manager, self.lock, e)
-            assert view is not None
-            return bytes(view)
-        finally:
-            with self.lock:
-                self.manager.release_read(e)
-
-    def read(self, key: BlockKey) -> bytes:
-        with self.lock:
-            e = self.manager.acquire_read(key, access=False)
+            e = self.manager.acquire_read(key, access=as_user)
         assert e is not None
         try:
             view = leased_block_view(self.manager, self.lock, e)
@@ -277,7 +266,7 @@ def test_a_demotion_drops_more_when_the_room_made_is_not_in_one_piece(tmp_path: 
         assert t.mover.make_room(0, 4 * BLOCK)
         assert t.where(*small) == ["ssd"] * 4
         for k in (small[1], small[3]):  # read: now s0 and s2 are the coldest
-            assert t.read_as_user(k) == t.values[k]
+            assert t.read(k, as_user=True) == t.values[k]
         big = t.put("big", nbytes=BLOCK + HEADER_BYTES)
         assert t.mover.make_room(0, BLOCK + HEADER_BYTES)
         assert t.where(big) == ["ssd"] and t.read(big) == t.values[big]
