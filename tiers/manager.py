@@ -26,18 +26,10 @@ queued to move one tier up. When the destination has no room below its high
 watermark, the mover first demotes the destination's coldest blocks (a block
 read twice is hotter than the tail of the tier above), then promotes.
 
-Prefetch (``plan_prefetch``): a caller names blocks it will read soon and a memory
-tier; each block below that tier moves straight up to it by the same two-phase move
-into room below the destination's high watermark (``_plan_up``, shared with the
-promotion rule). Where there is no such room, the room is made by demoting the
-destination's coldest blocks (``plan_moves`` with ``spare``) under stricter rules than
-the promotion rule's, because a prefetch is a guess about the future, not a read: it
-never demotes a retained block or a block the call names, and it demotes only into room
-the tier below has under its high watermark, so nothing is ever dropped from the node
-for it. What still does not fit is reported (``NO_ROOM``) and left where it is. A
-prefetch is not a read (no hits, no retention refresh, no count toward the promotion
-rule) but refreshes the policy's recency of every block it finds, so what it brings up
-is not the destination's next victim.
+Prefetch (``plan_prefetch``, planned by ``tiers.prefetch.PrefetchPlanner``): a caller
+names blocks it will read soon and a memory tier; each moves up by the same two-phase move
+(``plan_up``, the one rule of every move up), into room whose making never drops a block
+from the node.
 
 Invariants, checked by tests:
 
@@ -59,19 +51,18 @@ Invariants, checked by tests:
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.core.keys import BlockKey
-from kvstore.core.prefetch import PrefetchOutcome
 from tiers.allocator import Extent
 from tiers.base import DurableCopy, Tier
 from tiers.block_table import BlockTable, make_table
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.observer import TierObserver
 from tiers.policy import Eligibility, EvictionPolicy, EvictionQueue, make_policy
+from tiers.prefetch import PrefetchPlanner
 from tiers.records import (
     MOVING,
     PINNED,
@@ -101,9 +92,6 @@ class _ScanBound(Exception):
 __all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "PrefetchPlan", "Reservation",
            "TierCounters", "TierManager", "Watermarks"]
 
-_FINAL = (PrefetchOutcome.PRESENT, PrefetchOutcome.PROMOTED, PrefetchOutcome.MISSING,
-          PrefetchOutcome.NO_ROOM, PrefetchOutcome.BUSY, PrefetchOutcome.UNDONE)
-"""The outcomes a settled prefetch counts, each block once (QUEUED is never final)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -155,10 +143,9 @@ class TierManager:
         # Retained blocks (``tiers.retention``): demotable, but never dropped while held.
         self.retention = retention if retention is not None else RetentionBook()
         self.observer: TierObserver | None = None  # told of commits, unlinks and moves
-        self._prefetch_bytes = 0  # of plans not yet settled
         self._moving = 0  # blocks marked moving: planned moves not finished yet
         self._reserved = 0  # bytes of the landing tier held by puts not committed yet
-        self._prefetched: Counter[PrefetchOutcome] = Counter()  # settled, per block
+        self.prefetches = PrefetchPlanner(self)  # plans, their byte bound, settled counts
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -597,7 +584,7 @@ class TierManager:
         passed: list[BlockEntry] = []  # spared blocks looked at (the last one: not queued)
         if spare is not None:
             assert dst is not None
-            below = self._headroom(dst)
+            below = self.headroom(dst)
             retains = self.retention.retains
 
             def spared(entry: BlockEntry) -> Eligibility:
@@ -672,7 +659,7 @@ class TierManager:
             if self.levels[dst].durable:
                 del s.promote[key]
                 continue
-            move = self._plan_up(entry, dst)
+            move = self.plan_up(entry, dst)
             if move is None:
                 return moves, (dst, self.target_bytes(
                     dst, self.levels[dst].tier.footprint(entry.nbytes)))
@@ -680,7 +667,7 @@ class TierManager:
             moves.append(move)
         return moves, None
 
-    def _plan_up(self, entry: BlockEntry, dst: int) -> Move | None:
+    def plan_up(self, entry: BlockEntry, dst: int) -> Move | None:
         """A move of ``entry`` up to the memory level ``dst``, into room below its high
         watermark (phase 1: destination reserved, block leased and marked moving), or None
         when there is no such room. The one rule of every move up: the promotion rule's
@@ -697,7 +684,7 @@ class TierManager:
         EvictionQueue.forget(entry)
         return Move(entry=entry, src=entry.level, dst=dst, dst_extent=extent)
 
-    def _headroom(self, level: int) -> int:
+    def headroom(self, level: int) -> int:
         """Bytes ``level`` may take before it passes its high watermark (<= 0: none)."""
         tier = self.levels[level].tier
         return int(self.watermarks.high * tier.capacity) - tier.used
@@ -715,114 +702,27 @@ class TierManager:
 
     def plan_prefetch(self, keys: Sequence[BlockKey], level: int, *, max_bytes: int
                       ) -> PrefetchPlan:
-        """Phase 1 of bringing ``keys`` up to the memory ``level`` (see the module's
-        "Prefetch"): each key's outcome where it is final, moves for the blocks that fit
-        now, and for the rest (in the order named: the first blocks of a prefix matter
-        most) the room the rules allow, or NO_ROOM.
+        """``tiers.prefetch.PrefetchPlanner.plan`` (phase 1 of a prefetch)."""
+        return self.prefetches.plan(keys, level, max_bytes=max_bytes)
 
-        At most ``max_bytes`` of blocks are planned across every unsettled plan (BUSY past
-        it). The caller runs the plan (``TierMover.prefetch``) and must settle it
-        (``settle_prefetch``), whatever happens, or its bytes stay counted.
-        """
-        if self.levels[level].durable:
-            raise ValueError("a prefetch brings blocks up to a memory tier")
-        s = self._s
-        blocks = s.blocks
-        plan = PrefetchPlan(level=level, keys=list(keys))
-        outcomes = plan.outcomes
-        footprint = self.levels[level].tier.footprint
-        need = 0  # the waiting blocks' footprints in ``level`` (plan.nbytes: their values)
-        for key in plan.keys:
-            if key in outcomes:
-                continue  # a repeat: one block, one outcome
-            e = blocks.get(key)
-            if e is None:
-                outcomes[key] = PrefetchOutcome.MISSING
-                continue
-            self._stamp(e)
-            if e.flags & MOVING:
-                outcomes[key] = PrefetchOutcome.BUSY  # on its way up or down already
-            elif e.level <= level:
-                outcomes[key] = PrefetchOutcome.PRESENT
-            elif self._prefetch_bytes + plan.nbytes + e.nbytes > max_bytes:
-                outcomes[key] = PrefetchOutcome.BUSY
-            else:
-                move = None if plan.waiting else self._plan_up(e, level)
-                if move is not None:
-                    plan.moves.append(move)
-                else:
-                    plan.waiting.append(key)
-                    need += footprint(e.nbytes)
-                outcomes[key] = PrefetchOutcome.QUEUED
-                plan.nbytes += e.nbytes
-        if plan.waiting:
-            headroom = self._headroom(level)
-            if need > headroom:
-                plan.room = self.plan_moves(level, need - headroom, spare=outcomes.keys())
-            room = headroom + sum(footprint(m.entry.nbytes) for m in plan.room)
-            taken = 0
-            for key in plan.waiting:
-                n = blocks[key].nbytes
-                if taken + footprint(n) <= room:
-                    taken += footprint(n)
-                else:
-                    outcomes[key] = PrefetchOutcome.NO_ROOM
-                    plan.nbytes -= n
-            plan.waiting = [k for k in plan.waiting if outcomes[k] is PrefetchOutcome.QUEUED]
-        self._prefetch_bytes += plan.nbytes
-        return plan
+    def plan_prefetch_rest(self, plan: PrefetchPlan) -> list[Move]:
+        """``tiers.prefetch.PrefetchPlanner.plan_rest``."""
+        return self.prefetches.plan_rest(plan)
 
-    def _stamp(self, entry: BlockEntry) -> None:
+    def settle_prefetch(self, plan: PrefetchPlan) -> None:
+        """``tiers.prefetch.PrefetchPlanner.settle``."""
+        self.prefetches.settle(plan)
+
+    def prefetch_stats(self) -> dict[str, int | dict[str, int]]:
+        """``tiers.prefetch.PrefetchPlanner.stats``."""
+        return self.prefetches.stats()
+
+    def stamp_use(self, entry: BlockEntry) -> None:
         """A coming use of ``entry``: the policy's recency only, not a read."""
         tick = next(self._clock)
         entry.last_access = tick
         if not (entry.flags or self._held_by_children(entry)):
             self.levels[entry.level].queue.push(entry.key, entry, tick)
-
-    def plan_prefetch_rest(self, plan: PrefetchPlan) -> list[Move]:
-        """Once the plan's room moves finished: moves for its waiting keys (added to
-        ``plan.moves`` and returned); a key that no longer fits is NO_ROOM."""
-        blocks = self._s.blocks
-        outcomes = plan.outcomes
-        moves: list[Move] = []
-        for key in plan.waiting:
-            e = blocks.get(key)
-            if e is None:
-                outcomes[key] = PrefetchOutcome.MISSING  # removed or evicted meanwhile
-            elif e.flags & MOVING:
-                outcomes[key] = PrefetchOutcome.BUSY
-            elif e.level <= plan.level:
-                outcomes[key] = PrefetchOutcome.PRESENT
-            else:
-                move = self._plan_up(e, plan.level)
-                if move is None:
-                    outcomes[key] = PrefetchOutcome.NO_ROOM
-                else:
-                    moves.append(move)
-        plan.waiting = []
-        plan.moves += moves
-        return moves
-
-    def settle_prefetch(self, plan: PrefetchPlan) -> None:
-        """Closes a plan whose moves are all finished (or never planned): each planned key
-        is PROMOTED or UNDONE, every key's final outcome is counted once, and the plan's
-        bytes leave the bound."""
-        outcomes = plan.outcomes
-        for m in plan.moves:
-            outcomes[m.entry.key] = (PrefetchOutcome.PROMOTED if m.applied
-                                     else PrefetchOutcome.UNDONE)
-        for key in plan.waiting:  # never planned: the run ended before their room was made
-            outcomes[key] = PrefetchOutcome.UNDONE
-        plan.waiting = []
-        self._prefetched.update(outcomes.values())
-        self._prefetch_bytes -= plan.nbytes
-        plan.nbytes = 0
-
-    def prefetch_stats(self) -> dict[str, int | dict[str, int]]:
-        """``prefetch_blocks`` (settled blocks per final outcome, every outcome named) and
-        ``prefetch_bytes_in_flight`` (of plans not yet settled)."""
-        return {"prefetch_blocks": {o.value: self._prefetched[o] for o in _FINAL},
-                "prefetch_bytes_in_flight": self._prefetch_bytes}
 
     def finish_moves(self, moves: Sequence[Move]) -> list[DurableCopy]:
         """Applies the copied moves (phase 3); returns durable copies to delete."""
