@@ -50,6 +50,7 @@ import numpy as np
 
 from benchmarks.stats import Panel, median, percentile, plot_panels, write_json
 from benchmarks.vllm_serving import default_vllm_python, external_hits
+from conductor.front.vllm_instances import parse_metrics
 from conductor.front.vllm_procs import REPO, VLLM_BLOCK, Proc, start_node, start_vllm, wait_ready
 from kvstore import Client, block_keys
 
@@ -200,12 +201,9 @@ def engine_sums(url: str) -> dict[str, float]:
 def metric_sums(text: str) -> dict[str, float]:
     """``TTFT_SUM``, ``ITL_SUM`` and ``ITL_COUNT`` in a Prometheus text, each summed over
     its label sets (0 when absent)."""
-    out = dict.fromkeys((TTFT_SUM, ITL_SUM, ITL_COUNT), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    parsed = parse_metrics(text)
+    return {name: sum(value for _, value in parsed.get(name, ()))
+            for name in (TTFT_SUM, ITL_SUM, ITL_COUNT)}
 
 
 def hits(conn: Proc, node: str, namespace: str, value_bytes: int,
