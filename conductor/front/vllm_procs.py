@@ -110,12 +110,15 @@ def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
                store: str | dict[str, Any] | None,
                namespace: str = "", role: str = "kv_both", max_model_len: int = 1024,
                kv_cache_bytes: int = 64 << 20, port: int | None = None,
-               tokenizer: bool = False, extra_args: Sequence[str] = ()) -> Proc:
+               tokenizer: bool = False, extra_args: Sequence[str] = (),
+               kv_transfer: str | None = None, env: dict[str, str] | None = None) -> Proc:
     """A vLLM OpenAI server on ``model``; with ``store`` it uses KVStoreConnector in
     ``role``, without it no connector. ``tokenizer``: the server loads the tokenizer in
     ``model`` (``write_text_tokenizer``) and serves text and chat; otherwise it runs with
     ``--skip-tokenizer-init`` (token-id prompts). ``extra_args``: more server flags (e.g.
-    ``--enable-prompt-tokens-details``). Not waited for: call
+    ``--enable-prompt-tokens-details``). ``kv_transfer``: a whole ``--kv-transfer-config``
+    JSON instead of KVStoreConnector's (another connector: the benchmarks' peers), with
+    ``store`` None; ``env``: more environment for the server. Not waited for: call
     ``wait_ready(p, "/v1/models", ...)`` (start several first, they start in parallel)."""
     port = port or free_port()
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -124,10 +127,13 @@ def start_vllm(python: str, model: Path, logdir: Path, *, name: str,
             "--seed", "0", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
             *extra_args]
+    if store is not None and kv_transfer is not None:
+        raise ValueError("start_vllm: pass store or kv_transfer, not both")
     if store is not None:
-        args += ["--kv-transfer-config",
-                 kv_transfer_config(store=store, namespace=namespace, role=role)]
-    p = _spawn(name, args, logdir / f"{name}.log")
+        kv_transfer = kv_transfer_config(store=store, namespace=namespace, role=role)
+    if kv_transfer is not None:
+        args += ["--kv-transfer-config", kv_transfer]
+    p = _spawn(name, args, logdir / f"{name}.log", env)
     p.url = f"http://127.0.0.1:{port}"
     return p
 
