@@ -72,7 +72,7 @@ from conductor.front.session_cache import SessionCache
 from conductor.front.sessions import PreferSession as PreferSession  # re-exported
 from conductor.front.sessions import SessionAffinity
 from conductor.front.store_view import NotDurable, StoreView
-from conductor.front.vllm_instances import UpstreamError, VllmInstance
+from conductor.front.vllm_instances import PendingPrefill, UpstreamError, VllmInstance
 from conductor.front.vllm_startup import learn
 from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.policies import make_policy
@@ -507,15 +507,15 @@ class VllmFront:
                 self.metrics.chosen.labels("prefill", pinst.id).inc()
                 pre = with_stored(prefill_body(body), stored)
                 pinst.in_flight += 1
+                pending = pinst.start_prefill(len(tokens) - (decision.plan.cached_tokens
+                                                             if decision.plan else 0))
                 tp = time.monotonic()
                 try:
                     await post_json(pinst, job.path, pre, self.timeout())
+                    pending.release(seconds=time.monotonic() - tp)
                 finally:
                     pinst.in_flight -= 1
-                pinst.calibration.observe_prefill(
-                    computed_tokens=len(tokens) - (decision.plan.cached_tokens
-                                                   if decision.plan else 0),
-                    seconds=time.monotonic() - tp)
+                    pending.release(seconds=None)
                 c.prefill_done(rid, time.monotonic())
                 waited = await self.store.wait_durable(
                     self.stored_keys(keys), timeout_s=self.config.durable_timeout_s,
@@ -593,12 +593,14 @@ class VllmFront:
             self._turn_over(job)
 
         inst.in_flight += 1
+        pending = inst.start_prefill(prefill_tokens)
         if not body.get("stream"):
             ts = time.monotonic()
             try:
                 answer = await post_json(inst, job.path, body, self.timeout())
             finally:
                 inst.in_flight -= 1
+                pending.release(seconds=None)
                 done()
             elapsed = time.monotonic() - ts
             n = int((answer.get("usage") or {}).get("completion_tokens") or 0)
@@ -611,6 +613,7 @@ class VllmFront:
             stream = await open_stream(inst, job.path, body, self.timeout())
         except BaseException:
             inst.in_flight -= 1
+            pending.release(seconds=None)
             done()
             raise
         state = _StreamState()
@@ -620,6 +623,7 @@ class VllmFront:
                 return
             state.closed = True
             inst.in_flight -= 1
+            pending.release(seconds=None)
             done()
             self.metrics.requests.labels(route, state.outcome).inc()
             if state.outcome == "ok":
@@ -635,10 +639,10 @@ class VllmFront:
                 await stream.response.aclose()
 
         return StreamReply(chunks=self._pass_through(stream, t0, state, close,
-                                                     prefill_tokens), close=close)
+                                                     pending), close=close)
 
     async def _pass_through(self, stream: OpenStream, t0: float, state: _StreamState,
-                            close: Callable[[], Awaitable[None]], prefill_tokens: int
+                            close: Callable[[], Awaitable[None]], pending: PendingPrefill
                             ) -> AsyncIterator[bytes]:
         inst = stream.inst
         try:
@@ -646,9 +650,7 @@ class VllmFront:
                 if state.first is None:
                     state.first = time.monotonic()
                     self.metrics.ttft.observe(state.first - t0)
-                    if prefill_tokens:
-                        inst.calibration.observe_prefill(computed_tokens=prefill_tokens,
-                                                         seconds=state.first - t0)
+                    pending.release(seconds=state.first - t0)
                 state.events += chunk.count(b"data: ")
                 yield chunk
             state.outcome = "ok"

@@ -16,6 +16,15 @@ seconds per computed token (from each prefill's wall time and the tokens it did 
 find cached) and the decode step time (from each streamed or timed decode). Until an
 instance has been observed it uses conservative defaults, so the very first decisions
 are estimates; each completed request moves them (exponential moving average).
+
+``PendingPrefill`` is one prefill the front sent to an instance and has not seen finish:
+its tokens count in the instance's queue (``VllmInstance.queue_s``) until it is released,
+once, at its first token or when the request ends. A prefill's time to first token
+covers the prompt tokens sent there before it and still pending as well as its own (the
+engine runs them first), so it is observed as the time of both: the learnt rate stays a
+rate of compute, not of compute plus whatever queue the instance had at the time (which
+would make a busy instance look slow long after its queue drained, and the front avoid
+it while the other queued).
 """
 
 from __future__ import annotations
@@ -168,6 +177,30 @@ class Calibration:
                 "decode_samples": self.decode_step_s.samples}
 
 
+@dataclass(slots=True, kw_only=True)
+class PendingPrefill:
+    """See the module docstring. Made by ``VllmInstance.start_prefill``."""
+
+    instance: VllmInstance
+    tokens: int
+    """Prompt tokens this prefill computes (its prompt less what is cached)."""
+    ahead: int
+    """Pending prefill tokens the front had sent to the instance before this one."""
+    released: bool = False
+
+    def release(self, *, seconds: float | None) -> None:
+        """Takes the tokens out of the instance's queue (only the first call does);
+        ``seconds``: the prefill's time to first token, observed into the calibration
+        (None: it ended without one, or its time is not a prefill's)."""
+        if self.released:
+            return
+        self.released = True
+        self.instance.pending_prefill_tokens -= self.tokens
+        if seconds is not None:
+            self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
+                                                      seconds=seconds)
+
+
 class UpstreamError(Exception):
     """An instance failed or timed out; ``status`` is the HTTP status to answer with."""
 
@@ -191,6 +224,9 @@ class VllmInstance:
         self.shape: InstanceShape | None = None
         self.in_flight = 0
         """Requests the front has sent here and not seen finish."""
+        self.pending_prefill_tokens = 0
+        """Prompt tokens of prefills the front has sent here and not seen a first token of
+        (``PendingPrefill``)."""
 
     async def _get(self, path: str, timeout: float) -> httpx.Response:
         try:
@@ -276,12 +312,24 @@ class VllmInstance:
             external_hits=int(metric_sum(m, "vllm:external_prefix_cache_hits_total")))
         return self.load
 
+    def start_prefill(self, tokens: int) -> PendingPrefill:
+        """Counts a prefill of ``tokens`` computed tokens in this instance's queue until the
+        returned handle is released."""
+        pending = PendingPrefill(instance=self, tokens=max(0, tokens),
+                                 ahead=self.pending_prefill_tokens)
+        self.pending_prefill_tokens += pending.tokens
+        return pending
+
     def queue_s(self, *, mean_prompt_tokens: float) -> float:
-        """Seconds of prefill work ahead of a new request, from the last ``/metrics``
-        reading and what the front itself has in flight there (whichever is larger: the
-        reading lags by up to one poll)."""
-        waiting = max(self.load.waiting if self.load else 0, self.in_flight)
-        return waiting * self.calibration.cost().prefill_s(max(1, int(mean_prompt_tokens)), 0)
+        """Seconds of prefill work ahead of a new request: the prefills the front has sent
+        here and not seen a first token of, or the engine's waiting requests in the last
+        ``/metrics`` reading at the mean prompt length (other clients' work), whichever
+        is larger (the reading lags by up to one poll). Requests past their first token
+        (decoding) are not prefill work ahead."""
+        cost = self.calibration.cost()
+        waiting = self.load.waiting if self.load else 0
+        engine = waiting * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0)
+        return max(engine, cost.prefill_s(self.pending_prefill_tokens, 0))
 
     def completions_url(self) -> str:
         return self.url + "/v1/completions"

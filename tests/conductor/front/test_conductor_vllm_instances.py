@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from conductor.front.vllm_instances import (
     DEFAULT_DECODE_STEP_S,
     DEFAULT_PREFILL_S_PER_TOKEN,
     Calibration,
+    InstanceLoad,
+    VllmInstance,
     metric_sum,
     parse_metrics,
 )
@@ -54,3 +57,49 @@ def test_calibration_starts_from_defaults_and_follows_observations() -> None:
     assert cal.decode_step_s.samples == 1
     assert cal.prefill_s_per_token.samples == 2
     assert cal.cost().prefill_s(100, 0) == pytest.approx(0.02 + 100 * (0.7e-3 + 0.6e-3))
+
+
+def instance() -> VllmInstance:
+    inst = VllmInstance("127.0.0.1:1", role="colocated", http=httpx.AsyncClient())
+    inst.calibration.prefill_s_per_token.add(0.001)  # 1,000 tokens/s, no fixed part
+    return inst
+
+
+def test_pending_prefills_are_the_queue_until_released_once() -> None:
+    inst = instance()
+    assert inst.queue_s(mean_prompt_tokens=500) == 0.0
+    a = inst.start_prefill(300)
+    b = inst.start_prefill(200)
+    assert (a.ahead, b.ahead) == (0, 300)
+    assert inst.pending_prefill_tokens == 500
+    assert inst.queue_s(mean_prompt_tokens=999) == pytest.approx(0.5)
+    a.release(seconds=None)
+    a.release(seconds=None)  # the second call changes nothing
+    assert inst.pending_prefill_tokens == 200
+    b.release(seconds=None)
+    assert inst.pending_prefill_tokens == 0
+    assert inst.calibration.prefill_s_per_token.samples == 1  # nothing observed
+
+
+def test_a_prefill_behind_others_is_observed_with_their_tokens() -> None:
+    """Its time to first token covers the 300 tokens ahead: the rate learnt is the
+    engine's 1 ms/token, not 2.5 ms/token (which would be its queue counted as compute)."""
+    inst = instance()
+    inst.start_prefill(300)
+    b = inst.start_prefill(200)
+    b.release(seconds=0.5)
+    assert inst.calibration.prefill_s_per_token.value == pytest.approx(0.001)
+    b.release(seconds=9.0)  # released already: not observed again
+    assert inst.calibration.prefill_s_per_token.samples == 2
+
+
+def test_decoding_requests_and_the_engine_queue() -> None:
+    """Requests past their first token are not prefill work ahead; the engine's own waiting
+    requests (other clients') count at the mean prompt when they are more."""
+    inst = instance()
+    inst.in_flight = 5  # all decoding
+    assert inst.queue_s(mean_prompt_tokens=400) == 0.0
+    inst.load = InstanceLoad(running=5, waiting=2, kv_usage=0.1, external_hits=0)
+    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(0.8)
+    inst.start_prefill(1000)
+    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(1.0)
