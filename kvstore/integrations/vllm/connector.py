@@ -47,12 +47,14 @@ request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running.
 and, for every scheduled request, the blocks that become full and computed in this step
 and that the store does not hold yet (keys, block ids, parent key).
 
-*Worker side.* ``start_load_kv`` queues each load on a loader thread: one
-``get_batch_into`` into a staging buffer, every value checked (size, header, key,
-checksum), the sound leading blocks copied into the paged cache; ``get_finished``
-reports the request done and ``get_block_ids_with_load_errors`` the refused or missing
-blocks, which vLLM recomputes (with ``kv_load_failure_policy="recompute"``). A refused
-value is also removed from the store, so the recomputed block is saved in its place.
+*Worker side.* ``start_load_kv`` queues each load on a loader thread
+(``kvstore.integrations.vllm.loads``): the blocks fetched by ``get_batch_into`` in chunks
+of about 4 MiB, the next chunk's fetch overlapping this one's checks (size, header, key,
+checksum) and copies; the sound leading blocks are copied into the paged cache;
+``get_finished`` reports the request done and ``get_block_ids_with_load_errors`` the
+refused or missing blocks, which vLLM recomputes (with
+``kv_load_failure_policy="recompute"``). A refused value is also removed from the store,
+so the recomputed block is saved in its place.
 ``save_kv_layer`` copies each layer's to-save blocks into a staging buffer right after
 that layer's attention has written them; ``wait_for_save`` seals the rows (headers,
 checksums) and queues one ``put_batch`` on a saver thread, so the network transfer
@@ -113,7 +115,6 @@ import vllm
 import xxhash
 
 from kvstore import Client
-from kvstore.core.errors import BufferTooSmall
 from kvstore.core.keys import namespace_root_key
 from kvstore.core.retention import MAX_RETAIN_KEYS
 from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
@@ -122,6 +123,7 @@ from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
+from kvstore.integrations.vllm.loads import load_blocks
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.request_state import (
     RequestState,
@@ -308,6 +310,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._save_client = self._new_client()
             # Not pinned to the compute's cores, as threads the worker starts would be.
             self._loader = io_executor("kvstore-load")
+            self._fetcher = io_executor("kvstore-fetch")
+            """Runs a load's next fetch while the loader checks and copies (``loads``)."""
             self._saver = io_executor("kvstore-save")
             self._loads: dict[str, Future] = {}
             self._load_errors: set[int] = set()
@@ -573,47 +577,28 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return [] if self._plan.hybrid else refused
 
     def _load(self, spec: LoadSpec) -> list[int]:
-        """Fetches, checks and writes one group's blocks; returns refused block ids."""
-        assert self._groups is not None
-        layout = self._groups.layouts[spec.group]
-        keys = self._shards.own_keys(spec.keys)  # this rank's shard of each block
-        n = len(keys)
-        staging = layout.new_staging(n)
-        try:
-            try:
-                sizes = self._load_client.get_batch_into(
-                    keys, [staging[i].numpy() for i in range(n)])
-            except BufferTooSmall:
-                # A value larger than a block (not ours): fetch as bytes to see which.
-                values = self._load_client.get_batch(keys)
-                sizes = []
-                for i, v in enumerate(values):
-                    if v is not None and len(v) == layout.value_bytes:
-                        staging[i].numpy()[:] = memoryview(v)
-                    sizes.append(None if v is None else len(v))
-        except Exception as exc:
-            logger.warning("kvstore load of %d blocks failed (recomputing them): %s", n, exc)
-            return list(spec.block_ids)
-        good = n
-        for i in range(n):
-            why = layout.check(staging[i], keys[i], sizes[i])
-            if why is None:
-                continue
-            good = min(good, i)
-            if why == "missing":
-                self._count("missing_blocks", 1)
-                continue
-            self._count("refused_blocks", 1)
+        """Fetches, checks and writes one group's blocks (``loads.load_blocks``); returns
+        the block ids vLLM must recompute. Refused values are removed from the store, so
+        the recomputed blocks are saved in their place."""
+        groups = self._groups
+        assert groups is not None
+        out = load_blocks(self._load_client, self._fetcher, groups.layouts[spec.group],
+                          self._shards.own_keys(spec.keys), spec.block_ids,
+                          partial(groups.scatter, spec.group))
+        if out.error is not None:
+            logger.warning("kvstore load of %d blocks failed after %d (recomputing them): %s",
+                           len(spec.block_ids), out.loaded, out.error)
+        self._count("loaded_blocks", out.loaded)
+        self._count("missing_blocks", out.missing)
+        self._count("refused_blocks", len(out.refused))
+        for key, why in out.refused:
             logger.warning("kvstore block %s refused (%s); removing it from the store",
-                           keys[i].hex(), why)
+                           key.hex(), why)
             try:
-                self._load_client.remove(keys[i])
+                self._load_client.remove(key)
             except Exception as exc:
-                logger.warning("could not remove refused block %s: %s", keys[i].hex(), exc)
-        if good:
-            self._groups.scatter(spec.group, staging[:good], spec.block_ids[:good])
-            self._count("loaded_blocks", good)
-        return list(spec.block_ids[good:])
+                logger.warning("could not remove refused block %s: %s", key.hex(), exc)
+        return list(spec.block_ids[out.loaded:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous: a request runs only after get_finished reported its
@@ -720,6 +705,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as exc:
                 logger.warning("kvstore save still pending at shutdown: %s", exc)
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._saver.shutdown(wait=False, cancel_futures=True)
         logger.info("KVStoreConnector worker stats: %s", self.stats)
         self._load_client.close()
