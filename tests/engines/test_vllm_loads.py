@@ -1,13 +1,10 @@
-"""``kvstore.integrations.vllm.loads``: chunked loads from a real node, the next chunk's
-fetch overlapping this one's checks and copies; the order, the leading-sound-blocks rule
-and every refusal kept as in one batch."""
+"""``kvstore.integrations.vllm.loads``: loads from a real node; the leading-sound-blocks
+rule, every refusal reported, a failed fetch writing nothing."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -15,16 +12,10 @@ import torch
 
 from kvstore import Client, block_keys
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, BlockLayout
-from kvstore.integrations.vllm.loads import chunk_bounds, load_blocks
+from kvstore.integrations.vllm.loads import load_blocks
 
 LAYOUT = BlockLayout(layer_shapes=((2, 4, 8), (2, 4, 8)), dtype=torch.float32)
 """Two layers of 256 bytes per block: a value of HEADER_BYTES + 512 bytes."""
-
-
-@pytest.fixture
-def fetcher() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(1, thread_name_prefix="test-fetch") as pool:
-        yield pool
 
 
 def stored_rows(client: Client, n: int, tag: str) -> tuple[list[bytes], torch.Tensor]:
@@ -51,28 +42,18 @@ class Recorder:
             self.cache[i] = bytes(r.numpy())
 
 
-CHUNK3 = 3 * LAYOUT.value_bytes
-
-
-def test_chunk_bounds_cover_every_block_once() -> None:
-    assert chunk_bounds(10, 100, 300) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert chunk_bounds(2, 1000, 10) == [(0, 1), (1, 2)]  # at least one block a chunk
-    assert chunk_bounds(0, 100, 300) == []
-
-
-def test_a_chunked_load_writes_every_block_in_order(client: Client,
-                                                    fetcher: ThreadPoolExecutor) -> None:
+def test_a_load_writes_every_block_once_in_order(client: Client) -> None:
     keys, rows = stored_rows(client, 10, "all")
     ids = list(range(20, 30))
     rec = Recorder()
-    out = load_blocks(client, fetcher, LAYOUT, keys, ids, rec, chunk_bytes=CHUNK3)
+    out = load_blocks(client, LAYOUT, keys, ids, rec)
     assert (out.loaded, out.missing, out.refused, out.error) == (10, 0, [], None)
-    assert rec.calls == [[20, 21, 22], [23, 24, 25], [26, 27, 28], [29]]
+    assert rec.calls == [ids]
     assert all(rec.cache[20 + i] == bytes(rows[i].numpy()) for i in range(10))
 
 
 def test_the_load_stops_at_the_first_bad_block_and_reports_every_refusal(
-        client: Client, fetcher: ThreadPoolExecutor) -> None:
+        client: Client) -> None:
     keys, rows = stored_rows(client, 9, "bad")
     for i in (4, 7):  # corrupt payloads: their checksums no longer match
         forged = bytearray(rows[i].numpy())
@@ -81,42 +62,28 @@ def test_the_load_stops_at_the_first_bad_block_and_reports_every_refusal(
         client.put(keys[i], bytes(forged))
     client.remove(keys[5])  # missing
     rec = Recorder()
-    out = load_blocks(client, fetcher, LAYOUT, keys, list(range(9)), rec, chunk_bytes=CHUNK3)
+    out = load_blocks(client, LAYOUT, keys, list(range(9)), rec)
     assert out.loaded == 4 and out.missing == 1 and out.error is None
     assert [k for k, _ in out.refused] == [keys[4], keys[7]]
     assert all("checksum" in why for _, why in out.refused)
-    assert rec.calls == [[0, 1, 2], [3]]  # nothing after the first refused block
+    assert rec.calls == [[0, 1, 2, 3]]  # nothing after the first refused block
 
 
-class FailingSecondFetch:
-    """A client whose second ``get_batch_into`` fails; records which thread fetched."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.calls = 0
-        self.threads: set[str] = set()
-
+class FailingFetch:
     def get_batch_into(self, keys: list[bytes], outs: list[Any]) -> list[int | None]:
-        self.calls += 1
-        self.threads.add(threading.current_thread().name)
-        if self.calls == 2:
-            raise ConnectionError("node went away")
-        return self.client.get_batch_into(keys, outs)
+        raise ConnectionError("node went away")
 
 
-def test_a_failed_fetch_keeps_what_came_before_it(client: Client,
-                                                  fetcher: ThreadPoolExecutor) -> None:
-    keys, _ = stored_rows(client, 7, "fail")
-    flaky = FailingSecondFetch(client)
+def test_a_failed_fetch_writes_nothing(client: Client) -> None:
+    keys, _ = stored_rows(client, 3, "fail")
     rec = Recorder()
-    out = load_blocks(flaky, fetcher, LAYOUT, keys, list(range(7)),  # type: ignore[arg-type]  # duck-typed client
-                      rec, chunk_bytes=CHUNK3)
-    assert out.loaded == 3 and isinstance(out.error, ConnectionError)
-    assert rec.calls == [[0, 1, 2]]
-    assert flaky.calls == 2  # the third chunk was never asked for
-    assert all(t.startswith("test-fetch") for t in flaky.threads)  # fetches on the fetcher
+    out = load_blocks(FailingFetch(), LAYOUT, keys, [0, 1, 2],  # type: ignore[arg-type]  # duck-typed client
+                      rec)
+    assert out.loaded == 0 and isinstance(out.error, ConnectionError)
+    assert rec.calls == []
 
 
-def test_keys_and_block_ids_must_pair(client: Client, fetcher: ThreadPoolExecutor) -> None:
+def test_keys_and_block_ids_must_pair(client: Client) -> None:
     with pytest.raises(ValueError, match="2 keys for 3 block ids"):
-        load_blocks(client, fetcher, LAYOUT, [b"a" * 16, b"b" * 16], [1, 2, 3], Recorder())
+        load_blocks(client, LAYOUT, [b"a" * 16, b"b" * 16], [1, 2, 3], Recorder())
+    assert load_blocks(client, LAYOUT, [], [], Recorder()).loaded == 0

@@ -19,7 +19,9 @@ connector API is marked unstable upstream, so other versions are refused at impo
 ``default_namespace``, which names the engine identity: see *Identity* below),
 ``weights_id`` (a name for the weights instead of their fingerprint), ``kvstore_token``
 (bearer token of a node with tenants), ``max_pending_saves`` (save batches in flight
-before a step waits, default 4), ``timeout`` (seconds per store call, default 30).
+before a step waits, default 4), ``timeout`` (seconds per store call, default 30),
+``gil_switch_interval_ms`` (the worker process's GIL switch interval while it runs the
+connector's threads, default 0.5; 0 leaves Python's: ``threads.shorten_gil_switch``).
 
 Design
 ------
@@ -48,9 +50,9 @@ and, for every scheduled request, the blocks that become full and computed in th
 and that the store does not hold yet (keys, block ids, parent key).
 
 *Worker side.* ``start_load_kv`` queues each load on a loader thread
-(``kvstore.integrations.vllm.loads``): the blocks fetched by ``get_batch_into`` in chunks
-of about 4 MiB, the next chunk's fetch overlapping this one's checks (size, header, key,
-checksum) and copies; the sound leading blocks are copied into the paged cache;
+(``kvstore.integrations.vllm.loads``): one ``get_batch_into`` into a staging buffer,
+every value checked (size, header, key, checksum), the sound leading blocks copied into
+the paged cache;
 ``get_finished`` reports the request done and ``get_block_ids_with_load_errors`` the
 refused or missing blocks, which vLLM recomputes (with
 ``kv_load_failure_policy="recompute"``). A refused value is also removed from the store,
@@ -131,7 +133,7 @@ from kvstore.integrations.vllm.request_state import (
     request_retain_s,
     request_stored_blocks,
 )
-from kvstore.integrations.vllm.threads import io_executor
+from kvstore.integrations.vllm.threads import GIL_SWITCH_MS, io_executor, shorten_gil_switch
 from kvstore.integrations.vllm.versions import check_vllm_version
 
 # Before any other vLLM import (hence the E402s below): a version outside the list fails
@@ -288,6 +290,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._do_load = cfg.is_kv_consumer
         self._do_save = cfg.is_kv_producer
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
+        self._gil_switch_s = float(cfg.get_from_extra_config("gil_switch_interval_ms",
+                                                             GIL_SWITCH_MS)) / 1000
         logger.info("KVStoreConnector (%s): store %s, namespace %r, weights %s, load=%s "
                     "save=%s", role.name, self._addr, self._namespace, weights,
                     self._do_load, self._do_save)
@@ -310,8 +314,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._save_client = self._new_client()
             # Not pinned to the compute's cores, as threads the worker starts would be.
             self._loader = io_executor("kvstore-load")
-            self._fetcher = io_executor("kvstore-fetch")
-            """Runs a load's next fetch while the loader checks and copies (``loads``)."""
+            shorten_gil_switch(self._gil_switch_s)  # see threads.py
             self._saver = io_executor("kvstore-save")
             self._loads: dict[str, Future] = {}
             self._load_errors: set[int] = set()
@@ -582,12 +585,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         the recomputed blocks are saved in their place."""
         groups = self._groups
         assert groups is not None
-        out = load_blocks(self._load_client, self._fetcher, groups.layouts[spec.group],
+        out = load_blocks(self._load_client, groups.layouts[spec.group],
                           self._shards.own_keys(spec.keys), spec.block_ids,
                           partial(groups.scatter, spec.group))
         if out.error is not None:
-            logger.warning("kvstore load of %d blocks failed after %d (recomputing them): %s",
-                           len(spec.block_ids), out.loaded, out.error)
+            logger.warning("kvstore load of %d blocks failed (recomputing them): %s",
+                           len(spec.block_ids), out.error)
         self._count("loaded_blocks", out.loaded)
         self._count("missing_blocks", out.missing)
         self._count("refused_blocks", len(out.refused))
@@ -705,7 +708,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as exc:
                 logger.warning("kvstore save still pending at shutdown: %s", exc)
         self._loader.shutdown(wait=False, cancel_futures=True)
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._saver.shutdown(wait=False, cancel_futures=True)
         logger.info("KVStoreConnector worker stats: %s", self.stats)
         self._load_client.close()

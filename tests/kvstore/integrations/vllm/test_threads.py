@@ -4,11 +4,12 @@ starts them is pinned to one (as vLLM's CPU worker pins its main thread)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
 
-from kvstore.integrations.vllm.threads import io_executor
+from kvstore.integrations.vllm.threads import GIL_SWITCH_MS, io_executor, shorten_gil_switch
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -39,3 +40,15 @@ def test_an_io_thread_is_not_confined_to_its_creators_cpu() -> None:
     pinned, io = masks_from_a_pinned_thread()
     assert len(pinned) == 1
     assert io >= everywhere  # every CPU this process may use, not just the creator's
+
+
+def test_shorten_gil_switch_only_ever_shortens() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert shorten_gil_switch(GIL_SWITCH_MS / 1000) == GIL_SWITCH_MS / 1000
+        assert shorten_gil_switch(0.002) == GIL_SWITCH_MS / 1000  # longer: kept
+        assert shorten_gil_switch(0) == GIL_SWITCH_MS / 1000  # 0: leave it
+        assert sys.getswitchinterval() == GIL_SWITCH_MS / 1000
+    finally:
+        sys.setswitchinterval(before)
