@@ -212,3 +212,21 @@ def test_a_sessions_keys_keep_a_shared_prefix_block_by_block_across_shards() -> 
     assert f.session_keys(short) == [shard_key(k, s) for k in short for s in f.shards]
     # The next turn extends the prompt: the last turn's list is a prefix of this one's.
     assert f.session_keys(long)[: 2 * len(short)] == f.session_keys(short)
+
+
+def test_a_stored_prefix_goes_around_an_instance_busy_with_a_cold_prefill() -> None:
+    """A holds the document in its own cache but is prefilling another, cold one; the
+    store holds the document too, so B loads it instead of waiting behind A."""
+    f = front(A, B)
+    doc = keys(1216)  # 38 blocks
+    f._local[InstanceId(A)].use(doc)
+    a = f.colocated[InstanceId(A)]
+    a.start_prefill(1200)  # the cold prefill A is busy with (1.2 s at 1 ms/token)
+    est, iid = f.choose_colocated(doc, stored=38, prompt_tokens=1240)
+    assert iid == B and est == pytest.approx(0.024)  # only the question's 24 tokens
+    # Without the store, A's cached prefix is worth waiting for while its queue is
+    # shorter than B's recompute: 1.2 s + 24 tokens against 1,240 tokens.
+    est, iid = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    assert (iid, est) == (A, pytest.approx(1.224))
+    a.start_prefill(100)  # now 1.3 s + 24 tokens
+    assert f.choose_colocated(doc, stored=0, prompt_tokens=1240) == (pytest.approx(1.24), B)
