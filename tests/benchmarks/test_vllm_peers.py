@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,28 @@ def test_without_the_shim_setup_keeps_the_pinned_mask(tmp_path: Path) -> None:
                          text=True, env={**os.environ,
                                          "PYTHONPATH": str(fake_mooncake(tmp_path))}).stdout
     assert json.loads(out) == [0]
+
+
+def test_lmcache_is_reported_unavailable_before_anything_starts(tmp_path: Path) -> None:
+    """Its servers would start and recompute everything (LMCache's degraded mode), so the
+    benchmark must hear why instead of measuring a peer that never loads."""
+    with ExitStack() as stack, pytest.raises(vllm_peers.PeerUnavailable) as e:
+        vllm_peers.start_peer_backend("rr-lmcache", tmp_path, stack)
+    assert str(e.value) == vllm_peers.UNAVAILABLE["lmcache"]
+    assert "No supported cpu connector found" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_offloading_gets_vllms_own_config_and_no_process() -> None:
+    with ExitStack() as stack:
+        kv, env, notes = vllm_peers.start_peer_backend("rr-offloading", Path("/nowhere"),
+                                                       stack)
+    cfg = json.loads(kv)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    assert cfg["kv_connector_extra_config"]["cpu_bytes_to_use"] > 0
+    assert env == {} and notes
+
+
+def test_an_unknown_peer_is_refused() -> None:
+    with ExitStack() as stack, pytest.raises(ValueError, match="rr-nothing"):
+        vllm_peers.start_peer_backend("rr-nothing", Path("/nowhere"), stack)
