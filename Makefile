@@ -31,6 +31,16 @@ demo-vllm: $(STAMP)
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
 	  PYTHONPATH=$(CURDIR) "$$VLLM_PY" -m conductor.demo_vllm
 
+# The serving benchmarks' Mooncake peer, checked end to end (benchmarks/vllm_peers.py): a
+# mooncake_master and two vLLM servers with vLLM's own MooncakeStoreConnector on the real
+# 0.3.13 wheel (an overlay beside the vLLM environment, scripts/setup-vllm-peers.sh); B
+# must load the prefix A saved and answer as A. Prints JSON, and the peers that cannot
+# run on CPU with why. ~1 min when the environments are cached.
+.PHONY: vllm-peers
+vllm-peers: $(STAMP)
+	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \
+	  $(PY) -m benchmarks.vllm_peers --vllm-python "$$VLLM_PY"
+
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy

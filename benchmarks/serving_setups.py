@@ -68,10 +68,18 @@ a peer's servers need (entering its processes into ``stack``); raises ``SetupUna
 
 def _peer_starter() -> PeerStarter:
     try:
-        from benchmarks.vllm_peers import start_peer_backend
+        from benchmarks.vllm_peers import PeerUnavailable, start_peer_backend
     except ImportError as e:
         raise SetupUnavailable(f"benchmarks.vllm_peers does not import: {e}") from e
-    return start_peer_backend
+
+    def start(setup: str, logdir: Path, stack: ExitStack) -> tuple[str, dict[str, str],
+                                                                     list[str]]:
+        try:
+            return start_peer_backend(setup, logdir, stack)
+        except PeerUnavailable as e:
+            raise SetupUnavailable(str(e)) from e
+
+    return start
 
 
 def _stop_later(stack: ExitStack, p: Proc) -> Proc:
