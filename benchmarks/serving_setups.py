@@ -61,8 +61,9 @@ class Running:
     notes: list[str] = field(default_factory=list)
 
 
-PeerStarter = Callable[[str, Path, ExitStack], tuple[str, dict[str, str], list[str]]]
-"""``(setup, logdir, stack) -> (kv_transfer JSON, server environment, notes)``: starts what
+PeerStarter = Callable[[str, Path, ExitStack, str], tuple[str, dict[str, str], list[str]]]
+"""``(setup, logdir, stack, vllm_python) -> (kv_transfer JSON, server environment, notes)``:
+starts what
 a peer's servers need (entering its processes into ``stack``); raises ``SetupUnavailable``."""
 
 
@@ -72,10 +73,10 @@ def _peer_starter() -> PeerStarter:
     except ImportError as e:
         raise SetupUnavailable(f"benchmarks.vllm_peers does not import: {e}") from e
 
-    def start(setup: str, logdir: Path, stack: ExitStack) -> tuple[str, dict[str, str],
-                                                                     list[str]]:
+    def start(setup: str, logdir: Path, stack: ExitStack, vllm_python: str
+              ) -> tuple[str, dict[str, str], list[str]]:
         try:
-            return start_peer_backend(setup, logdir, stack)
+            return start_peer_backend(setup, logdir, stack, vllm_python=vllm_python)
         except PeerUnavailable as e:
             raise SetupUnavailable(str(e)) from e
 
@@ -107,7 +108,7 @@ def running(name: str, spec: ServerSpec, logdir: Path) -> Iterator[Running]:
                 env={"VLLM_CPU_OMP_THREADS_BIND": CORES[i], **(env or {})}))
 
         if name in PEER_SETUPS:
-            kv_json, env, notes = _peer_starter()(name, logdir, stack)
+            kv_json, env, notes = _peer_starter()(name, logdir, stack, spec.vllm_python)
             insts = [vllm(i, role=None, kv_transfer=kv_json, env=env) for i in range(2)]
         elif name == "rr-no-kvstore":
             insts = [vllm(i, role=None) for i in range(2)]

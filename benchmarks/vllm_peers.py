@@ -115,11 +115,12 @@ def start_peer_backend(setup: str, logdir: Path, stack: ExitStack, *,
     keeps that reason true for the pinned vLLM)."""
     if setup == "rr-mooncake-store":
         ov = overlay(vllm_python)
-        master, kv_transfer, env = start_mooncake_store(logdir, overlay_dir=ov)
+        # 1 GB per server: the 2 GiB the serving benchmark's kvstore node holds.
+        master, kv_transfer, env = start_mooncake_store(logdir, overlay_dir=ov, segment="1GB")
         stack.callback(master.stop)
         return kv_transfer, env, [
             "vLLM's MooncakeStoreConnector on mooncake-transfer-engine-non-cuda 0.3.13.post1 "
-            "(embedded: a 256MB segment per server, one mooncake_master, TCP on 127.0.0.1); "
+            "(embedded: a 1GB segment per server, one mooncake_master, TCP on 127.0.0.1); "
             "CPU shim: the transfer engine's threads unpinned (benchmarks/vllm_peers_site)"]
     if setup in ("rr-lmcache", "rr-offloading"):
         raise PeerUnavailable(UNAVAILABLE[setup.removeprefix("rr-")])
