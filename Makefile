@@ -24,8 +24,8 @@ demo: $(STAMP)
 demo-serving: $(STAMP)
 	$(VENV)/bin/kvstore demo serving
 
-# kvstore + Conductor in front of real vLLM servers (a random 2-layer Llama written
-# locally): one prefill, one decode and a reference colocated vLLM, in the vLLM
+# kvstore + Conductor in front of real vLLM servers (a random Llama, 512 wide and 4 layers,
+# written locally): one prefill, one decode and a reference colocated vLLM, in the vLLM
 # environment (built by scripts/setup-vllm-env.sh, seconds when cached).
 demo-vllm: $(STAMP)
 	@VLLM_PY="$$(PYTHON=$(PYTHON) bash scripts/setup-vllm-env.sh)/bin/python" && \

@@ -266,6 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     type=lambda s: [int(x) for x in s.split(",") if x])
     ap.add_argument("--hit-reps", type=int, default=5)
     ap.add_argument("--skip-miss", action="store_true")
+    ap.add_argument("--gil-switch-ms", type=float, default=None,
+                    help="the connector's gil_switch_interval_ms (default: the connector's "
+                         "own; 0: Python's 5 ms)")
     ap.add_argument("--cpu-bind", default="0",
                     help="VLLM_CPU_OMP_THREADS_BIND of both servers (default: core 0, the "
                          "other core left to the servers' Python threads, node and client)")
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"x {args.requests} prompts of {args.prompt_tokens} random tokens, "
                 f"{args.concurrency} in flight, {args.output} output tokens; hit: "
                 f"{args.hit_tokens} cached tokens + {TAIL}, {args.hit_reps} each; "
-                f"VLLM_CPU_OMP_THREADS_BIND={args.cpu_bind}; "
+                f"VLLM_CPU_OMP_THREADS_BIND={args.cpu_bind}; gil_switch_interval_ms "
+                f"{'default' if args.gil_switch_ms is None else args.gil_switch_ms}; "
                 f"load average at start {os.getloadavg()[0]:.1f}")
     print(settings, flush=True)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
@@ -307,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         node = start_node(root, dram="6GiB")
         ns = f"connector-cost-{time.time_ns()}"
         common: dict[str, Any] = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20}
+        store: str | dict[str, Any] = node.url
+        if args.gil_switch_ms is not None:
+            store = {"kvstore_addr": node.url, "gil_switch_interval_ms": args.gil_switch_ms}
         procs = {"plain": start_vllm(vllm_py, root / "model", root, name="plain", store=None,
                                      **common),
                  "connector": start_vllm(vllm_py, root / "model", root, name="connector",
-                                         store=node.url, namespace=ns, **common)}
+                                         store=store, namespace=ns, **common)}
         try:
             for p in procs.values():
                 wait_ready(p, "/v1/models", 900)

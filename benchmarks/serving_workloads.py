@@ -76,11 +76,12 @@ def prefix_groups(*, documents: int, questions: int, doc_tokens: int, question_t
 
 
 def conversation(path: Path, *, requests: int, token_scale: int, max_prompt: int,
-                 max_output: int, speed: float) -> Workload:
+                 max_output: int, speed: float, seed: int = 0) -> Workload:
     """The first ``requests`` of the trace: a ``hash_id`` is ``512 / token_scale`` tokens, a
     prompt is its blocks cut to ``input_length / token_scale`` tokens (at most
     ``max_prompt``), the output ``output_length / token_scale`` tokens (1 to
-    ``max_output``), arrivals the trace's timestamps / ``speed``."""
+    ``max_output``), arrivals the trace's timestamps / ``speed``. Another ``seed`` draws
+    other tokens for every id: the same prefix structure, shared with nothing else."""
     if TRACE_BLOCK % token_scale:
         raise ValueError(f"token_scale must divide {TRACE_BLOCK}, got {token_scale}")
     block = TRACE_BLOCK // token_scale
@@ -88,7 +89,7 @@ def conversation(path: Path, *, requests: int, token_scale: int, max_prompt: int
     for r in load_trace(path)[:requests]:
         ids: list[int] = []
         for h in r.hash_ids:
-            ids += _tokens([_TAG_TRACE, h], block)
+            ids += _tokens([_TAG_TRACE, seed, h], block)
         length = max(1, min(r.input_length // token_scale, max_prompt, len(ids)))
         reqs.append(Req(arrival_s=r.timestamp_ms / 1000 / speed, tokens=ids[:length],
                         output=max(1, min(r.output_length // token_scale, max_output)),

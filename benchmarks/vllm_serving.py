@@ -128,21 +128,32 @@ async def replay(reqs: list[Req], urls: list[str], model: str) -> list[dict[str,
                                       for i, r in enumerate(reqs)))
 
 
-def summarize(w: Workload, results: list[dict[str, Any]], loaded: float,
-              local: float) -> dict[str, Any]:
+def rate_of(results: list[dict[str, Any]]) -> float | None:
+    """Answered requests / the round's makespan (first sent to last done)."""
     ok = [r for r in results if r["ok"]]
+    makespan = max(r["done"] for r in ok) - min(r["sent"] for r in ok) if ok else 0.0
+    return len(ok) / makespan if makespan > 0 else None
+
+
+def summarize(rounds: list[Workload], results: list[list[dict[str, Any]]], loaded: float,
+              local: float) -> dict[str, Any]:
+    """Percentiles over every round's requests pooled; requests/s the median of the
+    rounds'."""
+    pooled = [r for rs in results for r in rs]
+    ok = [r for r in pooled if r["ok"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     e2e = [r["e2e_s"] for r in ok]
-    makespan = max(r["done"] for r in ok) - min(r["sent"] for r in ok) if ok else 0.0
-    failures = sorted({r["why"] for r in results if not r["ok"]})
-    return {"requests": len(results), "ok": len(ok),
+    rates = [x for x in (rate_of(rs) for rs in results) if x is not None]
+    failures = sorted({r["why"] for r in pooled if not r["ok"]})
+    return {"requests": len(pooled), "ok": len(ok), "rounds": len(rounds),
             "ttft_p50_s": percentile(ttft, 50) if ttft else None,
             "ttft_p90_s": percentile(ttft, 90) if ttft else None,
             "e2e_p50_s": percentile(e2e, 50) if e2e else None,
             "e2e_p90_s": percentile(e2e, 90) if e2e else None,
-            "req_per_s": len(ok) / makespan if makespan > 0 else None,
+            "req_per_s": median(rates) if rates else None,
             "store_tokens": int(loaded), "own_cache_tokens": int(local),
-            "prompt_tokens": w.prompt_tokens, "failures": failures[:5], "ttfts": ttft}
+            "prompt_tokens": sum(w.prompt_tokens for w in rounds), "failures": failures[:5],
+            "ttfts": ttft}
 
 
 def prefill_rate(url: str, model: str, tokens: int = 1024, rounds: int = 3) -> float:
@@ -165,15 +176,19 @@ class Plan:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rate: float | None = None
-        self.workloads: list[Workload] | None = None
+        self.workloads: list[list[Workload]] | None = None
+        """Per workload, one per round (each round its own prompts: no round finds
+        another's prefixes)."""
 
-    def workloads_for(self, url: str, model: str) -> list[Workload]:
+    def workloads_for(self, url: str, model: str) -> list[list[Workload]]:
         if self.workloads is None:
             self.rate = prefill_rate(url, model)
             print(f"   prefill {self.rate:.0f} tokens/s (a cold 1,024-token prompt)", flush=True)
-            self.workloads = build_workloads(self.args, self.rate)
-            for w in self.workloads:
-                print(f"   {w.name}: {w.description}", flush=True)
+            per_round = [build_workloads(self.args, self.rate, seed=k)
+                         for k in range(self.args.rounds)]
+            self.workloads = [list(ws) for ws in zip(*per_round, strict=True)]
+            for ws in self.workloads:
+                print(f"   {ws[0].name}: {ws[0].description} (x {len(ws)} rounds)", flush=True)
         return self.workloads
 
 
@@ -182,10 +197,11 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
     out: dict[str, Any] = {}
     with running(name, spec, logdir) as r:
         model = str(spec.model)
-        for w in plan.workloads_for(r.instances[0].url, model):
-            out[w.name] = replay_workload(r, w, model)
-            f = out[w.name]
-            print(f"   {w.name}: ok {f['ok']}/{f['requests']}, TTFT p50 "
+        for rounds in plan.workloads_for(r.instances[0].url, model):
+            name = rounds[0].name
+            out[name] = replay_workload(r, rounds, model)
+            f = out[name]
+            print(f"   {name}: ok {f['ok']}/{f['requests']}, TTFT p50 "
                   f"{f['ttft_p50_s'] or 0:.3f} s p90 {f['ttft_p90_s'] or 0:.3f} s, store "
                   f"tokens {f['store_tokens']}, own cache {f['own_cache_tokens']}, per "
                   f"instance {f['served_per_instance']}"
@@ -196,13 +212,14 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
     return out
 
 
-def replay_workload(r: Running, w: Workload, model: str) -> dict[str, Any]:
+def replay_workload(r: Running, rounds: list[Workload], model: str) -> dict[str, Any]:
+    """Each round replayed after the previous one has finished."""
     names = (EXTERNAL_HITS, LOCAL_HITS, SERVED)
     before = instance_counters(r.instances, names)
-    results = asyncio.run(replay(w.requests, r.urls, model))
+    results = [asyncio.run(replay(w.requests, r.urls, model)) for w in rounds]
     after = instance_counters(r.instances, names)
     delta = {n: [a[n] - b[n] for a, b in zip(after, before, strict=True)] for n in names}
-    out = summarize(w, results, sum(delta[EXTERNAL_HITS]), sum(delta[LOCAL_HITS]))
+    out = summarize(rounds, results, sum(delta[EXTERNAL_HITS]), sum(delta[LOCAL_HITS]))
     out["served_per_instance"] = [int(x) for x in delta[SERVED]]
     return out
 
@@ -279,8 +296,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "prefill with no cache at all (the measured prefill rate)")
     ap.add_argument("--miss-load", type=float, default=0.5,
                     help="miss arrivals: this fraction of the 2 instances' prefill rate")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each workload this many times with fresh prompts; percentiles over "
+                         "all rounds' requests, requests/s the median of the rounds'")
     ap.add_argument("--quick", action="store_true",
-                    help="4 documents x 2 questions, 16 trace requests, 6 misses")
+                    help="4 documents x 2 questions, 16 trace requests, 6 misses, 1 round")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -297,6 +317,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--vllm-model wants HIDDEN,LAYERS, got {args.vllm_model!r}")
     if args.quick:
         args.documents, args.questions, args.requests, args.miss_requests = 4, 2, 16, 6
+        args.rounds = 1
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -308,7 +331,7 @@ def interval_at(load: float, prompt_tokens: int, rate: float, instances: int = 2
     return prompt_tokens / rate / (instances * load)
 
 
-def build_workloads(args: argparse.Namespace, rate: float) -> list[Workload]:
+def build_workloads(args: argparse.Namespace, rate: float, seed: int = 0) -> list[Workload]:
     out = []
     for name in args.workload_names:
         if name == "prefix-groups":
@@ -318,15 +341,16 @@ def build_workloads(args: argparse.Namespace, rate: float) -> list[Workload]:
                                      output=args.group_output, interval_s=args.group_interval
                                      or interval_at(args.load,
                                                     args.doc_tokens + args.question_tokens,
-                                                    rate)))
+                                                    rate), seed=seed))
         elif name == "conversation":
             out.append(conversation(args.trace, requests=args.requests,
                                     token_scale=args.token_scale, max_prompt=args.max_prompt,
-                                    max_output=args.max_output, speed=args.speed))
+                                    max_output=args.max_output, speed=args.speed, seed=seed))
         else:
             out.append(pure_miss(requests=args.miss_requests, prompt_tokens=args.miss_tokens,
                                  output=args.group_output, interval_s=args.miss_interval
-                                 or interval_at(args.miss_load, args.miss_tokens, rate)))
+                                 or interval_at(args.miss_load, args.miss_tokens, rate),
+                                 seed=seed))
     return out
 
 
@@ -366,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"   could not run here: {e}", flush=True)
         finally:
             node.stop()
-    report(args, settings, plan.workloads or [], by_setup, unavailable, plan.rate, bpt)
+    report(args, settings, [ws[0] for ws in plan.workloads or []], by_setup, unavailable,
+           plan.rate, bpt)
     return 0
 
 
@@ -383,7 +408,7 @@ def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
     by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     for w in workloads:
         by_workload[w.name] = {s: v[w.name] for s, v in by_setup.items()}
-        lines += ["", f"## {w.name}: {w.description}", "",
+        lines += ["", f"## {w.name}: {w.description}, {args.rounds} round(s)", "",
                   table(by_workload[w.name], base)]
     if unavailable:
         lines += ["", "Could not run here:"]

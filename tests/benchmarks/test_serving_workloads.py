@@ -85,3 +85,21 @@ def test_conversation_keeps_the_trace_prefix_structure(tmp_path: Path) -> None:
     assert shared_prefix(c.tokens, a.tokens) < 32
     with pytest.raises(ValueError):
         conversation(path, requests=1, token_scale=7, max_prompt=10, max_output=1, speed=1)
+
+
+def test_another_conversation_seed_keeps_the_structure_and_shares_nothing(
+        tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
+            {"timestamp": 10, "input_length": 1024, "output_length": 8, "hash_ids": [1, 3]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def prompts(seed: int) -> list[list[int]]:
+        return [r.tokens for r in conversation(path, requests=2, token_scale=8,
+                                               max_prompt=512, max_output=4, speed=1,
+                                               seed=seed).requests]
+
+    a, b = prompts(0), prompts(1)
+    assert shared_prefix(a[0], a[1]) == shared_prefix(b[0], b[1]) == 64 + shared_prefix(
+        a[0][64:], a[1][64:])
+    assert all(shared_prefix(x, y) < 32 for x in a for y in b)
