@@ -507,8 +507,8 @@ class VllmFront:
                 self.metrics.chosen.labels("prefill", pinst.id).inc()
                 pre = with_stored(prefill_body(body), stored)
                 pinst.in_flight += 1
-                pending = pinst.start_prefill(len(tokens) - (decision.plan.cached_tokens
-                                                             if decision.plan else 0))
+                cached = decision.plan.cached_tokens if decision.plan else 0
+                pending = pinst.start_prefill(len(tokens) - cached, cached=cached)
                 tp = time.monotonic()
                 try:
                     await post_json(pinst, job.path, pre, self.timeout())
@@ -556,11 +556,20 @@ class VllmFront:
         inst = self.colocated[iid]
         if session is not None:
             self._follow_session(session, prefer, iid, now)
+        cached = self._cached_tokens(iid, keys, stored, len(tokens))
         self._local[iid].use(keys)
         self.metrics.chosen.labels("colocated", inst.id).inc()
         job.body = with_stored(job.body, stored)  # the instance need not ask the store
-        return await self._forward(inst, job, lambda: None, prefill_tokens=len(tokens) - min(
-            stored * self.block_tokens, len(tokens) - 1))
+        return await self._forward(inst, job, lambda: None,
+                                   prefill_tokens=len(tokens) - cached, cached_tokens=cached)
+
+    def _cached_tokens(self, iid: InstanceId, keys: Sequence[bytes], stored: int,
+                       prompt_tokens: int) -> int:
+        """Prompt tokens instance ``iid`` need not compute: the longer of its own prefix
+        cache (what the front sent there) and the store's ``stored`` leading blocks, leaving
+        at least the last token to compute."""
+        local = self._local[iid].prefix_len(keys)
+        return min(max(local, stored) * self.block_tokens, prompt_tokens - 1)
 
     def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
                          prefer: InstanceId | None = None) -> tuple[float, InstanceId]:
@@ -570,8 +579,7 @@ class VllmFront:
         ``prefer`` (a session's instance) wins when its estimate meets the TTFT SLO."""
         best: tuple[float, InstanceId] | None = None
         for iid, inst in self.colocated.items():
-            local = self._local[iid].prefix_len(keys)
-            cached = min(max(local, stored) * self.block_tokens, prompt_tokens - 1)
+            cached = self._cached_tokens(iid, keys, stored, prompt_tokens)
             est = (inst.queue_s(mean_prompt_tokens=self._mean_prompt())
                    + inst.calibration.cost().prefill_s(prompt_tokens - cached, cached))
             if iid == prefer and est <= self.config.slo.ttft_s:
@@ -582,7 +590,7 @@ class VllmFront:
         return best
 
     async def _forward(self, inst: VllmInstance, job: _Job, request_done: Callable[[], None],
-                       prefill_tokens: int = 0) -> Reply:
+                       prefill_tokens: int = 0, cached_tokens: int = 0) -> Reply:
         """Sends the client's request to ``inst``; calls ``request_done`` exactly once when
         the request is over (answered, failed, or cancelled by the client), and then ends
         its session's turn (``_turn_over``)."""
@@ -593,7 +601,7 @@ class VllmFront:
             self._turn_over(job)
 
         inst.in_flight += 1
-        pending = inst.start_prefill(prefill_tokens)
+        pending = inst.start_prefill(prefill_tokens, cached=cached_tokens)
         if not body.get("stream"):
             ts = time.monotonic()
             try:

@@ -103,3 +103,15 @@ def test_decoding_requests_and_the_engine_queue() -> None:
     assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(0.8)
     inst.start_prefill(1000)
     assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(1.0)
+
+
+def test_a_prefill_mostly_from_cache_is_not_learnt_as_compute() -> None:
+    """1,200 tokens loaded and 24 computed in 45 ms is not 1.9 ms per computed token."""
+    inst = instance()
+    hit = inst.start_prefill(24, cached=1200)
+    hit.release(seconds=0.045)
+    assert inst.calibration.prefill_s_per_token.value == pytest.approx(0.001)
+    assert inst.pending_prefill_tokens == 0
+    half = inst.start_prefill(600, cached=600)  # as much computed as cached: observed
+    half.release(seconds=1.2)
+    assert inst.calibration.prefill_s_per_token.samples == 2
