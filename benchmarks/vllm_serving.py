@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import glob
 import os
 import subprocess
@@ -302,6 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="4 documents x 2 questions, 16 trace requests, 6 misses, 1 round")
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                    help="run in DIR and keep every process's log there (default: a "
+                         "temporary directory, removed)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     args.workload_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -367,8 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     print(settings, flush=True)
     by_setup: dict[str, dict[str, Any]] = {}
     unavailable: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="vllm-serving-") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as keep:
+        if args.keep_logs is not None:
+            root = args.keep_logs
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(keep.enter_context(tempfile.TemporaryDirectory(prefix="vllm-serving-")))
         subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
                         "from conductor.front.vllm_procs import write_tiny_llama; "
                         "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
