@@ -72,7 +72,12 @@ from conductor.front.session_cache import SessionCache
 from conductor.front.sessions import PreferSession as PreferSession  # re-exported
 from conductor.front.sessions import SessionAffinity
 from conductor.front.store_view import NotDurable, StoreView
-from conductor.front.vllm_instances import PendingPrefill, UpstreamError, VllmInstance
+from conductor.front.vllm_instances import (
+    Calibration,
+    PendingPrefill,
+    UpstreamError,
+    VllmInstance,
+)
 from conductor.front.vllm_startup import learn
 from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.policies import make_policy
@@ -186,6 +191,12 @@ class VllmFront:
                        for u in decode}
         self.colocated = {InstanceId(u): VllmInstance(u, role="colocated", http=self.http)
                           for u in colocated}
+        # One calibration for the colocated instances: they serve one model (checked at
+        # start), and a per-instance estimate went stale on the instance it had made look
+        # slow, since nothing was sent there to correct it (0 of 48 misses in a run).
+        shared = Calibration()
+        for inst in self.colocated.values():
+            inst.calibration = shared
         self.model = ""
         self.max_model_len = 0
         self.namespace = config.namespace

@@ -51,7 +51,7 @@ def test_the_store_prefix_counts_for_every_instance_and_ties_go_first() -> None:
     assert (iid, est) == (A, pytest.approx(0.074))
 
 
-def test_queue_and_calibrated_speed_outweigh_a_cached_prefix() -> None:
+def test_the_queue_outweighs_a_cached_prefix() -> None:
     f = front(A, B)
     ks = keys(320)
     f._local[InstanceId(B)].use(ks)
@@ -61,9 +61,19 @@ def test_queue_and_calibrated_speed_outweigh_a_cached_prefix() -> None:
     est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
     # B: 3 waiting x 1000 tokens x 1 ms + 10 tokens = 3.01 s; A: 330 tokens = 0.33 s
     assert (iid, est) == (A, pytest.approx(0.33))
-    f.colocated[InstanceId(A)].calibration = calibrated(0.02)  # A is 20x slower
-    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
-    assert (iid, est) == (B, pytest.approx(3.01))
+
+
+def test_colocated_instances_learn_one_speed() -> None:
+    """What one instance's prefills teach holds for all: the instances serve one model,
+    and an instance is never left with a stale estimate nothing corrects."""
+    f = front(A, B)
+    a, b = f.colocated[InstanceId(A)], f.colocated[InstanceId(B)]
+    assert a.calibration is b.calibration
+    a.start_prefill(1000).release(seconds=2.0)  # 2 ms/token observed on A
+    assert b.calibration.cost().prefill_s(100, 0) == pytest.approx(0.2)
+    ks = keys(320)
+    b.start_prefill(200)  # B is busy: A gets the next, at the speed both share
+    assert f.choose_colocated(ks, stored=0, prompt_tokens=330) == (pytest.approx(0.66), A)
 
 
 def test_the_disaggregated_scheduler_uses_each_instances_own_speed() -> None:
