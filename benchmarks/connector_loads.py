@@ -37,7 +37,7 @@ from benchmarks.stats import Panel, format_table, median, plot_panels, write_jso
 from conductor.front.vllm_procs import REPO, VLLM_BLOCK, start_node
 from kvstore import Client, block_keys
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, BlockLayout
-from kvstore.integrations.vllm.loads import load_blocks
+from kvstore.integrations.vllm.loads import Staging, load_blocks
 from kvstore.integrations.vllm.threads import GIL_SWITCH_MS
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -95,6 +95,7 @@ def one_size(client: Client, layout: BlockLayout, tokens: int,
             layout.scatter_layer(staging, layer, kv, t)
 
     bufs = [bytearray(layout.value_bytes) for _ in range(n)]
+    staging = Staging()  # as the connector's loader thread keeps one
     times: dict[str, list[float]] = {"bytes/bw": [], "load": []}
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -104,7 +105,7 @@ def one_size(client: Client, layout: BlockLayout, tokens: int,
             kv.zero_()
         with condition(spinner=spinner, switch_s=switch_s):
             t0 = time.perf_counter()
-            out = load_blocks(client, layout, keys, list(range(n)), scatter)
+            out = load_blocks(client, layout, keys, list(range(n)), scatter, staging)
             times["load"].append(time.perf_counter() - t0)
         if out.loaded != n:
             raise RuntimeError(f"loaded {out.loaded} of {n} blocks")

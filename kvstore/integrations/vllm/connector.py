@@ -125,7 +125,7 @@ from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
-from kvstore.integrations.vllm.loads import load_blocks
+from kvstore.integrations.vllm.loads import Staging, load_blocks
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.request_state import (
     RequestState,
@@ -314,6 +314,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._save_client = self._new_client()
             # Not pinned to the compute's cores, as threads the worker starts would be.
             self._loader = io_executor("kvstore-load")
+            self._load_staging = Staging()  # the loader thread's alone
             shorten_gil_switch(self._gil_switch_s)  # see threads.py
             self._saver = io_executor("kvstore-save")
             self._loads: dict[str, Future] = {}
@@ -587,7 +588,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert groups is not None
         out = load_blocks(self._load_client, groups.layouts[spec.group],
                           self._shards.own_keys(spec.keys), spec.block_ids,
-                          partial(groups.scatter, spec.group))
+                          partial(groups.scatter, spec.group), self._load_staging)
         if out.error is not None:
             logger.warning("kvstore load of %d blocks failed (recomputing them): %s",
                            len(spec.block_ids), out.error)
