@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +50,15 @@ import numpy as np
 from benchmarks.stats import Panel, median, percentile, plot_panels, write_json
 from benchmarks.vllm_serving import default_vllm_python, external_hits
 from conductor.front.vllm_instances import parse_metrics
-from conductor.front.vllm_procs import REPO, VLLM_BLOCK, Proc, start_node, start_vllm, wait_ready
+from conductor.front.vllm_procs import (
+    REPO,
+    VLLM_BLOCK,
+    Proc,
+    start_node,
+    start_vllm,
+    wait_ready,
+    write_tiny_llama_with,
+)
 from kvstore import Client, block_keys
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -301,13 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="connector-cost-") as tmp:
         root = Path(tmp)
-        subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
-                        "from conductor.front.vllm_procs import write_tiny_llama; "
-                        "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
-                        "layers=int(sys.argv[3]))", str(root / "model"), str(hidden),
-                        str(layers)],
-                       check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                       capture_output=True)
+        write_tiny_llama_with(vllm_py, root / "model", hidden=hidden, layers=layers)
         node = start_node(root, dram="6GiB")
         ns = f"connector-cost-{time.time_ns()}"
         common: dict[str, Any] = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20}

@@ -35,8 +35,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,7 +63,7 @@ from benchmarks.sessions_workload import (
     sessions,
 )
 from benchmarks.stats import write_json
-from conductor.front.vllm_procs import REPO, VLLM_BLOCK
+from conductor.front.vllm_procs import REPO, VLLM_BLOCK, write_tiny_llama_with
 from kvstore import Client, block_keys
 from kvstore.core.errors import KVStoreError
 
@@ -419,13 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             root.mkdir(parents=True, exist_ok=False)
         if "vllm" in backends:
             hidden, layers = args.vllm_model
-            subprocess.run([args.vllm_python, "-c", "import sys; from pathlib import Path; "
-                            "from conductor.front.vllm_procs import write_tiny_llama; "
-                            "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
-                            "layers=int(sys.argv[3]))", str(root / "model"), str(hidden),
-                            str(layers)],
-                           check=True, cwd=REPO, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+            write_tiny_llama_with(args.vllm_python, root / "model", hidden=hidden,
+                                  layers=layers)
         for backend in backends:
             runs = run_modes(backend, spec, args, root, supported)
             results[backend] = {"runs": runs, "ratios": compare(runs["on"]["overall"],

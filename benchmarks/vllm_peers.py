@@ -57,6 +57,7 @@ from conductor.front.vllm_procs import (
     free_port,
     start_vllm,
     wait_ready,
+    write_tiny_llama_with,
 )
 
 SHIM = Path(__file__).resolve().parent / "vllm_peers_site"
@@ -282,12 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [random.Random(7).randrange(3, 500) for _ in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory(prefix="kvstore-vllm-peers-") as tmp:
         root = Path(tmp)
-        subprocess.run([args.vllm_python, "-c",
-                        "import sys; from pathlib import Path; "
-                        "from conductor.front.vllm_procs import write_tiny_llama; "
-                        "write_tiny_llama(Path(sys.argv[1]), hidden=512, layers=4)",
-                        str(root / "model")], cwd=REPO, check=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+        write_tiny_llama_with(args.vllm_python, root / "model", hidden=512, layers=4)
         got = mooncake_handoff(args.vllm_python, root / "model", root, prompt)
     print(json.dumps({"mooncake": got, "unavailable": UNAVAILABLE}, indent=1))
     hits = got["b_external_hits"]

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import glob
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -59,7 +58,7 @@ from benchmarks.serving_workloads import (
     pure_miss,
 )
 from benchmarks.stats import Panel, format_table, median, percentile, plot_panels, ratio, write_json
-from conductor.front.vllm_procs import REPO, VLLM_BLOCK, Proc, start_node
+from conductor.front.vllm_procs import REPO, VLLM_BLOCK, Proc, start_node, write_tiny_llama_with
 
 RESULTS = REPO / "benchmarks" / "results"
 TRACE_NAME = Path("shared") / "traces" / "conversation_trace.jsonl"
@@ -377,13 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             root.mkdir(parents=True, exist_ok=True)
         else:
             root = Path(keep.enter_context(tempfile.TemporaryDirectory(prefix="vllm-serving-")))
-        subprocess.run([vllm_py, "-c", "import sys; from pathlib import Path; "
-                        "from conductor.front.vllm_procs import write_tiny_llama; "
-                        "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
-                        "layers=int(sys.argv[3]))", str(root / "model"), str(hidden),
-                        str(layers)],
-                       check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                       capture_output=True)
+        write_tiny_llama_with(vllm_py, root / "model", hidden=hidden, layers=layers)
         node = start_node(root, dram="2GiB", kv_events=True)
         spec = ServerSpec(vllm_python=vllm_py, model=root / "model",
                           max_model_len=MAX_MODEL_LEN, kv_cache_bytes=cache_tokens * bpt,

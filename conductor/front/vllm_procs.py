@@ -200,6 +200,19 @@ def write_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2,
     return out
 
 
+def write_tiny_llama_with(python: str, out: Path, *, hidden: int = 128,
+                          layers: int = 2) -> Path:
+    """``write_tiny_llama`` run by another environment's ``python`` (one with torch and
+    transformers: the vLLM environment), so a driver without them can write the model."""
+    subprocess.run([python, "-c", "import sys; from pathlib import Path; "
+                    "from conductor.front.vllm_procs import write_tiny_llama; "
+                    "write_tiny_llama(Path(sys.argv[1]), hidden=int(sys.argv[2]), "
+                    "layers=int(sys.argv[3]))", str(out), str(hidden), str(layers)],
+                   check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                   capture_output=True)
+    return out
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
