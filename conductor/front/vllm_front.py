@@ -517,7 +517,6 @@ class VllmFront:
             if keys:
                 self.metrics.chosen.labels("prefill", pinst.id).inc()
                 pre = with_stored(prefill_body(body), stored)
-                pinst.in_flight += 1
                 cached = decision.plan.cached_tokens if decision.plan else 0
                 pending = pinst.start_prefill(len(tokens) - cached, cached=cached)
                 tp = time.monotonic()
@@ -525,8 +524,7 @@ class VllmFront:
                     await post_json(pinst, job.path, pre, self.timeout())
                     pending.release(seconds=time.monotonic() - tp)
                 finally:
-                    pinst.in_flight -= 1
-                    pending.release(seconds=None)
+                    pending.end()
                 c.prefill_done(rid, time.monotonic())
                 waited = await self.store.wait_durable(
                     self.stored_keys(keys), timeout_s=self.config.durable_timeout_s,
@@ -611,15 +609,13 @@ class VllmFront:
             request_done()
             self._turn_over(job)
 
-        inst.in_flight += 1
         pending = inst.start_prefill(prefill_tokens, cached=cached_tokens)
         if not body.get("stream"):
             ts = time.monotonic()
             try:
                 answer = await post_json(inst, job.path, body, self.timeout())
             finally:
-                inst.in_flight -= 1
-                pending.release(seconds=None)
+                pending.end()
                 done()
             elapsed = time.monotonic() - ts
             n = int((answer.get("usage") or {}).get("completion_tokens") or 0)
@@ -631,8 +627,7 @@ class VllmFront:
         try:
             stream = await open_stream(inst, job.path, body, self.timeout())
         except BaseException:
-            inst.in_flight -= 1
-            pending.release(seconds=None)
+            pending.end()
             done()
             raise
         state = _StreamState()
@@ -641,8 +636,7 @@ class VllmFront:
             if state.closed:
                 return
             state.closed = True
-            inst.in_flight -= 1
-            pending.release(seconds=None)
+            pending.end()
             done()
             self.metrics.requests.labels(route, state.outcome).inc()
             if state.outcome == "ok":

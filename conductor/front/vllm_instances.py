@@ -17,9 +17,11 @@ find cached) and the decode step time (from each streamed or timed decode). Unti
 instance has been observed it uses conservative defaults, so the very first decisions
 are estimates; each completed request moves them (exponential moving average).
 
-``PendingPrefill`` is one prefill the front sent to an instance and has not seen finish:
-its tokens count in the instance's queue (``VllmInstance.queue_s``) until it is released,
-once, at its first token or when the request ends. A prefill's time to first token
+``PendingPrefill`` is one request the front sent to an instance: it counts in the
+instance's ``in_flight`` until it ``end``s, and its prefill's tokens count in the
+instance's queue (``VllmInstance.queue_s``) until they are released, once, at its first
+token or when the request ends, whichever comes first (each exactly once, whatever order
+the front's paths call them in). A prefill's time to first token
 covers the prompt tokens sent there before it and still pending as well as its own (the
 engine runs them first), so it is observed as the time of both: the learnt rate stays a
 rate of compute, not of compute plus whatever queue the instance had at the time (which
@@ -193,6 +195,7 @@ class PendingPrefill:
     cached: int = 0
     """Prompt tokens it reuses (the instance's prefix cache or the store)."""
     released: bool = False
+    ended: bool = False
 
     def release(self, *, seconds: float | None) -> None:
         """Takes the tokens out of the instance's queue (only the first call does);
@@ -205,6 +208,15 @@ class PendingPrefill:
         if seconds is not None and self.cached <= self.tokens:
             self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
                                                       seconds=seconds)
+
+    def end(self) -> None:
+        """The request is over (answered, failed or cancelled): out of ``in_flight``, and
+        its prefill out of the queue if no first token came (only the first call does)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.release(seconds=None)
+        self.instance.in_flight -= 1
 
 
 class UpstreamError(Exception):
@@ -319,11 +331,13 @@ class VllmInstance:
         return self.load
 
     def start_prefill(self, tokens: int, *, cached: int = 0) -> PendingPrefill:
-        """Counts a prefill of ``tokens`` computed tokens (after ``cached`` reused ones) in
-        this instance's queue until the returned handle is released."""
+        """Counts a request in ``in_flight`` until the returned handle ``end``s, and its
+        prefill of ``tokens`` computed tokens (after ``cached`` reused ones) in this
+        instance's queue until the handle is released."""
         pending = PendingPrefill(instance=self, tokens=max(0, tokens),
                                  ahead=self.pending_prefill_tokens, cached=max(0, cached))
         self.pending_prefill_tokens += pending.tokens
+        self.in_flight += 1
         return pending
 
     def queue_s(self, *, mean_prompt_tokens: float) -> float:

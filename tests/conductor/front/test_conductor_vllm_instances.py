@@ -115,3 +115,16 @@ def test_a_prefill_mostly_from_cache_is_not_learnt_as_compute() -> None:
     half = inst.start_prefill(600, cached=600)  # as much computed as cached: observed
     half.release(seconds=1.2)
     assert inst.calibration.prefill_s_per_token.samples == 2
+
+
+def test_a_request_leaves_in_flight_once_and_frees_its_prefill_if_it_had_no_first_token(
+        ) -> None:
+    inst = instance()
+    a, b = inst.start_prefill(300), inst.start_prefill(200)
+    assert inst.in_flight == 2 and inst.pending_prefill_tokens == 500
+    a.release(seconds=0.3)  # first token: decoding, still in flight
+    assert inst.in_flight == 2 and inst.pending_prefill_tokens == 200
+    a.end()
+    a.end()  # the second call changes nothing
+    b.end()  # ended before any first token: its prefill leaves the queue too
+    assert inst.in_flight == 0 and inst.pending_prefill_tokens == 0
