@@ -63,8 +63,8 @@ class Running:
 
 PeerStarter = Callable[[str, Path, ExitStack, str], tuple[str, dict[str, str], list[str]]]
 """``(setup, logdir, stack, vllm_python) -> (kv_transfer JSON, server environment, notes)``:
-starts what
-a peer's servers need (entering its processes into ``stack``); raises ``SetupUnavailable``."""
+starts what a peer's servers need (entering its processes into ``stack``); raises
+``SetupUnavailable``."""
 
 
 def _peer_starter() -> PeerStarter:
