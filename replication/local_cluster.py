@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvstore.client import Client
 from replication.membership.etcd_server import EtcdServer
 
 MANIFEST = "cluster.json"
@@ -79,6 +80,7 @@ class LocalCluster:
                                    wait=False)
             for rec in cluster.nodes:
                 cluster._wait_joined(rec, timeout)
+            cluster._wait_converged(timeout)
         except BaseException:
             cluster.down()
             raise
@@ -119,6 +121,25 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"{rec.id} did not join within {timeout}s:\n{text[-2000:]}")
             time.sleep(0.05)
+
+    def _wait_converged(self, timeout: float) -> None:
+        """Returns once every node's own membership view holds every node.
+
+        A node that joined first learns of the later ones through its etcd watch, some
+        milliseconds after they register: a replicated put it masters before then sees
+        too few nodes for its write quorum and fails."""
+        want = len(self.nodes)
+        deadline = time.monotonic() + timeout
+        for rec in self.nodes:
+            with Client(rec.addr, transport="grpc") as c:
+                while True:
+                    seen = int(c.stats()["node"].get("cluster_members", 0))
+                    if seen >= want:
+                        break
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"{rec.id} sees {seen} of {want} nodes "
+                                           f"after {timeout}s")
+                    time.sleep(0.05)
 
     # ---- the manifest --------------------------------------------------------------------
 

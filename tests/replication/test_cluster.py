@@ -101,6 +101,14 @@ def test_cluster_cli_up_status_down(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and bad.stderr.strip()
 
 
+def test_up_returns_once_every_node_sees_every_node(cluster: LocalCluster) -> None:
+    """A node that joined first learns of later ones through its watch; ``up`` waits for
+    that, or the first replicated put it masters finds too few nodes for its quorum."""
+    for rec in cluster.nodes:
+        with Client(rec.addr, transport="grpc", timeout=5) as c:
+            assert c.stats()["node"]["cluster_members"] == 3, rec.id
+
+
 def test_sigterm_leaves_at_once_and_a_new_node_joins(cluster: LocalCluster) -> None:
     assert _members(cluster) == {"node-1", "node-2", "node-3"}
     with EtcdMembership(cluster.etcd) as watch:
