@@ -276,6 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gil-switch-ms", type=float, default=None,
                     help="the connector's gil_switch_interval_ms (default: the connector's "
                          "own; 0: Python's 5 ms)")
+    ap.add_argument("--load-inline", choices=["idle", "never"], default="idle",
+                    help="the connector's load_inline_when_idle: loads in the step on an "
+                         "idle engine (idle, its default) or always on the loader thread")
     ap.add_argument("--cpu-bind", default="0",
                     help="VLLM_CPU_OMP_THREADS_BIND of both servers (default: core 0, the "
                          "other core left to the servers' Python threads, node and client)")
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.hit_tokens} cached tokens + {TAIL}, {args.hit_reps} each; "
                 f"VLLM_CPU_OMP_THREADS_BIND={args.cpu_bind}; gil_switch_interval_ms "
                 f"{'default' if args.gil_switch_ms is None else args.gil_switch_ms}; "
-                f"load average at start {os.getloadavg()[0]:.1f}")
+                f"loads inline: {args.load_inline}; load average at start {os.getloadavg()[0]:.1f}")
     print(settings, flush=True)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     # vLLM's automatic CPU binding answers differently for two servers started together
@@ -312,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         node = start_node(root, dram="6GiB")
         ns = f"connector-cost-{time.time_ns()}"
         common: dict[str, Any] = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20}
-        store: str | dict[str, Any] = node.url
+        store: dict[str, Any] = {"kvstore_addr": node.url,
+                                 "load_inline_when_idle": args.load_inline == "idle"}
         if args.gil_switch_ms is not None:
-            store = {"kvstore_addr": node.url, "gil_switch_interval_ms": args.gil_switch_ms}
+            store["gil_switch_interval_ms"] = args.gil_switch_ms
         procs = {"plain": start_vllm(vllm_py, root / "model", root, name="plain", store=None,
                                      **common),
                  "connector": start_vllm(vllm_py, root / "model", root, name="connector",

@@ -1,7 +1,9 @@
 """vLLM's own engine (CPU build) with KVStoreConnector and a real kvstore node.
 
-One engine for the module (start-up is the expensive part, ~20-45 s); every test uses
-its own prompt, so the tests do not depend on each other's blocks. The engine's
+One engine per load mode (start-up is the expensive part, ~20-45 s): one request at a time
+is an idle engine's, loaded inline in the step, unless ``load_inline_when_idle`` is off,
+when it waits for the loader thread; each mode has its namespace and every test its own
+prompt, so the tests do not depend on each other's blocks. The engine's
 external-cache hit count is read from vLLM's own metrics
 (``vllm:external_prefix_cache_hits``), its outputs are greedy token ids.
 """
@@ -24,7 +26,6 @@ from kvstore.integrations.vllm.blocks import HEADER_BYTES, parse_header, reseal
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK = 32  # vLLM's CPU attention wants multiples of 32
-NAMESPACE = f"engine-test-{time.time_ns()}"
 PROMPT_TOKENS = 200  # 6 full blocks of 32; 6*32 = 192 tokens loadable (< 200)
 LOADABLE = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
 
@@ -34,9 +35,16 @@ def prompt(seed: int) -> list[int]:
     return [int(t) for t in rng.integers(3, 500, PROMPT_TOKENS)]
 
 
+@pytest.fixture(scope="module", params=["inline", "async"])
+def namespace(request: pytest.FixtureRequest) -> str:
+    return f"engine-test-{request.param}-{time.time_ns()}"
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
-    with kvstore_llm(tiny_llama, store_node.addr, NAMESPACE) as llm:
+def engine(tiny_llama: Path, store_node: Any, namespace: str) -> Iterator[Any]:
+    inline = namespace.startswith("engine-test-inline")
+    with kvstore_llm(tiny_llama, store_node.addr, namespace,
+                     connector={"load_inline_when_idle": inline}) as llm:
         yield llm
 
 
@@ -44,8 +52,8 @@ def engine(tiny_llama: Path, store_node: Any) -> Iterator[Any]:
 
 
 
-def keys_of(tokens: list[int]) -> list[bytes]:
-    return [bytes(k) for k in block_keys(tokens[: LOADABLE], BLOCK, NAMESPACE)]
+def keys_of(tokens: list[int], namespace: str) -> list[bytes]:
+    return [bytes(k) for k in block_keys(tokens[: LOADABLE], BLOCK, namespace)]
 
 
 def wait_stored(client: Client, keys: list[bytes]) -> None:
@@ -74,9 +82,9 @@ def replace(client: Client, key: bytes, value: bytes) -> None:
 
 
 def test_second_run_loads_the_prefix_from_kvstore(engine: Any, client: Client,
-                                                  store_node: Any) -> None:
+                                                  store_node: Any, namespace: str) -> None:
     tokens = prompt(1)
-    keys = keys_of(tokens)
+    keys = keys_of(tokens, namespace)
     assert client.prefix_match(keys) == 0
 
     first, hits = generate(engine, tokens)
@@ -94,11 +102,12 @@ def test_second_run_loads_the_prefix_from_kvstore(engine: Any, client: Client,
     assert client.stats()["tiers"]["dram"]["hits"] >= node_hits + len(keys)
 
 
-def test_well_formed_foreign_bytes_change_the_output(engine: Any, client: Client) -> None:
+def test_well_formed_foreign_bytes_change_the_output(engine: Any, client: Client,
+                                                     namespace: str) -> None:
     """Blocks replaced in the store by other (checksum-valid) KV: the engine's output
     changes, so what it computes with comes from kvstore; restoring them restores it."""
     tokens = prompt(2)
-    keys = keys_of(tokens)
+    keys = keys_of(tokens, namespace)
     first, _ = generate(engine, tokens)
     wait_stored(client, keys)
     originals = client.get_batch(keys)
@@ -120,12 +129,13 @@ def test_well_formed_foreign_bytes_change_the_output(engine: Any, client: Client
     assert restored == first
 
 
-def test_corrupted_block_is_refused_and_recomputed(engine: Any, client: Client) -> None:
+def test_corrupted_block_is_refused_and_recomputed(engine: Any, client: Client,
+                                                   namespace: str) -> None:
     """A block whose bytes no longer match its checksum is refused: vLLM recomputes it
     (kv_load_failure_policy="recompute"), the output stays the same, and the connector
     replaces the bad value in the store with the recomputed block."""
     tokens = prompt(3)
-    keys = keys_of(tokens)
+    keys = keys_of(tokens, namespace)
     first, _ = generate(engine, tokens)
     wait_stored(client, keys)
     bad = 2

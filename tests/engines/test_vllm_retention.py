@@ -45,7 +45,8 @@ def sched_output(new: list[tuple[Any, list[int]]], scheduled: dict[str, int]) ->
 def test_a_retained_requests_lookup_and_saves_cover_its_whole_prefix(make_connector: Any,
                                                                   store_node: Any,
                                                                   client: Client) -> None:
-    sched = make_connector("SCHEDULER", store_node.addr, namespace=f"s-{time.time_ns()}")
+    sched = make_connector("SCHEDULER", store_node.addr, namespace=f"s-{time.time_ns()}",
+                           load_inline_when_idle=False)
     sched.bind_kv_cache_manager(FakeManager())
     toks = tokens(200, 1)
     keys = block_keys(toks, BLOCK, sched.namespace)

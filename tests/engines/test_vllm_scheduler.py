@@ -8,50 +8,18 @@ import time
 from typing import Any
 
 import pytest
-from vllm_fakes import FakeManager, request_id, tokens
+from vllm_fakes import FakeManager, blocks_of, request, request_id, sched_output, tokens
 
 from kvstore import Client, block_keys
 
 BLOCK = 32
 
 
-def request(tokens: list[int], **kw: Any) -> Any:
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(request_id(), tokens, SamplingParams(max_tokens=64), None, **kw)
-
-
-def blocks_of(ids: list[int]) -> Any:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
-
-
-def sched_output(new: list[tuple[Any, list[int]]] = (), cached: list[tuple[Any, int]] = (),
-                 scheduled: dict[str, int] | None = None) -> Any:
-    """A SchedulerOutput: ``new`` (request, block ids) scheduled for the first time,
-    ``cached`` (request, num_computed_tokens) scheduled before."""
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-    c = CachedRequestData.make_empty()
-    c.req_ids = [r.request_id for r, _ in cached]
-    c.num_computed_tokens = [n for _, n in cached]
-    c.new_block_ids = [None for _ in cached]
-    c.new_token_ids = [[] for _ in cached]
-    c.num_output_tokens = [r.num_output_tokens for r, _ in cached]
-    scheduled = scheduled or {}
-    return SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData.from_request(r, (ids,)) for r, ids in new],
-        scheduled_cached_reqs=c, num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
-
-
 @pytest.fixture
 def sched(make_connector: Any, store_node: Any) -> Any:
-    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"sched-{time.time_ns()}")
+    # The lookup's rules, on the asynchronous path (test_vllm_load_mode: when loads are inline).
+    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"sched-{time.time_ns()}",
+                          load_inline_when_idle=False)
     conn.bind_kv_cache_manager(FakeManager())
     return conn
 
@@ -253,7 +221,7 @@ def test_a_refused_block_is_saved_again_after_recompute(sched: Any, client: Clie
 def test_roles(make_connector: Any, store_node: Any, client: Client, role: str, loads: bool,
                saves: bool) -> None:
     conn = make_connector("SCHEDULER", store_node.addr, kv_role=role,
-                          namespace=f"role-{role}-{time.time_ns()}")
+                          namespace=f"role-{role}-{time.time_ns()}", load_inline_when_idle=False)
     conn.bind_kv_cache_manager(FakeManager())
     toks = tokens(100, 7)
     keys = block_keys(toks, BLOCK, conn.namespace)

@@ -45,7 +45,8 @@ def put(client: Client, keys: list[bytes]) -> None:
 
 def test_a_block_counts_only_when_every_rank_holds_its_shard(
         make_connector: Any, store_node: Any, client: Client, namespace: str) -> None:
-    sched = make_connector("SCHEDULER", store_node.addr, namespace=namespace, engine_args=TP2)
+    sched = make_connector("SCHEDULER", store_node.addr, namespace=namespace, engine_args=TP2,
+                           load_inline_when_idle=False)
     sched.bind_kv_cache_manager(FakeManager())
     toks = tokens(200, 7)  # 6 full blocks; 192 tokens loadable
     keys = [bytes(k) for k in block_keys(toks, BLOCK, namespace)]
@@ -186,7 +187,8 @@ def test_mla_rank_zero_writes_the_copy_every_rank_reads(
                                model=tiny_mla, engine_args=TP2)
         sched.bind_kv_cache_manager(FakeManager())
         assert sched._shards.shards == ("tp*of2.pp0of1",)
-        assert sched.get_num_new_matched_tokens(request(tokens(65, 11)), 0) == (64, True)
+        # An idle engine: the load is inline (test_vllm_load_mode).
+        assert sched.get_num_new_matched_tokens(request(tokens(65, 11)), 0) == (64, False)
     finally:
         for conn in workers:
             conn.shutdown()

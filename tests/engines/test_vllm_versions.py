@@ -67,7 +67,8 @@ def test_a_load_whose_allocation_is_reported_steps_later(make_connector: Any,
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.request import Request
 
-    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"defer-{time.time_ns()}")
+    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"defer-{time.time_ns()}",
+                          load_inline_when_idle=False)
     conn.bind_kv_cache_manager(FakeManager())
     toks = tokens(200, 31)
     keys = block_keys(toks, BLOCK, conn.namespace)

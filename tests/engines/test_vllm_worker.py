@@ -70,11 +70,22 @@ def save_blocks(conn: Any, keys: list[bytes], ids: list[int], **kw: Any) -> None
     drain_saves(conn)
 
 
-def load_blocks(conn: Any, keys: list[bytes], ids: list[int]) -> set[int]:
+def load_blocks(conn: Any, keys: list[bytes], ids: list[int], *, inline: bool = False
+                ) -> set[int]:
+    """Loads as the scheduler asked (``inline``: in the step); returns the refused ids."""
     from kvstore.integrations.vllm_connector import KVStoreConnectorMetadata, LoadSpec
 
-    run_step(conn, KVStoreConnectorMetadata(loads=[LoadSpec("r", keys, ids)]))
-    return finish_load(conn, "r")
+    run_step(conn, KVStoreConnectorMetadata(loads=[LoadSpec("r", keys, ids, inline=inline)]))
+    if not inline:
+        return finish_load(conn, "r")
+    # Written before start_load_kv returned: this step's output carries the refusals,
+    # and no step reports the request as received (vLLM never waited for it).
+    _, recving = conn.get_finished(set())
+    assert not recving
+    return conn.get_block_ids_with_load_errors()
+
+
+LOAD_MODES = pytest.mark.parametrize("inline", [False, True], ids=["async", "inline"])
 
 
 def keys_for(conn: Any, n: int, seed: int) -> list[bytes]:
@@ -109,13 +120,14 @@ def test_a_layer_without_its_hook_is_copied_at_step_end(worker: Any, client: Cli
         ).tobytes()
 
 
-def test_save_then_load_round_trip(worker: Any, client: Client) -> None:
+@LOAD_MODES
+def test_save_then_load_round_trip(worker: Any, client: Client, inline: bool) -> None:
     keys = keys_for(worker, 3, 3)
     before = [kv[[1, 2, 3]].clone() for kv in caches(worker)]
     save_blocks(worker, keys, [1, 2, 3])
     for kv in caches(worker):
         kv[[40, 41, 42]] = 0
-    assert load_blocks(worker, keys, [40, 41, 42]) == set()
+    assert load_blocks(worker, keys, [40, 41, 42], inline=inline) == set()
     for kv, old in zip(caches(worker), before, strict=True):
         assert torch.equal(kv[[40, 41, 42]], old)
     assert worker.stats["loaded_blocks"] == 3
@@ -145,7 +157,9 @@ def _bad_values(layout: BlockLayout, good: bytes, other_key_value: bytes) -> dic
                                     "another engine layout", "not a vLLM block",
                                     "another engine identity",
                                     "another engine identity (written before)"])
-def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason: str) -> None:
+@LOAD_MODES
+def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason: str,
+                                            inline: bool) -> None:
     keys = keys_for(worker, 3, 4)
     save_blocks(worker, keys, [1, 2, 3])
     good = client.get_batch(keys)
@@ -157,7 +171,7 @@ def test_bad_values_are_refused_and_removed(worker: Any, client: Client, reason:
 
     for kv in caches(worker):
         kv[[50, 51, 52]] = 0
-    refused = load_blocks(worker, keys, [50, 51, 52])
+    refused = load_blocks(worker, keys, [50, 51, 52], inline=inline)
     assert refused == {51, 52}, "a block and every block after it are recomputed"
     assert worker.stats["refused_blocks"] == 1
     for kv in caches(worker):
@@ -186,16 +200,19 @@ def test_a_value_larger_than_a_block_is_refused_and_removed(worker: Any, client:
     assert client.exists(keys) == [True, False, True]
 
 
-def test_missing_blocks_are_reported_not_removed(worker: Any, client: Client) -> None:
+@LOAD_MODES
+def test_missing_blocks_are_reported_not_removed(worker: Any, client: Client, inline: bool
+                                                 ) -> None:
     keys = keys_for(worker, 3, 5)
     save_blocks(worker, keys[:1], [1])
-    refused = load_blocks(worker, keys, [55, 56, 57])
+    refused = load_blocks(worker, keys, [55, 56, 57], inline=inline)
     assert refused == {56, 57}
     assert worker.stats["missing_blocks"] == 2
     assert worker.stats["refused_blocks"] == 0
 
 
-def test_a_dead_store_fails_the_load_softly(make_connector: Any) -> None:
+@LOAD_MODES
+def test_a_dead_store_fails_the_load_softly(make_connector: Any, inline: bool) -> None:
     import socket
 
     with socket.socket() as s:
@@ -205,7 +222,7 @@ def test_a_dead_store_fails_the_load_softly(make_connector: Any) -> None:
     conn.register_kv_caches({name: torch.zeros(SHAPE) for name in LAYERS})
     try:
         keys = keys_for(conn, 2, 6)
-        assert load_blocks(conn, keys, [3, 4]) == {3, 4}
+        assert load_blocks(conn, keys, [3, 4], inline=inline) == {3, 4}
         save_blocks(conn, keys, [3, 4])  # logged, not raised
         assert conn.stats["save_errors"] == 1
     finally:

@@ -14,11 +14,12 @@ BLOCK = 32
 
 
 @contextmanager
-def kvstore_llm(model: Path, addr: str, namespace: str | None, **engine: Any
-                ) -> Iterator[Any]:
+def kvstore_llm(model: Path, addr: str, namespace: str | None, *,
+                connector: dict[str, Any] | None = None, **engine: Any) -> Iterator[Any]:
     """An ``LLM`` (greedy-ready, float32, eager, 64 MiB of KV cache) whose connector is
     kvstore's at ``addr`` under ``namespace`` (None: the connector's default namespace);
-    a failed load is recomputed. ``engine``: more ``LLM`` arguments, or others than these
+    a failed load is recomputed. ``connector``: more ``kv_connector_extra_config`` keys.
+    ``engine``: more ``LLM`` arguments, or others than these
     (``tensor_parallel_size=2``, ``dtype="bfloat16"``, ``block_size=None``...)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -28,7 +29,8 @@ def kvstore_llm(model: Path, addr: str, namespace: str | None, **engine: Any
         kv_connector_module_path="kvstore.integrations.vllm_connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"kvstore_addr": addr,
-                                   **({"namespace": namespace} if namespace else {})})
+                                   **({"namespace": namespace} if namespace else {}),
+                                   **(connector or {})})
     args: dict[str, Any] = {"block_size": BLOCK, "max_model_len": 512, "dtype": "float32",
                             "kv_cache_memory_bytes": 64 << 20, **engine}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, seed=0,

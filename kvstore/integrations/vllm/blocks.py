@@ -17,7 +17,7 @@ Value::
     40      16    the block's own key
     56      8     engine identity (u64le): xxh3_64 of what decides the KV bytes beyond the
                   layout (the weights' fingerprint, dtypes, quantization, shard: the
-                  connector's ``engine_identity``); zero in values written before it
+                  ``engine_identity.engine_identity``); zero in values written before it
     64      L*S   payload: layer 0's block, layer 1's block, ... in the engine's layer order
 
 A layer's block is ``kv_cache[block_id]`` of that layer's cache tensor, in C order: vLLM

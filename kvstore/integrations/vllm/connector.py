@@ -21,7 +21,9 @@ connector API is marked unstable upstream, so other versions are refused at impo
 (bearer token of a node with tenants), ``max_pending_saves`` (save batches in flight
 before a step waits, default 4), ``timeout`` (seconds per store call, default 30),
 ``gil_switch_interval_ms`` (the worker process's GIL switch interval while it runs the
-connector's threads, default 0.5; 0 leaves Python's: ``threads.shorten_gil_switch``).
+connector's threads, default 0.5; 0 leaves Python's: ``threads.shorten_gil_switch``),
+``load_inline_when_idle`` (default true: a load on an engine with nothing else to run is
+done in the step instead of on the loader thread; ``load_mode``).
 
 Design
 ------
@@ -42,15 +44,17 @@ gets the first answer; a preempted request (its tokens grown by its output) is l
 again. A request whose ``kv_transfer_params`` carry ``kvstore_stored_blocks`` (the
 Conductor's own lookup) is not looked up at all, when its keys are the router's (one KV
 cache group; no LoRA, cache salt or media). A block's key is hashed once, chained from
-the previous one as the request's blocks fill. Loads are
-asynchronous (it returns ``load_async=True``): vLLM allocates the blocks and parks the
-request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running.
+the previous one as the request's blocks fill. A load is
+asynchronous (it returns ``load_async=True``: vLLM allocates the blocks and parks the
+request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running) unless the
+engine has nothing else to run: then it is inline, done by the worker before the step's
+forward (``kvstore.integrations.vllm.load_mode``; ``load_inline_when_idle``).
 ``build_connector_meta`` hands the worker each new load (keys, destination block ids)
 and, for every scheduled request, the blocks that become full and computed in this step
 and that the store does not hold yet (keys, block ids, parent key).
 
-*Worker side.* ``start_load_kv`` queues each load on a loader thread
-(``kvstore.integrations.vllm.loads``): one ``get_batch_into`` into a staging buffer,
+*Worker side.* ``start_load_kv`` runs each inline load and queues each other load on a
+loader thread (``kvstore.integrations.vllm.loads``): one ``get_batch_into`` into a staging buffer,
 every value checked (size, header, key, checksum), the sound leading blocks copied into
 the paged cache;
 ``get_finished`` reports the request done and ``get_block_ids_with_load_errors`` the
@@ -102,7 +106,6 @@ Not supported (refused at start-up): Mamba / linear-attention and other group ki
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
@@ -114,17 +117,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
-import xxhash
 
 from kvstore import Client
 from kvstore.core.keys import namespace_root_key
 from kvstore.core.retention import MAX_RETAIN_KEYS
-from kvstore.integrations.identity import WeightsIdentity, process_value, weights_identity
+from kvstore.integrations.identity import weights_identity
 from kvstore.integrations.store_config import store_spec
 from kvstore.integrations.vllm.blocks import BlockLayout
 from kvstore.integrations.vllm.describe import describe_reply
+from kvstore.integrations.vllm.engine_identity import (
+    default_namespace,
+    engine_identity,
+    header_identity,
+)
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
 from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
+from kvstore.integrations.vllm.load_mode import EngineActivity
 from kvstore.integrations.vllm.loads import Staging, load_blocks
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.request_state import (
@@ -162,8 +170,6 @@ if TYPE_CHECKING:
 # Under "vllm." so the engine's log configuration (format, level) applies.
 logger = init_logger("vllm.kvstore_connector")
 
-NAMESPACE_VERSION = "vllm-v1"
-
 
 # --- metadata: scheduler -> worker, once per step (pickled) ------------------------------
 
@@ -174,6 +180,8 @@ class LoadSpec:
     block_ids: list[int]
     group: int = 0
     """Position of the KV cache group in the connector's ``GroupPlan``."""
+    inline: bool = False
+    """Loaded in ``start_load_kv``, before this step's forward (``load_mode``)."""
 
 
 @dataclass(slots=True)
@@ -193,72 +201,6 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-
-
-# --- scheduler-side state ----------------------------------------------------------------
-
-def engine_identity(vllm_config: VllmConfig, *,
-                    weights: WeightsIdentity | None = None) -> dict[str, str]:
-    """What decides this engine's KV bytes beyond the cache layout, by name: the weights
-    (``kvstore.integrations.identity``: the checkpoint's fingerprint, or ``weights_id``),
-    the model and KV-cache dtypes, quantization, how KV scales are found, config
-    overrides and the parallel shape. Equal for two engines that would compute the same
-    bytes for the same tokens (LoRA, cache salt and media are in each request's keys)."""
-    model, cache, parallel = (vllm_config.model_config, vllm_config.cache_config,
-                              vllm_config.parallel_config)
-    if weights is None:
-        weights = weights_identity(model.model, revision=model.revision,
-                                   cache_dirs=[vllm_config.load_config.download_dir or ""])
-    overrides = model.hf_overrides
-    if callable(overrides):  # a function's effect cannot be named: this process only
-        overrides = f"callable:{process_value()}"
-    scales = ("calculated:" + process_value()  # from the first batch: this engine's own
-              if getattr(cache, "calculate_kv_scales", False) else "checkpoint")
-    return {
-        "weights": str(weights),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "quant": str(model.quantization or "none"),
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "kv_skip": ",".join(sorted(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])),
-        "kv_scales": scales,
-        "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
-        "tp": str(parallel.tensor_parallel_size),
-        "pp": str(parallel.pipeline_parallel_size),
-    }
-
-
-def default_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
-                      weights: WeightsIdentity | None = None) -> str:
-    """Model, weights, dtypes, quantization, shape, block size, layout and platform:
-    engines that could not read each other's blocks never share a key."""
-    from vllm.platforms import current_platform
-
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    model = vllm_config.model_config
-    parts = [
-        NAMESPACE_VERSION,
-        f"model={model.model}",
-        f"revision={model.revision or ''}",
-        f"kv_dtype={spec.dtype}",
-        f"layers={len(group.layer_names)}",
-        f"kv_heads={getattr(spec, 'num_kv_heads', '?')}",
-        f"head_size={getattr(spec, 'head_size', '?')}",
-        f"block={spec.block_size}",
-        f"layout={kv_cache_config.kv_cache_layout or ''}",
-        f"device={current_platform.device_type}",
-    ]
-    if groups := plan_from_config(kv_cache_config).namespace_part():  # hybrid models only
-        parts.append(groups)
-    parts += [f"{k}={v}" for k, v in engine_identity(vllm_config, weights=weights).items()]
-    return "/".join(parts)
-
-
-def header_identity(identity: dict[str, str], *, shard: str) -> int:
-    """The 64-bit identity a worker writes in every value header and requires on load
-    (``kvstore.integrations.vllm.blocks``); never 0, the mark of values written before."""
-    text = "\x00".join(f"{k}={identity[k]}" for k in sorted(identity)) + f"\x00shard={shard}"
-    return xxhash.xxh3_64_intdigest(text.encode()) or 1
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -292,6 +234,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
         self._gil_switch_s = float(cfg.get_from_extra_config("gil_switch_interval_ms",
                                                              GIL_SWITCH_MS)) / 1000
+        # A hybrid model's load errors can only be reported per request, which vLLM takes
+        # from asynchronous loads alone.
+        inline = cfg.get_from_extra_config("load_inline_when_idle", True)
+        if not isinstance(inline, bool):  # a string "false" would read as true
+            raise ValueError("kv_connector_extra_config load_inline_when_idle must be true "
+                             f"or false, got {inline!r}")
+        self._inline_loads = inline and not self._plan.hybrid
         logger.info("KVStoreConnector (%s): store %s, namespace %r, weights %s, load=%s "
                     "save=%s", role.name, self._addr, self._namespace, weights,
                     self._do_load, self._do_save)
@@ -302,7 +251,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                            for q in range(len(self._plan.groups))]
             """Each group's chain root (the parent of its first block's key)."""
             self._pending_loads: list[LoadSpec] = []
-            self.stats = {"store_lookups": 0, "lookups_reused": 0, "lookups_from_router": 0}
+            self._activity = EngineActivity()
+            self.stats = {"store_lookups": 0, "lookups_reused": 0, "lookups_from_router": 0,
+                          "loads_inline": 0, "loads_async": 0}
         else:
             self._layout: BlockLayout | None = None
             """The primary group's layout (all of a one-group model's layers)."""
@@ -315,6 +266,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Not pinned to the compute's cores, as threads the worker starts would be.
             self._loader = io_executor("kvstore-load")
             self._load_staging = Staging()  # the loader thread's alone
+            # Inline loads run on vLLM's thread, maybe beside an asynchronous one.
+            self._inline_client: Client | None = None
+            self._inline_staging = Staging()
             shorten_gil_switch(self._gil_switch_s)  # see threads.py
             self._saver = io_executor("kvstore-save")
             self._loads: dict[str, Future] = {}
@@ -441,7 +395,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         ext = loadable * self._block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, True
+        # An idle engine loads in the step; a busy one overlaps the load (``load_mode``).
+        # A load already planned this pass runs in this step too: this one would wait.
+        st.load_inline = (self._inline_loads and self._activity.idle()
+                          and not self._pending_loads)
+        return ext, not st.load_inline
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -459,12 +417,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if p == self._plan.primary:
                 st.loading = ids if want.start == first else []
             if keys:
-                self._pending_loads.append(LoadSpec(request.request_id, keys, ids, p))
+                self._pending_loads.append(LoadSpec(request.request_id, keys, ids, p,
+                                                    inline=st.load_inline))
         st.load_first_block = first
+        self.stats["loads_inline" if st.load_inline else "loads_async"] += 1
+        if not st.load_inline:
+            self._activity.load_started(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._activity.scheduled(r.req_id for r in scheduler_output.scheduled_new_reqs)
         if not self._do_save:
             return meta
         scheduled: list[tuple[str, int]] = [
@@ -518,6 +481,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     st.forget_lookup()  # a lookup vLLM makes again asks the store
                     break
         for req_id in connector_output.finished_recving or ():
+            self._activity.load_done(req_id)
             if (done := self._reqs.get(req_id)) is None:
                 continue
             if req_id in failed:
@@ -531,6 +495,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._activity.finished(request.request_id)
         # Saves were copied out of the paged cache in their step: free the blocks now.
         # A router that asks (``kvstore_describe``) learns the namespace and block size.
         return False, describe_reply(getattr(request, "kv_transfer_params", None),
@@ -567,28 +532,37 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for spec in meta.loads:
             by_request.setdefault(spec.req_id, []).append(spec)
         for req_id, specs in by_request.items():
-            self._loads[req_id] = self._loader.submit(self._load_request, specs)
+            if specs[0].inline:  # before this step's forward, which reads the blocks
+                if self._inline_client is None:
+                    self._inline_client = self._new_client()
+                self._load_errors.update(self._load_request(
+                    specs, self._inline_client, self._inline_staging))
+            else:
+                self._loads[req_id] = self._loader.submit(
+                    self._load_request, specs, self._load_client, self._load_staging)
 
-    def _load_request(self, specs: list[LoadSpec]) -> list[int]:
-        """Loads one request's blocks, group by group; returns the refused block ids (a
+    def _load_request(self, specs: list[LoadSpec], client: Client, staging: Staging
+                      ) -> list[int]:
+        """Loads one request's blocks, group by group, through ``client`` and ``staging``
+        (the loader thread's, or the inline loads'); returns the refused block ids (a
         hybrid model: a refusal in any group is reported as the request's failure)."""
         refused: list[int] = []
         for spec in specs:
-            bad = self._load(spec)
+            bad = self._load(spec, client, staging)
             if bad and self._plan.hybrid:
                 self._failed_loads.add(spec.req_id)
             refused += bad
         return [] if self._plan.hybrid else refused
 
-    def _load(self, spec: LoadSpec) -> list[int]:
+    def _load(self, spec: LoadSpec, client: Client, staging: Staging) -> list[int]:
         """Fetches, checks and writes one group's blocks (``loads.load_blocks``); returns
         the block ids vLLM must recompute. Refused values are removed from the store, so
         the recomputed blocks are saved in their place."""
         groups = self._groups
         assert groups is not None
-        out = load_blocks(self._load_client, groups.layouts[spec.group],
+        out = load_blocks(client, groups.layouts[spec.group],
                           self._shards.own_keys(spec.keys), spec.block_ids,
-                          partial(groups.scatter, spec.group), self._load_staging)
+                          partial(groups.scatter, spec.group), staging)
         if out.error is not None:
             logger.warning("kvstore load of %d blocks failed (recomputing them): %s",
                            len(spec.block_ids), out.error)
@@ -599,14 +573,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvstore block %s refused (%s); removing it from the store",
                            key.hex(), why)
             try:
-                self._load_client.remove(key)
+                client.remove(key)
             except Exception as exc:
                 logger.warning("could not remove refused block %s: %s", key.hex(), exc)
         return list(spec.block_ids[out.loaded:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: a request runs only after get_finished reported its
-        # blocks written, so no layer of a running request waits here.
+        # An asynchronous load's request runs only after get_finished reported its blocks
+        # written; an inline one was written whole in start_load_kv, before the forward.
         return
 
     def get_finished(self, finished_req_ids: set[str]
@@ -713,3 +687,5 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("KVStoreConnector worker stats: %s", self.stats)
         self._load_client.close()
         self._save_client.close()
+        if self._inline_client is not None:
+            self._inline_client.close()

@@ -10,7 +10,7 @@ its own shard as its own object, under the block's key derived with the shard's 
 
 so the key names the rank and the world size: an engine of another parallel shape
 computes other keys and never reads these shards as its own (and the value header's
-engine identity names the shard too, ``connector.header_identity``). An engine with one
+engine identity names the shard too, ``engine_identity.header_identity``). An engine with one
 rank (``T = P = 1``) stores under the block key itself, as before this module: its
 values, and the routers that look them up, are unchanged.
 

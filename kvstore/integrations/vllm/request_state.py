@@ -41,6 +41,8 @@ class RequestState:
     loading: list[int] = field(default_factory=list)
     """Destination block ids of the load in flight, in block order."""
     load_first_block: int = 0
+    load_inline: bool = False
+    """Its load (if any) runs in the step, not on the loader thread (``load_mode``)."""
     retain_s: float = 0.0
     """The request's ``kvstore_retain_s`` (its saves carry it)."""
     retain_from_start: bool = False
