@@ -345,6 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
              f"{', '.join(tiers)}, policy {cfg.policy})", fmt=fmt)
     if role is not None:
         announce(f"kvstore: joined cluster {cfg.etcd} as {role.member.node_id}", fmt=fmt)
+        role.watch_view(lambda n: announce(f"kvstore: cluster view: {n} members", fmt=fmt))
 
         def drain_and_stop() -> dict[str, float]:
             server.health.enter_graceful_shutdown()  # readiness drops as the node leaves

@@ -8,7 +8,8 @@ afterwards, so requests already routed here still finish.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.auth.security import ClientTls
@@ -61,6 +62,7 @@ class ClusterRole:
         node.add_stat_source(self.stats)
         self._joined = False
         self._unsubscribe_peers: Callable[[], None] | None = None
+        self._unsubscribe_view: Callable[[], None] | None = None
 
     def join(self) -> None:
         try:
@@ -80,13 +82,29 @@ class ClusterRole:
         log.info("joined the cluster at %s as %s (zone %r, weight %.3g)", self.settings.etcd,
                  self.member.node_id, self.member.zone, self.member.weight)
 
+    def watch_view(self, show: Callable[[int], None]) -> None:
+        """Calls ``show(members)`` with this node's view now and after every change of it,
+        one call at a time, in order: the last call tells the current view. Subscribed
+        after ``join``, so the forwarder already forwards by a view when it is shown
+        (callbacks run in subscription order). ``leave`` stops it."""
+        lock = threading.Lock()
+
+        def changed(view: Sequence[Member]) -> None:
+            with lock:
+                show(len(view))
+
+        with lock:
+            self._unsubscribe_view = self.membership.subscribe(changed)
+            show(len(self.membership.members()))
+
     def leave(self) -> None:
         if not self._joined:
             return
         self._joined = False
-        unsubscribe, self._unsubscribe_peers = self._unsubscribe_peers, None
-        if unsubscribe is not None:
-            unsubscribe()
+        for unsubscribe in (self._unsubscribe_peers, self._unsubscribe_view):
+            if unsubscribe is not None:
+                unsubscribe()
+        self._unsubscribe_peers = self._unsubscribe_view = None
         if self.forwarder is not None:
             self.forwarder.detach()
         try:

@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.client import Client
 from replication.membership.etcd_server import EtcdServer
 
 MANIFEST = "cluster.json"
 _SERVING = re.compile(r"kvstore: serving on (\S+) ")
 _JOINED = "kvstore: joined cluster"
+_VIEW = re.compile(r"kvstore: cluster view: (\d+) members")
 
 
 class ClusterError(RuntimeError):
@@ -123,7 +123,8 @@ class LocalCluster:
             time.sleep(0.05)
 
     def _wait_converged(self, timeout: float) -> None:
-        """Returns once every node's own membership view holds every node.
+        """Returns once every node's own membership view holds every node (the last
+        ``kvstore: cluster view`` line each node printed).
 
         A node that joined first learns of the later ones through its etcd watch, some
         milliseconds after they register: a replicated put it masters before then sees
@@ -131,15 +132,18 @@ class LocalCluster:
         want = len(self.nodes)
         deadline = time.monotonic() + timeout
         for rec in self.nodes:
-            with Client(rec.addr, transport="grpc") as c:
-                while True:
-                    seen = int(c.stats()["node"].get("cluster_members", 0))
-                    if seen >= want:
-                        break
-                    if time.monotonic() > deadline:
-                        raise ClusterError(f"{rec.id} sees {seen} of {want} nodes "
-                                           f"after {timeout}s")
-                    time.sleep(0.05)
+            log = self.dir / f"{rec.id}.log"
+            while True:
+                views = _VIEW.findall(log.read_text(errors="replace"))
+                seen = int(views[-1]) if views else 0
+                if seen >= want:
+                    break
+                if not _alive(rec.pid, self._procs):
+                    raise ClusterError(f"{rec.id} exited while joining")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{rec.id} sees {seen} of {want} nodes after "
+                                       f"{timeout}s")
+                time.sleep(0.05)
 
     # ---- the manifest --------------------------------------------------------------------
 
