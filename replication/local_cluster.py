@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from replication.membership.etcd_server import EtcdServer
 
@@ -33,6 +34,7 @@ MANIFEST = "cluster.json"
 _SERVING = re.compile(r"kvstore: serving on (\S+) ")
 _JOINED = "kvstore: joined cluster"
 _VIEW = re.compile(r"kvstore: cluster view: (\d+) members")
+T = TypeVar("T")
 
 
 class ClusterError(RuntimeError):
@@ -106,21 +108,29 @@ class LocalCluster:
             self._wait_joined(rec, timeout)
         return rec
 
-    def _wait_joined(self, rec: NodeRecord, timeout: float) -> None:
+    def _wait_log(self, rec: NodeRecord, deadline: float, found: Callable[[str], T | None],
+                  what: str) -> T:
+        """Polls ``rec``'s log until ``found(text)`` is not None and returns it; a node
+        that exits or is past ``deadline`` raises, its log's end attached."""
         log = self.dir / f"{rec.id}.log"
-        deadline = time.monotonic() + timeout
         while True:
             text = log.read_text(errors="replace") if log.exists() else ""
-            m = _SERVING.search(text)
-            if m and _JOINED in text:
-                rec.addr = m.group(1)
-                self.save()
-                return
+            if (result := found(text)) is not None:
+                return result
             if not _alive(rec.pid, self._procs):
-                raise ClusterError(f"{rec.id} exited during start:\n{text[-2000:]}")
+                raise ClusterError(f"{rec.id} exited before it {what}:\n{text[-2000:]}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"{rec.id} did not join within {timeout}s:\n{text[-2000:]}")
+                raise ClusterError(f"{rec.id} had not {what} by the deadline:\n"
+                                   f"{text[-2000:]}")
             time.sleep(0.05)
+
+    def _wait_joined(self, rec: NodeRecord, timeout: float) -> None:
+        def addr(text: str) -> str | None:
+            m = _SERVING.search(text)
+            return m.group(1) if m and _JOINED in text else None
+
+        rec.addr = self._wait_log(rec, time.monotonic() + timeout, addr, "joined")
+        self.save()
 
     def _wait_converged(self, timeout: float) -> None:
         """Returns once every node's own membership view holds every node (the last
@@ -130,20 +140,14 @@ class LocalCluster:
         milliseconds after they register: a replicated put it masters before then sees
         too few nodes for its write quorum and fails."""
         want = len(self.nodes)
+
+        def all_seen(text: str) -> bool | None:
+            views = _VIEW.findall(text)
+            return True if views and int(views[-1]) >= want else None
+
         deadline = time.monotonic() + timeout
         for rec in self.nodes:
-            log = self.dir / f"{rec.id}.log"
-            while True:
-                views = _VIEW.findall(log.read_text(errors="replace"))
-                seen = int(views[-1]) if views else 0
-                if seen >= want:
-                    break
-                if not _alive(rec.pid, self._procs):
-                    raise ClusterError(f"{rec.id} exited while joining")
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"{rec.id} sees {seen} of {want} nodes after "
-                                       f"{timeout}s")
-                time.sleep(0.05)
+            self._wait_log(rec, deadline, all_seen, f"seen all {want} nodes")
 
     # ---- the manifest --------------------------------------------------------------------
 

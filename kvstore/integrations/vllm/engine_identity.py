@@ -2,7 +2,8 @@
 scales, overrides, parallel shape), the default namespace built from it with the cache
 layout, and the 64-bit identity every value header carries.
 
-Split out of ``connector`` (which re-exports these names, the paths configs and tests use).
+Split out of ``connector``, which imports the three functions (so
+``connector.engine_identity`` and the others still name them).
 """
 
 from __future__ import annotations
