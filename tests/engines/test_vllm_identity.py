@@ -188,3 +188,11 @@ def test_lora_salt_and_media_stay_in_each_requests_keys() -> None:
               request_extra(req(mm_features=[SimpleNamespace(identifier="mmhash-2")]))]
     assert len(set(extras)) == len(extras)
     assert extras[0] == b""  # plain text: the namespace alone
+
+
+def test_the_identity_functions_keep_their_connector_path() -> None:
+    """They moved to ``engine_identity``; ``connector`` still names the same functions."""
+    from kvstore.integrations.vllm import connector, engine_identity
+
+    for name in ("engine_identity", "default_namespace", "header_identity"):
+        assert getattr(connector, name) is getattr(engine_identity, name)
