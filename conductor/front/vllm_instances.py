@@ -205,6 +205,7 @@ class PendingPrefill:
             return
         self.released = True
         self.instance.pending_prefill_tokens -= self.tokens
+        self.instance.pending_prefills -= 1
         if seconds is not None and self.cached <= self.tokens:
             self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
                                                       seconds=seconds)
@@ -245,6 +246,10 @@ class VllmInstance:
         self.pending_prefill_tokens = 0
         """Prompt tokens of prefills the front has sent here and not seen a first token of
         (``PendingPrefill``)."""
+        self.pending_prefills = 0
+        """How many prefills ``pending_prefill_tokens`` counts."""
+        self._ours_at_reading = 0
+        """``pending_prefills`` when ``load`` was read (the fewer of before and after)."""
 
     async def _get(self, path: str, timeout: float) -> httpx.Response:
         try:
@@ -322,7 +327,9 @@ class VllmInstance:
         return [int(t) for t in tokens] if isinstance(tokens, list) else None
 
     async def read_load(self, timeout: float = 5.0) -> InstanceLoad:
+        ours = self.pending_prefills
         m = parse_metrics((await self._get("/metrics", timeout)).text)
+        self._ours_at_reading = min(ours, self.pending_prefills)
         self.load = InstanceLoad(
             running=int(metric_sum(m, "vllm:num_requests_running")),
             waiting=int(metric_sum(m, "vllm:num_requests_waiting")),
@@ -337,19 +344,27 @@ class VllmInstance:
         pending = PendingPrefill(instance=self, tokens=max(0, tokens),
                                  ahead=self.pending_prefill_tokens, cached=max(0, cached))
         self.pending_prefill_tokens += pending.tokens
+        self.pending_prefills += 1
         self.in_flight += 1
         return pending
 
+    def cost(self) -> PolyCostModel:
+        """The calibrated speed (``Calibration.cost``)."""
+        return self.calibration.cost()
+
     def queue_s(self, *, mean_prompt_tokens: float) -> float:
         """Seconds of prefill work ahead of a new request: the prefills the front has sent
-        here and not seen a first token of, or the engine's waiting requests in the last
-        ``/metrics`` reading at the mean prompt length (other clients' work), whichever
-        is larger (the reading lags by up to one poll). Requests past their first token
+        here and not seen a first token of, plus other clients' work: the engine's waiting
+        requests in the last ``/metrics`` reading beyond the front's own prefills pending
+        at that reading, each at the mean prompt length. (The front's own are counted by
+        what they compute: a waiting hit that loads its prefix is not a whole prompt of
+        work, and the reading lags by up to one poll.) Requests past their first token
         (decoding) are not prefill work ahead."""
         cost = self.calibration.cost()
         waiting = self.load.waiting if self.load else 0
-        engine = waiting * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0)
-        return max(engine, cost.prefill_s(self.pending_prefill_tokens, 0))
+        others = max(0, waiting - self._ours_at_reading)
+        return (cost.prefill_s(self.pending_prefill_tokens, 0)
+                + others * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0))
 
     def completions_url(self) -> str:
         return self.url + "/v1/completions"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -94,15 +96,32 @@ def test_a_prefill_behind_others_is_observed_with_their_tokens() -> None:
 
 
 def test_decoding_requests_and_the_engine_queue() -> None:
-    """Requests past their first token are not prefill work ahead; the engine's own waiting
-    requests (other clients') count at the mean prompt when they are more."""
+    """Requests past their first token are not prefill work ahead; the engine's waiting
+    requests that are not the front's (other clients') count at the mean prompt, on top of
+    the front's own."""
     inst = instance()
     inst.in_flight = 5  # all decoding
     assert inst.queue_s(mean_prompt_tokens=400) == 0.0
     inst.load = InstanceLoad(running=5, waiting=2, kv_usage=0.1, external_hits=0)
     assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(0.8)
     inst.start_prefill(1000)
-    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(1.0)
+    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(1.8)
+
+
+def test_the_front_s_own_waiting_requests_count_by_what_they_compute() -> None:
+    """Two of the three waiting requests of the reading are the front's own hits computing
+    24 tokens each: they count as 48 tokens, not as two mean prompts, before and after
+    they start."""
+    metrics = TEXT  # 3 waiting
+    inst = VllmInstance("127.0.0.1:1", role="colocated", http=httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda _: httpx.Response(200, text=metrics))))
+    inst.calibration.prefill_s_per_token.add(0.001)
+    a, b = inst.start_prefill(24, cached=1200), inst.start_prefill(24, cached=1200)
+    asyncio.run(inst.read_load())
+    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(0.048 + 0.4)
+    a.release(seconds=0.05)
+    b.release(seconds=0.05)  # the reading still shows them waiting: it lags
+    assert inst.queue_s(mean_prompt_tokens=400) == pytest.approx(0.4)
 
 
 def test_a_prefill_mostly_from_cache_is_not_learnt_as_compute() -> None:
