@@ -172,12 +172,13 @@ def instance_counters(instances: list[Proc], names: tuple[str, ...]) -> list[dic
 
 def conductor_figures(conductor: Proc) -> dict[str, Any]:
     """What the Conductor saw: mean durability wait, prefix tokens found on arrival,
-    requests per instance."""
+    requests per instance, requests held for another instance's save by outcome."""
     m = parse_metrics(httpx.get(conductor.url + "/metrics", timeout=30).text)
     chosen = {f"{lb.get('role', '')} {lb.get('instance', '')}": v
               for lb, v in m.get("conductor_instance_chosen_total", ())}
     n = metric_sum(m, "conductor_durability_wait_seconds_count")
+    save_waits = {lb.get("outcome", ""): v for lb, v in m.get("conductor_save_waits_total", ())}
     return {"durability_wait_mean_s": metric_sum(
                 m, "conductor_durability_wait_seconds_sum") / n if n else None,
             "prefix_tokens_found": metric_sum(m, "conductor_prefix_tokens_found_total"),
-            "chosen": chosen}
+            "chosen": chosen, "save_waits": save_waits}

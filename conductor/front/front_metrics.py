@@ -15,6 +15,9 @@ Names (all prefixed ``conductor_``):
 * ``durability_wait_seconds``: from the prefill's answer until every prompt block was
   in the store (disaggregated mode), and ``durability_waits_total{via}``: those waits by
   how the front learnt of the saves, ``events`` (the nodes' KV events) or ``polling``;
+* ``save_waits_total{outcome}``: colocated requests held until a prefix another instance
+  was computing reached the store (``conductor.front.colocated_routing``): ``loaded`` (it
+  did, and the request loaded it) or ``timed_out`` (it went on and computed the rest);
 * ``session_requests_total{outcome}``: requests naming a session (``X-Session-Affinity``)
   by where they went: ``new`` (no instance known for it), ``kept`` (its previous
   request's instance) or ``moved`` (elsewhere: that instance would have missed the SLO).
@@ -66,6 +69,9 @@ class FrontMetrics:
                                         "durability waits by how saves were learnt of",
                                         ["via"], registry=r)
 
+        self.save_waits = Counter("conductor_save_waits",
+                                  "requests held for another instance's save, by outcome",
+                                  ["outcome"], registry=r)
         self.sessions = Counter("conductor_session_requests",
                                 "requests naming a session, by where they went",
                                 ["outcome"], registry=r)

@@ -37,10 +37,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.front.openai_api import InstanceAnswer, error_body, post_json
+from conductor.front.replies import JsonReply, Reply
 from conductor.front.session_cache import SESSION_FIELD, SESSION_HEADER, session_of_request
 from conductor.front.sse_reply import StreamedReply
 from conductor.front.text_prompts import TextCodec
-from conductor.front.vllm_front import JsonReply, Reply, VllmFront
+from conductor.front.vllm_front import VllmFront
 from conductor.front.vllm_instances import UpstreamError
 
 LOAD_POLL_S = 0.5

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 from fastapi.responses import StreamingResponse
 
-from conductor.front.vllm_front import StreamReply
+from conductor.front.replies import StreamReply
 
 
 class StreamedReply(StreamingResponse):

@@ -29,8 +29,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.front.openai_api import error_body
+from conductor.front.replies import JsonReply, Reply, StreamReply
 from conductor.front.sse_reply import StreamedReply
-from conductor.front.vllm_front import JsonReply, Reply, StreamReply, VllmFront
+from conductor.front.vllm_front import VllmFront
 
 
 class TextError(ValueError):

@@ -25,12 +25,14 @@ Disaggregated (``--vllm-prefill`` / ``--vllm-decode``), per request:
 
 A prompt shorter than one block has nothing to hand over: it goes straight to decode.
 
-Colocated (``--vllm``): the instance with the lowest estimated TTFT = queue + prefill
-of the tokens neither its own prefix cache (what the front sent there) nor the store
-holds (the session's instance when it meets the SLO); the request goes there with the
-store's answer in ``kv_transfer_params`` (``kvstore_stored_blocks``: the instance's
-connector takes it instead of a lookup of its own). The prefill instance of a
-disaggregated pair gets the same.
+Colocated (``--vllm``): the instance with the lowest estimated TTFT
+(``conductor.front.colocated_routing``: queue + prefill of the tokens neither its own
+prefix cache nor the store holds, or, when another instance is computing a longer prefix
+of the prompt, the wait for that prefix's save; the session's instance when it meets the
+SLO); the request goes there with the store's answer in ``kv_transfer_params``
+(``kvstore_stored_blocks``: the instance's connector takes it instead of a lookup of its
+own), after the save it waits for if any. The prefill instance of a disaggregated pair
+gets the same.
 
 An instance's own refusal of a request (its 4xx) reaches the client verbatim.
 
@@ -51,6 +53,13 @@ from typing import Any
 import anyio
 import httpx
 
+from conductor.front.colocated_routing import (
+    ColocatedChoice,
+    ColocatedRouter,
+    ComputingPrefixes,
+)
+from conductor.front.disaggregated_plan import KnownPool
+from conductor.front.disaggregated_plan import VllmConductor as VllmConductor  # re-exported
 from conductor.front.front_metrics import FrontMetrics, reason_label
 from conductor.front.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -68,22 +77,23 @@ from conductor.front.openai_api import (
     with_retention,
     with_stored,
 )
+from conductor.front.replies import JsonReply as JsonReply  # re-exported
+from conductor.front.replies import Reply as Reply  # re-exported
+from conductor.front.replies import StreamReply as StreamReply  # re-exported
 from conductor.front.session_cache import SessionCache
 from conductor.front.sessions import PreferSession as PreferSession  # re-exported
 from conductor.front.sessions import SessionAffinity
 from conductor.front.store_view import NotDurable, StoreView
 from conductor.front.vllm_instances import (
     Calibration,
-    PendingPrefill,
     UpstreamError,
     VllmInstance,
 )
 from conductor.front.vllm_startup import learn
 from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.policies import make_policy
-from conductor.scheduling.scheduler import Conductor
 from conductor.scheduling.state import DecodeInstance, LocalPrefixCache, PrefillInstance
-from conductor.scheduling.types import InstanceId, PrefillPlan, Request, RequestId, Slo
+from conductor.scheduling.types import InstanceId, Request, RequestId, Slo
 from kvstore.core.keys import BlockKey, block_keys
 from kvstore.integrations.vllm.ranks import shard_chains
 
@@ -121,53 +131,6 @@ class FrontConfig:
     last turn (``conductor.front.session_cache``); 0: sessions keep no cache."""
 
 
-@dataclass(slots=True, kw_only=True)
-class JsonReply:
-    status: int
-    body: dict[str, Any]
-
-
-@dataclass(slots=True, kw_only=True)
-class StreamReply:
-    """``chunks`` yields the answer; ``close`` ends the request's bookkeeping and its
-    upstream response, once, whether ``chunks`` ran to the end, was interrupted, or never
-    started (a client gone before the first byte): the HTTP layer always awaits it."""
-
-    chunks: AsyncIterator[bytes]
-    close: Callable[[], Awaitable[None]]
-
-
-Reply = JsonReply | StreamReply
-
-
-class _KnownPool:
-    """The scheduler's global cache: the store's answer, asked once per request before
-    scheduling (the scheduler itself is synchronous)."""
-
-    def __init__(self) -> None:
-        self.keys: tuple[bytes, ...] = ()
-        self.blocks = 0
-
-    def prefix_len(self, keys: Sequence[Any]) -> int:
-        return self.blocks if tuple(keys) == self.keys else 0
-
-
-class VllmConductor(Conductor):
-    """Algorithm 1 with each prefill instance's own calibrated cost model."""
-
-    def __init__(self, *, costs: dict[InstanceId, PolyCostModel], **kw: Any) -> None:
-        super().__init__(**kw)
-        self.costs = costs
-
-    def plan(self, inst: PrefillInstance, req: Request, queue_s: float, local_blocks: int,
-             fetch_blocks: int) -> PrefillPlan:
-        bt = req.block_tokens
-        cost = self.costs.get(inst.id, self.cost)
-        cached = min((local_blocks + fetch_blocks) * bt, req.prompt_tokens - 1)
-        return PrefillPlan(instance=inst.id, local_blocks=local_blocks,
-                           fetch_blocks=fetch_blocks, cached_tokens=cached, queue_s=queue_s,
-                           transfer_s=0.0,  # store loads are inside the observed prefill
-                           prefill_s=cost.prefill_s(req.prompt_tokens - cached, cached))
 
 
 class VllmFront:
@@ -217,12 +180,16 @@ class VllmFront:
         self._prefer: PreferSession | None = None
         self._next_tokenizer = itertools.count()
         self._ids = itertools.count(1)
-        self._pool = _KnownPool()
+        self._pool = KnownPool()
         self._conductor: VllmConductor | None = None
         self._local: dict[InstanceId, LocalPrefixCache] = {
             iid: LocalPrefixCache(LOCAL_CACHE_BLOCKS) for iid in self.colocated}
         """Colocated mode: the blocks the front sent to each instance (resized at start to
         the instance's KV capacity)."""
+        self._computing = ComputingPrefixes()
+        self._router = ColocatedRouter(instances=self.colocated, local=self._local,
+                                       computing=self._computing,
+                                       block_tokens=config.block_tokens)
         self._prompt_tokens_seen = 0
         self._requests_seen = 0
 
@@ -559,57 +526,81 @@ class VllmFront:
                                                 job.session)
         now = time.monotonic()
         prefer = self.sessions.instance(session, now) if session is not None else None
-        est, iid = self.choose_colocated(keys, stored, len(tokens), prefer=prefer)
-        if self.config.rejection != "none" and est > self.config.slo.ttft_s:
-            return self._reject(route, f"TTFT {est:.2f} s > SLO {self.config.slo.ttft_s:.2f} s")
+        choice = self.choose_colocated(keys, stored, len(tokens), prefer=prefer, now=now)
+        if self.config.rejection != "none" and choice.est_s > self.config.slo.ttft_s:
+            return self._reject(
+                route, f"TTFT {choice.est_s:.2f} s > SLO {self.config.slo.ttft_s:.2f} s")
+        iid = choice.instance
         inst = self.colocated[iid]
         if session is not None:
             self._follow_session(session, prefer, iid, now)
-        cached = self._cached_tokens(iid, keys, stored, len(tokens))
         self._local[iid].use(keys)
         self.metrics.chosen.labels("colocated", inst.id).inc()
-        job.body = with_stored(job.body, stored)  # the instance need not ask the store
+        ready = None
+        if choice.await_blocks:
+            ready = self._await_saved(job, choice.await_blocks, choice.est_s)
+        else:
+            job.body = with_stored(job.body, stored)  # the instance need not ask the store
+        computes = len(keys) * self.block_tokens > choice.cached_tokens
         return await self._forward(inst, job, lambda: None,
-                                   prefill_tokens=len(tokens) - cached, cached_tokens=cached)
+                                   prefill_tokens=len(tokens) - choice.cached_tokens,
+                                   cached_tokens=choice.cached_tokens, ready=ready,
+                                   computing_until=now + choice.est_s if computes else None)
 
-    def _cached_tokens(self, iid: InstanceId, keys: Sequence[bytes], stored: int,
-                       prompt_tokens: int) -> int:
-        """Prompt tokens instance ``iid`` need not compute: the longer of its own prefix
-        cache (what the front sent there) and the store's ``stored`` leading blocks, leaving
-        at least the last token to compute."""
-        local = self._local[iid].prefix_len(keys)
-        return min(max(local, stored) * self.block_tokens, prompt_tokens - 1)
+    async def _await_saved(self, job: _Job, blocks: int, est_s: float) -> None:
+        """Holds ``job`` until its first ``blocks`` blocks, which another instance is
+        computing, are durable in the store (``colocated_routing``); then the instance
+        is told they are stored. Past twice the estimate (at least a second) it goes on
+        with what the store held on arrival: the request computes the rest itself."""
+        try:
+            await self.store.wait_durable(self.stored_keys(job.keys[:blocks]),
+                                          timeout_s=max(1.0, 2 * est_s),
+                                          namespace=self.namespace)
+        except NotDurable:
+            self.metrics.save_waits.labels("timed_out").inc()
+            job.body = with_stored(job.body, job.stored)
+            return
+        self.metrics.save_waits.labels("loaded").inc()
+        job.body = with_stored(job.body, blocks)
 
     def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
-                         prefer: InstanceId | None = None) -> tuple[float, InstanceId]:
-        """The colocated instance with the lowest estimated TTFT and that estimate: its
-        queue plus the prefill of what neither its own prefix cache (what the front sent
-        there) nor the store (``stored`` leading blocks) holds. Ties go to the first;
-        ``prefer`` (a session's instance) wins when its estimate meets the TTFT SLO."""
-        best: tuple[float, InstanceId] | None = None
-        for iid, inst in self.colocated.items():
-            cached = self._cached_tokens(iid, keys, stored, prompt_tokens)
-            est = (inst.queue_s(mean_prompt_tokens=self._mean_prompt())
-                   + inst.calibration.cost().prefill_s(prompt_tokens - cached, cached))
-            if iid == prefer and est <= self.config.slo.ttft_s:
-                return est, iid
-            if best is None or est < best[0]:
-                best = (est, iid)
-        assert best is not None
-        return best
+                         prefer: InstanceId | None = None, now: float | None = None
+                         ) -> ColocatedChoice:
+        """Where a colocated request runs (``conductor.front.colocated_routing``): the
+        lowest estimated TTFT; ``prefer`` (a session's instance) when it meets the SLO."""
+        return self._router.choose(
+            keys, stored, prompt_tokens, mean_prompt_tokens=self._mean_prompt(),
+            now=time.monotonic() if now is None else now, prefer=prefer,
+            prefer_within_s=self.config.slo.ttft_s)
 
     async def _forward(self, inst: VllmInstance, job: _Job, request_done: Callable[[], None],
-                       prefill_tokens: int = 0, cached_tokens: int = 0) -> Reply:
-        """Sends the client's request to ``inst``; calls ``request_done`` exactly once when
-        the request is over (answered, failed, or cancelled by the client), and then ends
-        its session's turn (``_turn_over``)."""
-        body, route, t0 = job.body, job.route, job.t0
+                       prefill_tokens: int = 0, cached_tokens: int = 0,
+                       ready: Awaitable[None] | None = None,
+                       computing_until: float | None = None) -> Reply:
+        """Sends the client's request to ``inst`` (once ``ready`` is done, counted in the
+        instance's queue meanwhile); calls ``request_done`` exactly once when the request
+        is over (answered, failed, or cancelled by the client), and then ends its session's
+        turn (``_turn_over``). ``computing_until``: the request computes blocks of its
+        prompt, expected done then; other requests may wait for their save
+        (``ComputingPrefixes``) until it is over."""
+        computing = (self._computing.add(InstanceId(inst.id), job.keys, computing_until)
+                     if computing_until is not None else None)
 
         def done() -> None:
+            if computing is not None:
+                self._computing.discard(computing)
             request_done()
             self._turn_over(job)
 
         pending = inst.start_prefill(prefill_tokens, cached=cached_tokens)
+        if ready is not None:
+            try:
+                await ready
+            except BaseException:
+                pending.end()
+                done()
+                raise
+        body, route, t0 = job.body, job.route, job.t0
         if not body.get("stream"):
             ts = time.monotonic()
             try:
@@ -651,19 +642,24 @@ class VllmFront:
             with anyio.CancelScope(shield=True):
                 await stream.response.aclose()
 
-        return StreamReply(chunks=self._pass_through(stream, t0, state, close,
-                                                     pending), close=close)
+        def first_token(at: float) -> None:
+            pending.release(seconds=at - t0)
+            if computing is not None:
+                self._computing.started(computing, at)
+
+        return StreamReply(chunks=self._pass_through(stream, t0, state, close, first_token),
+                           close=close)
 
     async def _pass_through(self, stream: OpenStream, t0: float, state: _StreamState,
-                            close: Callable[[], Awaitable[None]], pending: PendingPrefill
-                            ) -> AsyncIterator[bytes]:
+                            close: Callable[[], Awaitable[None]],
+                            first_token: Callable[[float], None]) -> AsyncIterator[bytes]:
         inst = stream.inst
         try:
             async for chunk in stream.chunks():
                 if state.first is None:
                     state.first = time.monotonic()
                     self.metrics.ttft.observe(state.first - t0)
-                    pending.release(seconds=state.first - t0)
+                    first_token(state.first)
                 state.events += chunk.count(b"data: ")
                 yield chunk
             state.outcome = "ok"

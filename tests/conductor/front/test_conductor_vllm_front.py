@@ -37,7 +37,8 @@ def test_colocated_prefers_the_instance_holding_the_prefix() -> None:
     f = front(A, B)
     ks = keys(320)  # 10 blocks
     f._local[InstanceId(B)].use(ks[:8])
-    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    c = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    est, iid = c.est_s, c.instance
     assert iid == B
     # B computes 330 - 256 tokens at the default 1 ms/token
     assert est == pytest.approx(0.074)
@@ -47,7 +48,8 @@ def test_the_store_prefix_counts_for_every_instance_and_ties_go_first() -> None:
     f = front(A, B)
     ks = keys(320)
     f._local[InstanceId(B)].use(ks[:4])
-    est, iid = f.choose_colocated(ks, stored=8, prompt_tokens=330)
+    c = f.choose_colocated(ks, stored=8, prompt_tokens=330)
+    est, iid = c.est_s, c.instance
     assert (iid, est) == (A, pytest.approx(0.074))
 
 
@@ -58,7 +60,8 @@ def test_the_queue_outweighs_a_cached_prefix() -> None:
     inst_b = f.colocated[InstanceId(B)]
     inst_b.load = InstanceLoad(running=4, waiting=3, kv_usage=0.5, external_hits=0)
     f._prompt_tokens_seen, f._requests_seen = 1000, 1  # mean prompt 1000 tokens
-    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    c = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    est, iid = c.est_s, c.instance
     # B: 3 waiting x 1000 tokens x 1 ms + 10 tokens = 3.01 s; A: 330 tokens = 0.33 s
     assert (iid, est) == (A, pytest.approx(0.33))
 
@@ -73,7 +76,8 @@ def test_colocated_instances_learn_one_speed() -> None:
     assert b.calibration.cost().prefill_s(100, 0) == pytest.approx(0.2)
     ks = keys(320)
     b.start_prefill(200)  # B is busy: A gets the next, at the speed both share
-    assert f.choose_colocated(ks, stored=0, prompt_tokens=330) == (pytest.approx(0.66), A)
+    c = f.choose_colocated(ks, stored=0, prompt_tokens=330)
+    assert (c.est_s, c.instance) == (pytest.approx(0.66), A)
 
 
 def test_the_disaggregated_scheduler_uses_each_instances_own_speed() -> None:
@@ -113,10 +117,12 @@ def test_a_session_keeps_its_colocated_instance_while_it_meets_the_slo() -> None
     f = front(A, B)  # TTFT SLO 5 s
     ks = keys(320)
     f._local[InstanceId(A)].use(ks)  # A holds the prefix: the better estimate
-    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    c = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    est, iid = c.est_s, c.instance
     assert (iid, est) == (B, pytest.approx(0.33))  # B's 330 tokens meet the SLO
     f.colocated[InstanceId(B)].calibration = calibrated(0.02)  # B: 6.6 s, over the SLO
-    est, iid = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    c = f.choose_colocated(ks, stored=0, prompt_tokens=330, prefer=InstanceId(B))
+    est, iid = c.est_s, c.instance
     assert iid == A
 
 
@@ -232,11 +238,14 @@ def test_a_stored_prefix_goes_around_an_instance_busy_with_a_cold_prefill() -> N
     f._local[InstanceId(A)].use(doc)
     a = f.colocated[InstanceId(A)]
     a.start_prefill(1200)  # the cold prefill A is busy with (1.2 s at 1 ms/token)
-    est, iid = f.choose_colocated(doc, stored=38, prompt_tokens=1240)
+    c = f.choose_colocated(doc, stored=38, prompt_tokens=1240)
+    est, iid = c.est_s, c.instance
     assert iid == B and est == pytest.approx(0.024)  # only the question's 24 tokens
     # Without the store, A's cached prefix is worth waiting for while its queue is
     # shorter than B's recompute: 1.2 s + 24 tokens against 1,240 tokens.
-    est, iid = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    est, iid = c.est_s, c.instance
     assert (iid, est) == (A, pytest.approx(1.224))
     a.start_prefill(100)  # now 1.3 s + 24 tokens
-    assert f.choose_colocated(doc, stored=0, prompt_tokens=1240) == (pytest.approx(1.24), B)
+    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    assert (c.est_s, c.instance) == (pytest.approx(1.24), B)
