@@ -15,7 +15,13 @@ from kvstore import Client, block_keys
 BLOCK = 32
 
 
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
+"""conftest's KV cache: K and V x 2 layers x 32 tokens x 2 heads x 32 floats."""
+
+
 def connector(make_connector: Any, store_node: Any, **extra: Any) -> Any:
+    """Busy engines load asynchronously unless ``load_inline_busy_max_bytes`` says."""
+    extra.setdefault("load_inline_busy_max_bytes", 0)
     conn = make_connector("SCHEDULER", store_node.addr, namespace=f"mode-{time.time_ns()}",
                           **extra)
     conn.bind_kv_cache_manager(FakeManager())
@@ -107,6 +113,44 @@ def test_inline_loads_can_be_turned_off(make_connector: Any, store_node: Any, cl
                                         ) -> None:
     conn = connector(make_connector, store_node, load_inline_when_idle=False)
     assert conn.get_num_new_matched_tokens(stored_request(conn, client, 11), 0) == (192, True)
+
+
+def test_a_busy_engine_loads_inline_what_fits_in_the_step_s_bound(
+        make_connector: Any, store_node: Any, client: Client) -> None:
+    """Each 192-token hit is 6 blocks; the bound holds 10: the first busy load is inline,
+    the second in the same pass would pass the bound and overlaps; the next pass starts
+    from nothing again."""
+    conn = connector(make_connector, store_node, load_inline_busy_max_bytes=10 * BLOCK_BYTES)
+    running, first, second, third = (stored_request(conn, client, s) for s in (21, 22, 23, 24))
+    conn.build_connector_meta(sched_output(new=[(running, [1])],
+                                           scheduled={running.request_id: 8}))
+    assert conn.get_num_new_matched_tokens(first, 0) == (192, False)
+    allocate(conn, first, 10)
+    assert conn.get_num_new_matched_tokens(second, 0) == (192, True)
+    allocate(conn, second, 20)
+    meta = conn.build_connector_meta(sched_output(new=[(first, list(range(10, 17)))],
+                                                  scheduled={first.request_id: 40}))
+    assert [(s.req_id, s.inline) for s in meta.loads] == [(first.request_id, True),
+                                                          (second.request_id, False)]
+    assert conn.get_num_new_matched_tokens(third, 0) == (192, False)
+
+
+def test_the_default_bound_is_16_mib(make_connector: Any, store_node: Any, client: Client
+                                     ) -> None:
+    conn = make_connector("SCHEDULER", store_node.addr, namespace=f"mode-{time.time_ns()}")
+    conn.bind_kv_cache_manager(FakeManager())
+    assert (conn._inline.busy_max_bytes, conn._block_bytes) == (16 << 20, BLOCK_BYTES)
+    running, hit = (stored_request(conn, client, s) for s in (25, 26))
+    conn.build_connector_meta(sched_output(new=[(running, [1])],
+                                           scheduled={running.request_id: 8}))
+    assert conn.get_num_new_matched_tokens(hit, 0) == (192, False)  # 192 KiB: inline
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "16", True, None])
+def test_the_bound_takes_a_non_negative_integer_only(make_connector: Any, store_node: Any,
+                                                     bad: Any) -> None:
+    with pytest.raises(ValueError, match="load_inline_busy_max_bytes must be an integer"):
+        connector(make_connector, store_node, load_inline_busy_max_bytes=bad)
 
 
 @pytest.mark.parametrize("bad", ["false", 0, None])

@@ -23,7 +23,9 @@ before a step waits, default 4), ``timeout`` (seconds per store call, default 30
 ``gil_switch_interval_ms`` (the worker process's GIL switch interval while it runs the
 connector's threads, default 0.5; 0 leaves Python's: ``threads.shorten_gil_switch``),
 ``load_inline_when_idle`` (default true: a load on an engine with nothing else to run is
-done in the step instead of on the loader thread; ``load_mode``).
+done in the step instead of on the loader thread; ``load_mode``),
+``load_inline_busy_max_bytes`` (default 16 MiB: with other requests running, loads inline
+in one step together up to this many bytes; 0: none).
 
 Design
 ------
@@ -131,8 +133,13 @@ from kvstore.integrations.vllm.engine_identity import (
     header_identity,
 )
 from kvstore.integrations.vllm.group_staging import GroupCaches, StepStaging
-from kvstore.integrations.vllm.groups import GroupPlan, null_block_id, plan_from_config
-from kvstore.integrations.vllm.load_mode import EngineActivity
+from kvstore.integrations.vllm.groups import (
+    GroupPlan,
+    null_block_id,
+    plan_from_config,
+    primary_block_bytes,
+)
+from kvstore.integrations.vllm.load_mode import EngineActivity, InlineLoads
 from kvstore.integrations.vllm.loads import Staging, load_blocks
 from kvstore.integrations.vllm.ranks import engine_shard_plan
 from kvstore.integrations.vllm.request_state import (
@@ -234,13 +241,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._max_pending_saves = int(cfg.get_from_extra_config("max_pending_saves", 4))
         self._gil_switch_s = float(cfg.get_from_extra_config("gil_switch_interval_ms",
                                                              GIL_SWITCH_MS)) / 1000
-        # A hybrid model's load errors can only be reported per request, which vLLM takes
-        # from asynchronous loads alone.
-        inline = cfg.get_from_extra_config("load_inline_when_idle", True)
-        if not isinstance(inline, bool):  # a string "false" would read as true
-            raise ValueError("kv_connector_extra_config load_inline_when_idle must be true "
-                             f"or false, got {inline!r}")
-        self._inline_loads = inline and not self._plan.hybrid
+        self._inline = InlineLoads.from_config(cfg.get_from_extra_config,
+                                               hybrid=self._plan.hybrid)
+        self._block_bytes = primary_block_bytes(kv_cache_config, self._plan)
         logger.info("KVStoreConnector (%s): store %s, namespace %r, weights %s, load=%s "
                     "save=%s", role.name, self._addr, self._namespace, weights,
                     self._do_load, self._do_save)
@@ -251,6 +254,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                            for q in range(len(self._plan.groups))]
             """Each group's chain root (the parent of its first block's key)."""
             self._pending_loads: list[LoadSpec] = []
+            self._inline_bytes = 0
+            """Bytes of the inline loads in ``_pending_loads`` (this scheduler pass)."""
             self._activity = EngineActivity()
             self.stats = {"store_lookups": 0, "lookups_reused": 0, "lookups_from_router": 0,
                           "loads_inline": 0, "loads_async": 0}
@@ -395,10 +400,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         ext = loadable * self._block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
-        # An idle engine loads in the step; a busy one overlaps the load (``load_mode``).
-        # A load already planned this pass runs in this step too: this one would wait.
-        st.load_inline = (self._inline_loads and self._activity.idle()
-                          and not self._pending_loads)
+        # An idle engine loads in the step; a busy one overlaps the load unless it is small
+        # (``load_mode``). A load already planned this pass runs in this step too.
+        load_bytes = ext // self._block_size * self._block_bytes
+        st.load_inline = self._inline.inline(self._activity, planned=len(self._pending_loads),
+                                             planned_inline_bytes=self._inline_bytes,
+                                             load_bytes=load_bytes)
         return ext, not st.load_inline
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -421,12 +428,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                                     inline=st.load_inline))
         st.load_first_block = first
         self.stats["loads_inline" if st.load_inline else "loads_async"] += 1
-        if not st.load_inline:
+        if st.load_inline:
+            self._inline_bytes += num_external_tokens // self._block_size * self._block_bytes
+        else:
             self._activity.load_started(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._inline_bytes = 0
         self._activity.scheduled(r.req_id for r in scheduler_output.scheduled_new_reqs)
         if not self._do_save:
             return meta

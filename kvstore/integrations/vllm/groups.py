@@ -228,3 +228,13 @@ def plan_from_config(kv_cache_config: Any) -> GroupPlan:
               if (g := _group_of(i, spec)) is not None]
     primary = next((p for p, g in enumerate(groups) if g.kind == "full"), 0)
     return GroupPlan(tuple(groups), primary)
+
+
+def primary_block_bytes(kv_cache_config: Any, plan: GroupPlan) -> int:
+    """Bytes of one block of the plan's primary group on this rank, all its layers (what a
+    load moves per block of a one-group model; 0 when nothing is stored)."""
+    if not plan.groups:
+        return 0
+    group = plan.groups[plan.primary]
+    spec = kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
+    return int(spec.page_size_bytes) * len(group.layer_names)
