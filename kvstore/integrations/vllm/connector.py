@@ -49,8 +49,9 @@ cache group; no LoRA, cache salt or media). A block's key is hashed once, chaine
 the previous one as the request's blocks fill. A load is
 asynchronous (it returns ``load_async=True``: vLLM allocates the blocks and parks the
 request in ``WAITING_FOR_REMOTE_KVS`` while other requests keep running) unless the
-engine has nothing else to run: then it is inline, done by the worker before the step's
-forward (``kvstore.integrations.vllm.load_mode``; ``load_inline_when_idle``).
+engine has nothing else to run, or the load is small (``load_inline_busy_max_bytes`` a
+step): then it is inline, done by the worker before the step's forward
+(``kvstore.integrations.vllm.load_mode``; ``load_inline_when_idle``).
 ``build_connector_meta`` hands the worker each new load (keys, destination block ids)
 and, for every scheduled request, the blocks that become full and computed in this step
 and that the store does not hold yet (keys, block ids, parent key).
