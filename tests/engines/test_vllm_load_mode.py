@@ -45,23 +45,28 @@ def allocate(conn: Any, req: Any, first_id: int) -> list[Any]:
     return conn._pending_loads
 
 
-def test_an_idle_engine_loads_inline_then_a_busy_one_asynchronously(
-        make_connector: Any, store_node: Any, client: Client) -> None:
-    conn = connector(make_connector, store_node)
-    first, second, third = (stored_request(conn, client, s) for s in (1, 2, 3))
-
-    # Nothing runs: the first request loads in the step (vLLM allocates its blocks
-    # before it looks the next waiting request up).
+def inline_then_async_in_one_pass(conn: Any, first: Any, second: Any) -> None:
+    """``first`` loads inline; ``second``, planned in the same scheduler pass, overlaps
+    (the step's bound would be passed); the pass's metadata carries both, in order."""
     assert conn.get_num_new_matched_tokens(first, 0) == (192, False)
-    loads = allocate(conn, first, 10)
-    assert [(s.req_id, s.inline) for s in loads] == [(first.request_id, True)]
-    # Same scheduler pass, its load already planned: the second would wait for it.
+    allocate(conn, first, 10)
     assert conn.get_num_new_matched_tokens(second, 0) == (192, True)
     allocate(conn, second, 20)
     meta = conn.build_connector_meta(sched_output(new=[(first, list(range(10, 17)))],
                                                   scheduled={first.request_id: 40}))
     assert [(s.req_id, s.inline) for s in meta.loads] == [(first.request_id, True),
                                                           (second.request_id, False)]
+
+
+def test_an_idle_engine_loads_inline_then_a_busy_one_asynchronously(
+        make_connector: Any, store_node: Any, client: Client) -> None:
+    conn = connector(make_connector, store_node)
+    first, second, third = (stored_request(conn, client, s) for s in (1, 2, 3))
+
+    # Nothing runs: the first request loads in the step (vLLM allocates its blocks
+    # before it looks the next waiting request up). Same scheduler pass, its load already
+    # planned: the second would wait for it.
+    inline_then_async_in_one_pass(conn, first, second)
     assert (conn.stats["loads_inline"], conn.stats["loads_async"]) == (1, 1)
 
     # The first runs and the second loads: the third overlaps its load with them.
@@ -124,14 +129,7 @@ def test_a_busy_engine_loads_inline_what_fits_in_the_step_s_bound(
     running, first, second, third = (stored_request(conn, client, s) for s in (21, 22, 23, 24))
     conn.build_connector_meta(sched_output(new=[(running, [1])],
                                            scheduled={running.request_id: 8}))
-    assert conn.get_num_new_matched_tokens(first, 0) == (192, False)
-    allocate(conn, first, 10)
-    assert conn.get_num_new_matched_tokens(second, 0) == (192, True)
-    allocate(conn, second, 20)
-    meta = conn.build_connector_meta(sched_output(new=[(first, list(range(10, 17)))],
-                                                  scheduled={first.request_id: 40}))
-    assert [(s.req_id, s.inline) for s in meta.loads] == [(first.request_id, True),
-                                                          (second.request_id, False)]
+    inline_then_async_in_one_pass(conn, first, second)
     assert conn.get_num_new_matched_tokens(third, 0) == (192, False)
 
 
