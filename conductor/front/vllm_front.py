@@ -131,8 +131,6 @@ class FrontConfig:
     last turn (``conductor.front.session_cache``); 0: sessions keep no cache."""
 
 
-
-
 class VllmFront:
     """Schedules and forwards OpenAI completions (see the module docstring)."""
 
@@ -538,7 +536,8 @@ class VllmFront:
         self.metrics.chosen.labels("colocated", inst.id).inc()
         ready = None
         if choice.await_blocks:
-            ready = self._await_saved(job, choice.await_blocks, choice.est_s)
+            def ready() -> Awaitable[None]:
+                return self._await_saved(job, choice.await_blocks, choice.est_s)
         else:
             job.body = with_stored(job.body, stored)  # the instance need not ask the store
         computes = len(keys) * self.block_tokens > choice.cached_tokens
@@ -575,9 +574,9 @@ class VllmFront:
 
     async def _forward(self, inst: VllmInstance, job: _Job, request_done: Callable[[], None],
                        prefill_tokens: int = 0, cached_tokens: int = 0,
-                       ready: Awaitable[None] | None = None,
+                       ready: Callable[[], Awaitable[None]] | None = None,
                        computing_until: float | None = None) -> Reply:
-        """Sends the client's request to ``inst`` (once ``ready`` is done, counted in the
+        """Sends the client's request to ``inst`` (once ``ready()`` is done, counted in the
         instance's queue meanwhile); calls ``request_done`` exactly once when the request
         is over (answered, failed, or cancelled by the client), and then ends its session's
         turn (``_turn_over``). ``computing_until``: the request computes blocks of its
@@ -595,7 +594,7 @@ class VllmFront:
         pending = inst.start_prefill(prefill_tokens, cached=cached_tokens)
         if ready is not None:
             try:
-                await ready
+                await ready()
             except BaseException:
                 pending.end()
                 done()

@@ -403,11 +403,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         # An idle engine loads in the step; a busy one overlaps the load unless it is small
         # (``load_mode``). A load already planned this pass runs in this step too.
-        load_bytes = ext // self._block_size * self._block_bytes
         st.load_inline = self._inline.inline(self._activity, planned=len(self._pending_loads),
                                              planned_inline_bytes=self._inline_bytes,
-                                             load_bytes=load_bytes)
+                                             load_bytes=self._load_bytes(ext))
         return ext, not st.load_inline
+
+    def _load_bytes(self, tokens: int) -> int:
+        """Bytes a load of ``tokens`` external tokens (whole blocks) moves on this rank."""
+        return tokens // self._block_size * self._block_bytes
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -430,7 +433,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st.load_first_block = first
         self.stats["loads_inline" if st.load_inline else "loads_async"] += 1
         if st.load_inline:
-            self._inline_bytes += num_external_tokens // self._block_size * self._block_bytes
+            self._inline_bytes += self._load_bytes(num_external_tokens)
         else:
             self._activity.load_started(request.request_id)
 
