@@ -156,35 +156,65 @@ def summarize(rounds: list[Workload], results: list[list[dict[str, Any]]], loade
             "ttfts": ttft}
 
 
+def cold_prompts(count: int, tokens: int, seed: int) -> list[Req]:
+    """``count`` fresh prompts of ``tokens`` token ids sharing nothing, 1 output token."""
+    w = pure_miss(requests=count, prompt_tokens=tokens, output=1, interval_s=0.0, seed=seed)
+    return [Req(arrival_s=0.0, tokens=r.tokens, output=1, group=r.group) for r in w.requests]
+
+
 def prefill_rate(url: str, model: str, tokens: int = 1024, rounds: int = 3) -> float:
     """Prompt tokens/s of a cold prefill on one idle instance (fresh prompts, 1 output
-    token; the median of ``rounds``)."""
-    w = pure_miss(requests=rounds, prompt_tokens=tokens, output=1, interval_s=0.0, seed=777)
+    token; the median of ``rounds``): the model's compute, as the report prints it."""
     times = []
-    for r in w.requests:
-        got = asyncio.run(replay([Req(arrival_s=0.0, tokens=r.tokens, output=1,
-                                      group=r.group)], [url], model))[0]
+    for req in cold_prompts(rounds, tokens, seed=777):
+        got = asyncio.run(replay([req], [url], model))[0]
         if got["ok"] and got["ttft_s"]:
             times.append(got["ttft_s"])
     return tokens / median(times) if times else 0.0
 
 
+def busy_prefill_rate(urls: list[str], model: str, tokens: int = 1024,
+                      rounds: int = 3) -> float:
+    """Prompt tokens/s of each instance while every instance prefills a cold prompt at
+    once (the slowest instance's TTFT; the median of ``rounds``).
+
+    Arrivals are paced by this rate, not by one idle instance's: the instances share the
+    machine's cores with each other (and, in the store's set-ups, with the node), so
+    together they prefill less than ``len(urls)`` times one idle instance, and pacing by
+    the idle rate overloads them in runs where that rate came out high."""
+    prompts = cold_prompts(rounds * len(urls), tokens, seed=778)
+    times = []
+    for k in range(rounds):
+        batch = prompts[k * len(urls):(k + 1) * len(urls)]
+        got = asyncio.run(replay(batch, urls, model))
+        if all(g["ok"] and g["ttft_s"] for g in got):
+            times.append(max(g["ttft_s"] for g in got))
+    return tokens / median(times) if times else 0.0
+
+
 class Plan:
-    """The workloads of a run, built once the first set-up has measured the prefill rate:
-    arrival intervals not given on the command line follow from it (``--load``)."""
+    """The workloads of a run, built once the first set-up has measured the prefill rates:
+    arrival intervals not given on the command line follow from the rate with every
+    instance busy (``--load``)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rate: float | None = None
+        """One idle instance's cold prefill, tokens/s (the model's compute)."""
+        self.busy_rate: float | None = None
+        """Each instance's cold prefill with every instance prefilling at once, tokens/s."""
         self.workloads: list[list[Workload]] | None = None
         """Per workload, one per round (each round its own prompts: no round finds
         another's prefixes)."""
 
-    def workloads_for(self, url: str, model: str) -> list[list[Workload]]:
+    def workloads_for(self, urls: list[str], model: str) -> list[list[Workload]]:
         if self.workloads is None:
-            self.rate = prefill_rate(url, model)
-            print(f"   prefill {self.rate:.0f} tokens/s (a cold 1,024-token prompt)", flush=True)
-            per_round = [build_workloads(self.args, self.rate, seed=k)
+            self.rate = prefill_rate(urls[0], model)
+            self.busy_rate = busy_prefill_rate(urls, model)
+            print(f"   prefill {self.rate:.0f} tokens/s on one idle instance, "
+                  f"{self.busy_rate:.0f} each with all {len(urls)} busy (a cold 1,024-token "
+                  f"prompt; arrivals follow the second)", flush=True)
+            per_round = [build_workloads(self.args, self.busy_rate, seed=k)
                          for k in range(self.args.rounds)]
             self.workloads = [list(ws) for ws in zip(*per_round, strict=True)]
             for ws in self.workloads:
@@ -197,7 +227,7 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
     out: dict[str, Any] = {}
     with running(name, spec, logdir) as r:
         model = str(spec.model)
-        for rounds in plan.workloads_for(r.instances[0].url, model):
+        for rounds in plan.workloads_for([i.url for i in r.instances], model):
             name = rounds[0].name
             out[name] = replay_workload(r, rounds, model)
             f = out[name]
@@ -295,7 +325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="every instance's vLLM token budget per step (default: vLLM's)")
     ap.add_argument("--load", type=float, default=0.8,
                     help="prefix-groups arrivals: this fraction of what the 2 instances "
-                         "prefill with no cache at all (the measured prefill rate)")
+                         "prefill with no cache at all (the prefill rate measured with both "
+                         "busy at once)")
     ap.add_argument("--miss-load", type=float, default=0.5,
                     help="miss arrivals: this fraction of the 2 instances' prefill rate")
     ap.add_argument("--rounds", type=int, default=3,
@@ -330,7 +361,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def interval_at(load: float, prompt_tokens: int, rate: float, instances: int = 2) -> float:
     """Seconds between arrivals that keep ``instances`` prefilling ``prompt_tokens`` each at
-    ``rate`` tokens/s busy ``load`` of the time (with nothing cached)."""
+    ``rate`` tokens/s (each instance's rate while all are busy) busy ``load`` of the time
+    (with nothing cached)."""
     if load <= 0 or rate <= 0:
         raise SystemExit(f"load and prefill rate must be positive, got {load}, {rate}")
     return prompt_tokens / rate / (instances * load)
@@ -395,13 +427,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             node.stop()
     report(args, settings, [ws[0] for ws in plan.workloads or []], by_setup, unavailable,
-           plan.rate, bpt)
+           plan.rate, plan.busy_rate, bpt)
     return 0
 
 
 def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
            by_setup: dict[str, dict[str, Any]], unavailable: dict[str, str],
-           rate: float | None, bpt: int) -> None:
+           rate: float | None, busy_rate: float | None, bpt: int) -> None:
     base = BASELINE if BASELINE in by_setup else next(iter(by_setup), None)
     lines = [settings, ""]
     if rate:
@@ -409,6 +441,9 @@ def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
                      f"prompt), {bpt} KV bytes per token: recomputing a token's KV takes "
                      f"{1e6 / rate:.0f} us, i.e. {rate * bpt / 1e6:.1f} MB of KV per second of "
                      f"prefill")
+    if busy_rate:
+        lines.append(f"prefill with both instances busy at once: {busy_rate:.0f} tokens/s each "
+                     f"(arrivals are paced by this)")
     by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     for w in workloads:
         by_workload[w.name] = {s: v[w.name] for s, v in by_setup.items()}
@@ -428,6 +463,7 @@ def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
 
     write_json(stem.with_suffix(".json"), {
         "settings": settings, "baseline": base, "prefill_tokens_per_s": rate,
+        "prefill_tokens_per_s_all_busy": busy_rate,
         "kv_bytes_per_token": bpt,
         "results": {s: {**strip(v["conversation"]), "conductor": v.get("conductor", {})}
                     for s, v in by_setup.items() if "conversation" in v},
