@@ -19,6 +19,12 @@ An instance's estimate is the better of:
 Both are estimates from the same calibrated cost model, so they compare fairly; the load
 itself is left out of both, as it was of the store's blocks before (it is small and the
 same wherever the request goes).
+
+Estimates within ``TIE_S`` of the best are a tie, and a tie goes to the instance with the
+fewest of the front's requests in flight (then the first): with nothing queued anywhere,
+as on a lightly loaded or store-backed cluster, every instance estimates the same, and
+sending each request to the first one would stack every decode (and the next arrival's
+queue) there while the others idle.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from conductor.scheduling.state import LocalPrefixCache
 from conductor.scheduling.types import InstanceId
 
 ComputingId = NewType("ComputingId", int)
+TIE_S = 0.001
+"""Estimates closer than this are equal: the cost model is not finer than a millisecond."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -107,6 +115,11 @@ def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
 
 
 class RoutedInstance(Protocol):
+    @property
+    def in_flight(self) -> int:
+        """The front's requests sent there and not over yet (prefilling or decoding)."""
+        ...
+
     def queue_s(self, *, mean_prompt_tokens: float) -> float: ...
 
     def cost(self) -> CostModel:
@@ -138,10 +151,11 @@ class ColocatedRouter:
                mean_prompt_tokens: float, now: float,
                prefer: InstanceId | None = None, prefer_within_s: float = 0.0
                ) -> ColocatedChoice:
-        """The instance with the lowest estimate; ties go to the first. ``prefer`` (a
-        session's instance) wins when its estimate is at most ``prefer_within_s``."""
+        """The instance with the lowest estimate; ties (``TIE_S``) go to the fewest requests in
+        flight, then the first. ``prefer`` (a session's instance) wins when its estimate is at
+        most ``prefer_within_s``."""
         elsewhere = self.computing.longest(keys)
-        best: ColocatedChoice | None = None
+        options: list[tuple[ColocatedChoice, int]] = []
         for iid, inst in self.instances.items():
             queue, cost = inst.queue_s(mean_prompt_tokens=mean_prompt_tokens), inst.cost()
             cached = self.cached_tokens(iid, keys, stored, prompt_tokens)
@@ -159,11 +173,12 @@ class ColocatedRouter:
                     option = waited
             if iid == prefer and option.est_s <= prefer_within_s:
                 return option
-            if best is None or option.est_s < best.est_s:
-                best = option
-        if best is None:
+            options.append((option, inst.in_flight))
+        if not options:
             raise ValueError("no colocated instance")
-        return best
+        best_s = min(o.est_s for o, _ in options)
+        return min(((o, n) for o, n in options if o.est_s <= best_s + TIE_S),
+                   key=lambda on: on[1])[0]
 
     def cached_tokens(self, iid: InstanceId, keys: Sequence[bytes], stored: int,
                       prompt_tokens: int) -> int:

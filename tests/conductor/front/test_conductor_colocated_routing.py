@@ -22,8 +22,9 @@ COST = PolyCostModel(kv_bytes_per_token=1, p_token=0.001, net_bytes_per_s=1.0, d
 
 
 class Instance:
-    def __init__(self, queue_s: float = 0.0) -> None:
+    def __init__(self, queue_s: float = 0.0, in_flight: int = 0) -> None:
         self.queue = queue_s
+        self.in_flight = in_flight
 
     def queue_s(self, *, mean_prompt_tokens: float) -> float:
         return self.queue
@@ -165,3 +166,28 @@ def test_the_front_holds_a_request_until_the_prefix_is_saved_then_says_it_is_sto
         assert 'conductor_save_waits_total{outcome="loaded"} 1.0' in text
         assert 'conductor_save_waits_total{outcome="timed_out"} 1.0' in text
         asyncio.run(f.close())
+
+
+def test_a_tie_goes_to_the_instance_with_fewer_requests_in_flight_then_the_first() -> None:
+    """Nothing queued anywhere and the document in the store: both estimate the same. The
+    request goes where fewer of the front's requests are decoding, not always to A."""
+    doc = keys(1216)
+    r, _ = router({A: 0.0, B: 0.0})
+    got = r.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000, now=10.0)
+    assert (got.instance, got.cached_tokens) == (A, 1216)  # equal in flight: the first
+    busy_a = ColocatedRouter(instances={A: Instance(0.0, in_flight=3),
+                                        B: Instance(0.0, in_flight=1)},
+                             local=r.local, computing=ComputingPrefixes(), block_tokens=BT)
+    got = busy_a.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000, now=10.0)
+    assert (got.instance, got.est_s) == (B, pytest.approx(0.024))
+    # Within TIE_S (0.5 ms more queued on B) still a tie; 2 ms more is not.
+    close = ColocatedRouter(instances={A: Instance(0.0, in_flight=3),
+                                       B: Instance(0.0005, in_flight=1)},
+                            local=r.local, computing=ComputingPrefixes(), block_tokens=BT)
+    assert close.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000,
+                        now=10.0).instance == B
+    apart = ColocatedRouter(instances={A: Instance(0.0, in_flight=3),
+                                       B: Instance(0.002, in_flight=1)},
+                            local=r.local, computing=ComputingPrefixes(), block_tokens=BT)
+    assert apart.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000,
+                        now=10.0).instance == A
