@@ -120,7 +120,7 @@ class RoutedInstance(Protocol):
         """The front's requests sent there and not over yet (prefilling or decoding)."""
         ...
 
-    def queue_s(self, *, mean_prompt_tokens: float) -> float: ...
+    def queue_s(self, *, mean_prompt_tokens: float, now: float) -> float: ...
 
     def cost(self) -> CostModel:
         """Its calibrated speed."""
@@ -157,7 +157,8 @@ class ColocatedRouter:
         elsewhere = self.computing.longest(keys)
         options: list[tuple[ColocatedChoice, int]] = []
         for iid, inst in self.instances.items():
-            queue, cost = inst.queue_s(mean_prompt_tokens=mean_prompt_tokens), inst.cost()
+            queue = inst.queue_s(mean_prompt_tokens=mean_prompt_tokens, now=now)
+            cost = inst.cost()
             cached = self.cached_tokens(iid, keys, stored, prompt_tokens)
             option = ColocatedChoice(
                 est_s=queue + cost.prefill_s(prompt_tokens - cached, cached), instance=iid,

@@ -459,7 +459,8 @@ class VllmFront:
         for iid, inst in self.prefill.items():
             p = c.prefill_instance(iid)
             p.report_queue(now, max(p.queue_s(now),
-                                    inst.queue_s(mean_prompt_tokens=self._mean_prompt())))
+                                    inst.queue_s(mean_prompt_tokens=self._mean_prompt(),
+                                                 now=now)))
             c.costs[iid] = inst.calibration.cost()
         c.cost = self._shared_cost()
         self._pool.keys, self._pool.blocks = tuple(keys), stored

@@ -35,8 +35,11 @@ and 13 to the other).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +197,8 @@ class PendingPrefill:
     """Pending prefill tokens the front had sent to the instance before this one."""
     cached: int = 0
     """Prompt tokens it reuses (the instance's prefix cache or the store)."""
+    seq: int = 0
+    """Its place in the instance's order of pending prefills."""
     released: bool = False
     ended: bool = False
 
@@ -206,6 +211,7 @@ class PendingPrefill:
         self.released = True
         self.instance.pending_prefill_tokens -= self.tokens
         self.instance.pending_prefills -= 1
+        self.instance.dequeue(self)
         if seconds is not None and self.cached <= self.tokens:
             self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
                                                       seconds=seconds)
@@ -231,7 +237,9 @@ class UpstreamError(Exception):
 class VllmInstance:
     """One vLLM OpenAI server (see the module docstring)."""
 
-    def __init__(self, url: str, *, role: str, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, *, role: str, http: httpx.AsyncClient,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.url = url.rstrip("/")
         if "://" not in self.url:
             self.url = "http://" + self.url
@@ -250,6 +258,13 @@ class VllmInstance:
         """How many prefills ``pending_prefill_tokens`` counts."""
         self._ours_at_reading = 0
         """``pending_prefills`` when ``load`` was read (the fewer of before and after)."""
+        self._pending: dict[int, PendingPrefill] = {}
+        """The unreleased prefills in the order they were sent (the engine runs them first
+        come, first served); the first is the head."""
+        self._seq = itertools.count()
+        self._head_since = 0.0
+        """When the head began computing: when it was sent to an instance with nothing
+        pending, or when the head before it released (``clock``)."""
 
     async def _get(self, path: str, timeout: float) -> httpx.Response:
         try:
@@ -342,29 +357,51 @@ class VllmInstance:
         prefill of ``tokens`` computed tokens (after ``cached`` reused ones) in this
         instance's queue until the handle is released."""
         pending = PendingPrefill(instance=self, tokens=max(0, tokens),
-                                 ahead=self.pending_prefill_tokens, cached=max(0, cached))
+                                 ahead=self.pending_prefill_tokens, cached=max(0, cached),
+                                 seq=next(self._seq))
+        if not self._pending:
+            self._head_since = self.clock()
+        self._pending[pending.seq] = pending
         self.pending_prefill_tokens += pending.tokens
         self.pending_prefills += 1
         self.in_flight += 1
         return pending
 
+    def dequeue(self, pending: PendingPrefill) -> None:
+        """``pending`` released (``PendingPrefill.release`` calls this once): out of the
+        order; if it was the head, the next one begins computing now."""
+        head = next(iter(self._pending), None)
+        del self._pending[pending.seq]
+        if head == pending.seq:
+            self._head_since = self.clock()
+
     def cost(self) -> PolyCostModel:
         """The calibrated speed (``Calibration.cost``)."""
         return self.calibration.cost()
 
-    def queue_s(self, *, mean_prompt_tokens: float) -> float:
-        """Seconds of prefill work ahead of a new request: the prefills the front has sent
-        here and not seen a first token of, plus other clients' work: the engine's waiting
-        requests in the last ``/metrics`` reading beyond the front's own prefills pending
-        at that reading, each at the mean prompt length. (The front's own are counted by
-        what they compute: a waiting hit that loads its prefix is not a whole prompt of
-        work, and the reading lags by up to one poll.) Requests past their first token
-        (decoding) are not prefill work ahead."""
+    def queue_s(self, *, mean_prompt_tokens: float, now: float | None = None) -> float:
+        """Seconds of prefill work ahead of a new request at ``now`` (default: ``clock``):
+        the prefills the front has sent here and not seen a first token of, less what the
+        head of them has computed since it began (at most its own estimate: an overdue
+        head is expected any moment, never negative work), plus other clients' work: the
+        engine's waiting requests in the last ``/metrics`` reading beyond the front's own
+        prefills pending at that reading, each at the mean prompt length. (The front's own
+        are counted by what they compute: a waiting hit that loads its prefix is not a
+        whole prompt of work, and the reading lags by up to one poll.) Requests past their
+        first token (decoding) are not prefill work ahead.
+
+        Without the head's progress, an instance that has just begun a cold prefill and
+        one about to finish its own looked equally busy, and a burst of cold prompts could
+        queue two on one instance while the other was nearly free."""
         cost = self.calibration.cost()
         waiting = self.load.waiting if self.load else 0
         others = max(0, waiting - self._ours_at_reading)
-        return (cost.prefill_s(self.pending_prefill_tokens, 0)
-                + others * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0))
+        ours = cost.prefill_s(self.pending_prefill_tokens, 0)
+        head = next(iter(self._pending.values()), None)
+        if head is not None:
+            at = self.clock() if now is None else now
+            ours -= min(max(0.0, at - self._head_since), cost.prefill_s(head.tokens, 0))
+        return ours + others * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0)
 
     def completions_url(self) -> str:
         return self.url + "/v1/completions"

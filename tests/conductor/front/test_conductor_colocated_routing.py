@@ -26,7 +26,7 @@ class Instance:
         self.queue = queue_s
         self.in_flight = in_flight
 
-    def queue_s(self, *, mean_prompt_tokens: float) -> float:
+    def queue_s(self, *, mean_prompt_tokens: float, now: float) -> float:
         return self.queue
 
     def cost(self) -> PolyCostModel:

@@ -237,15 +237,19 @@ def test_a_stored_prefix_goes_around_an_instance_busy_with_a_cold_prefill() -> N
     doc = keys(1216)  # 38 blocks
     f._local[InstanceId(A)].use(doc)
     a = f.colocated[InstanceId(A)]
+    a.clock = lambda: 50.0  # the prefill begins at t=50; every choice below is at t=50
     a.start_prefill(1200)  # the cold prefill A is busy with (1.2 s at 1 ms/token)
-    c = f.choose_colocated(doc, stored=38, prompt_tokens=1240)
+    c = f.choose_colocated(doc, stored=38, prompt_tokens=1240, now=50.0)
     est, iid = c.est_s, c.instance
     assert iid == B and est == pytest.approx(0.024)  # only the question's 24 tokens
     # Without the store, A's cached prefix is worth waiting for while its queue is
     # shorter than B's recompute: 1.2 s + 24 tokens against 1,240 tokens.
-    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240, now=50.0)
     est, iid = c.est_s, c.instance
     assert (iid, est) == (A, pytest.approx(1.224))
     a.start_prefill(100)  # now 1.3 s + 24 tokens
-    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240)
+    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240, now=50.0)
     assert (c.est_s, c.instance) == (pytest.approx(1.24), B)
+    # 0.5 s into A's prefill: 0.8 s + 24 tokens are left there, less than B's recompute.
+    c = f.choose_colocated(doc, stored=0, prompt_tokens=1240, now=50.5)
+    assert (c.est_s, c.instance) == (pytest.approx(0.824), A)

@@ -61,8 +61,19 @@ def test_calibration_starts_from_defaults_and_follows_observations() -> None:
     assert cal.cost().prefill_s(100, 0) == pytest.approx(0.02 + 100 * (0.7e-3 + 0.6e-3))
 
 
-def instance() -> VllmInstance:
-    inst = VllmInstance("127.0.0.1:1", role="colocated", http=httpx.AsyncClient())
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def instance(clock: Clock | None = None) -> VllmInstance:
+    inst = VllmInstance("127.0.0.1:1", role="colocated", http=httpx.AsyncClient(),
+                        clock=clock or Clock())
     inst.calibration.prefill_s_per_token.add(0.001)  # 1,000 tokens/s, no fixed part
     return inst
 
@@ -95,6 +106,33 @@ def test_a_prefill_behind_others_is_observed_with_their_tokens() -> None:
     assert inst.calibration.prefill_s_per_token.samples == 2
 
 
+def test_the_head_prefill_s_progress_comes_off_the_queue() -> None:
+    """A 1,000-token head sent at t=100 has computed 0.3 s by t=100.3: 0.7 s of it and the
+    500 tokens behind it are left. Past its own estimate it counts as done any moment (the
+    tokens behind it still count whole); once it releases, the next head begins then."""
+    clock = Clock(100.0)
+    inst = instance(clock)
+    head = inst.start_prefill(1000)
+    clock.t = 100.2
+    second = inst.start_prefill(500)  # sent while the head computes: the head began at 100
+    assert inst.queue_s(mean_prompt_tokens=1, now=100.3) == pytest.approx(0.7 + 0.5)
+    clock.t = 100.5
+    assert inst.queue_s(mean_prompt_tokens=1) == pytest.approx(0.5 + 0.5)
+    assert inst.queue_s(mean_prompt_tokens=1, now=102.0) == pytest.approx(0.5)  # overdue
+    second.release(seconds=None)  # not the head: the head's start stays
+    assert inst.queue_s(mean_prompt_tokens=1, now=100.9) == pytest.approx(0.1)
+    third = inst.start_prefill(200)
+    clock.t = 101.2
+    head.release(seconds=None)  # the head is over: the third begins now
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.25) == pytest.approx(0.15)
+    third.end()
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.3) == 0.0
+    clock.t = 101.4
+    inst.start_prefill(100)  # nothing pending before it: it begins when sent
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.4) == pytest.approx(0.1)
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.46) == pytest.approx(0.04)
+
+
 def test_decoding_requests_and_the_engine_queue() -> None:
     """Requests past their first token are not prefill work ahead; the engine's waiting
     requests that are not the front's (other clients') count at the mean prompt, on top of
@@ -114,7 +152,8 @@ def test_the_front_s_own_waiting_requests_count_by_what_they_compute() -> None:
     they start."""
     metrics = TEXT  # 3 waiting
     inst = VllmInstance("127.0.0.1:1", role="colocated", http=httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda _: httpx.Response(200, text=metrics))))
+        transport=httpx.MockTransport(lambda _: httpx.Response(200, text=metrics))),
+        clock=Clock())
     inst.calibration.prefill_s_per_token.add(0.001)
     a, b = inst.start_prefill(24, cached=1200), inst.start_prefill(24, cached=1200)
     asyncio.run(inst.read_load())
