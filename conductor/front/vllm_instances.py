@@ -53,6 +53,11 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 DEFAULT_DECODE_STEP_S = 0.05
 NET_BYTES_PER_S = 2e9
 """Loopback store reads (benchmarks/RESULTS.md); only weighs fetched blocks' transfer."""
+HEAD_CREDIT = 0.5
+"""The most of its own estimate a running prefill's progress takes off its instance's
+queue (``VllmInstance.queue_s``). With all of it, a prefill running slower than the
+calibration said looked finished once overdue, and the front sent the next prompt behind
+it while the other instance was idle (one run's misses: TTFT p50 0.48 s against 0.28 s)."""
 KV_BYTES_PER_TOKEN = 1
 """Placeholder for the transfer term: the store's loads are part of the observed prefill
 time, so the cost model charges them nothing separately."""
@@ -382,8 +387,9 @@ class VllmInstance:
     def queue_s(self, *, mean_prompt_tokens: float, now: float | None = None) -> float:
         """Seconds of prefill work ahead of a new request at ``now`` (default: ``clock``):
         the prefills the front has sent here and not seen a first token of, less what the
-        head of them has computed since it began (at most its own estimate: an overdue
-        head is expected any moment, never negative work), plus other clients' work: the
+        head of them has computed since it began (at most ``HEAD_CREDIT`` of its own
+        estimate: the estimate is a mean, and an overdue head's remaining time is unknown,
+        not zero), plus other clients' work: the
         engine's waiting requests in the last ``/metrics`` reading beyond the front's own
         prefills pending at that reading, each at the mean prompt length. (The front's own
         are counted by what they compute: a waiting hit that loads its prefix is not a
@@ -400,7 +406,8 @@ class VllmInstance:
         head = next(iter(self._pending.values()), None)
         if head is not None:
             at = self.clock() if now is None else now
-            ours -= min(max(0.0, at - self._head_since), cost.prefill_s(head.tokens, 0))
+            ours -= min(max(0.0, at - self._head_since),
+                        HEAD_CREDIT * cost.prefill_s(head.tokens, 0))
         return ours + others * cost.prefill_s(max(1, int(mean_prompt_tokens)), 0)
 
     def completions_url(self) -> str:

@@ -10,6 +10,7 @@ import pytest
 from conductor.front.vllm_instances import (
     DEFAULT_DECODE_STEP_S,
     DEFAULT_PREFILL_S_PER_TOKEN,
+    HEAD_CREDIT,
     Calibration,
     InstanceLoad,
     VllmInstance,
@@ -108,29 +109,33 @@ def test_a_prefill_behind_others_is_observed_with_their_tokens() -> None:
 
 def test_the_head_prefill_s_progress_comes_off_the_queue() -> None:
     """A 1,000-token head sent at t=100 has computed 0.3 s by t=100.3: 0.7 s of it and the
-    500 tokens behind it are left. Past its own estimate it counts as done any moment (the
-    tokens behind it still count whole); once it releases, the next head begins then."""
+    500 tokens behind it are left. Its progress takes off at most half its estimate (an
+    overdue prefill is not known to be nearly done); once it releases, the next head
+    begins then."""
+    assert HEAD_CREDIT == 0.5
     clock = Clock(100.0)
     inst = instance(clock)
     head = inst.start_prefill(1000)
     clock.t = 100.2
     second = inst.start_prefill(500)  # sent while the head computes: the head began at 100
     assert inst.queue_s(mean_prompt_tokens=1, now=100.3) == pytest.approx(0.7 + 0.5)
-    clock.t = 100.5
-    assert inst.queue_s(mean_prompt_tokens=1) == pytest.approx(0.5 + 0.5)
-    assert inst.queue_s(mean_prompt_tokens=1, now=102.0) == pytest.approx(0.5)  # overdue
+    clock.t = 100.45
+    assert inst.queue_s(mean_prompt_tokens=1) == pytest.approx(0.55 + 0.5)
+    assert inst.queue_s(mean_prompt_tokens=1, now=100.8) == pytest.approx(0.5 + 0.5)
+    assert inst.queue_s(mean_prompt_tokens=1, now=102.0) == pytest.approx(0.5 + 0.5)  # overdue
     second.release(seconds=None)  # not the head: the head's start stays
-    assert inst.queue_s(mean_prompt_tokens=1, now=100.9) == pytest.approx(0.1)
+    assert inst.queue_s(mean_prompt_tokens=1, now=100.4) == pytest.approx(0.6)
     third = inst.start_prefill(200)
     clock.t = 101.2
     head.release(seconds=None)  # the head is over: the third begins now
     assert inst.queue_s(mean_prompt_tokens=1, now=101.25) == pytest.approx(0.15)
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.5) == pytest.approx(0.1)  # half, at most
     third.end()
     assert inst.queue_s(mean_prompt_tokens=1, now=101.3) == 0.0
     clock.t = 101.4
     inst.start_prefill(100)  # nothing pending before it: it begins when sent
     assert inst.queue_s(mean_prompt_tokens=1, now=101.4) == pytest.approx(0.1)
-    assert inst.queue_s(mean_prompt_tokens=1, now=101.46) == pytest.approx(0.04)
+    assert inst.queue_s(mean_prompt_tokens=1, now=101.43) == pytest.approx(0.07)
 
 
 def test_decoding_requests_and_the_engine_queue() -> None:
