@@ -214,8 +214,6 @@ class PendingPrefill:
         if self.released:
             return
         self.released = True
-        self.instance.pending_prefill_tokens -= self.tokens
-        self.instance.pending_prefills -= 1
         self.instance.dequeue(self)
         if seconds is not None and self.cached <= self.tokens:
             self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
@@ -256,11 +254,6 @@ class VllmInstance:
         self.shape: InstanceShape | None = None
         self.in_flight = 0
         """Requests the front has sent here and not seen finish."""
-        self.pending_prefill_tokens = 0
-        """Prompt tokens of prefills the front has sent here and not seen a first token of
-        (``PendingPrefill``)."""
-        self.pending_prefills = 0
-        """How many prefills ``pending_prefill_tokens`` counts."""
         self._ours_at_reading = 0
         """``pending_prefills`` when ``load`` was read (the fewer of before and after)."""
         self._pending: dict[int, PendingPrefill] = {}
@@ -270,6 +263,17 @@ class VllmInstance:
         self._head_since = 0.0
         """When the head began computing: when it was sent to an instance with nothing
         pending, or when the head before it released (``clock``)."""
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens of prefills the front has sent here and not seen a first token of
+        (``PendingPrefill``)."""
+        return sum(p.tokens for p in self._pending.values())
+
+    @property
+    def pending_prefills(self) -> int:
+        """How many prefills ``pending_prefill_tokens`` counts."""
+        return len(self._pending)
 
     async def _get(self, path: str, timeout: float) -> httpx.Response:
         try:
@@ -367,8 +371,6 @@ class VllmInstance:
         if not self._pending:
             self._head_since = self.clock()
         self._pending[pending.seq] = pending
-        self.pending_prefill_tokens += pending.tokens
-        self.pending_prefills += 1
         self.in_flight += 1
         return pending
 
@@ -389,12 +391,12 @@ class VllmInstance:
         the prefills the front has sent here and not seen a first token of, less what the
         head of them has computed since it began (at most ``HEAD_CREDIT`` of its own
         estimate: the estimate is a mean, and an overdue head's remaining time is unknown,
-        not zero), plus other clients' work: the
-        engine's waiting requests in the last ``/metrics`` reading beyond the front's own
-        prefills pending at that reading, each at the mean prompt length. (The front's own
-        are counted by what they compute: a waiting hit that loads its prefix is not a
-        whole prompt of work, and the reading lags by up to one poll.) Requests past their
-        first token (decoding) are not prefill work ahead.
+        not zero), plus other clients' work: the engine's waiting requests in the last
+        ``/metrics`` reading beyond the front's own prefills pending at that reading, each
+        at the mean prompt length. (The front's own are counted by what they compute: a
+        waiting hit that loads its prefix is not a whole prompt of work, and the reading
+        lags by up to one poll.) Requests past their first token (decoding) are not
+        prefill work ahead.
 
         Without the head's progress, an instance that has just begun a cold prefill and
         one about to finish its own looked equally busy, and a burst of cold prompts could
