@@ -162,31 +162,21 @@ def cold_prompts(count: int, tokens: int, seed: int) -> list[Req]:
     return [Req(arrival_s=0.0, tokens=r.tokens, output=1, group=r.group) for r in w.requests]
 
 
-def prefill_rate(url: str, model: str, tokens: int = 1024, rounds: int = 3) -> float:
-    """Prompt tokens/s of a cold prefill on one idle instance (fresh prompts, 1 output
-    token; the median of ``rounds``): the model's compute, as the report prints it."""
-    times = []
-    for req in cold_prompts(rounds, tokens, seed=777):
-        got = asyncio.run(replay([req], [url], model))[0]
-        if got["ok"] and got["ttft_s"]:
-            times.append(got["ttft_s"])
-    return tokens / median(times) if times else 0.0
+def prefill_rate(urls: list[str], model: str, *, seed: int, tokens: int = 1024,
+                 rounds: int = 3) -> float:
+    """Prompt tokens/s of each instance while every one of ``urls`` prefills a fresh cold
+    prompt at once (1 output token; the slowest instance's TTFT, the median of
+    ``rounds``). One URL: an idle instance's rate, the model's compute as the report
+    prints it.
 
-
-def busy_prefill_rate(urls: list[str], model: str, tokens: int = 1024,
-                      rounds: int = 3) -> float:
-    """Prompt tokens/s of each instance while every instance prefills a cold prompt at
-    once (the slowest instance's TTFT; the median of ``rounds``).
-
-    Arrivals are paced by this rate, not by one idle instance's: the instances share the
-    machine's cores with each other (and, in the store's set-ups, with the node), so
-    together they prefill less than ``len(urls)`` times one idle instance, and pacing by
-    the idle rate overloads them in runs where that rate came out high."""
-    prompts = cold_prompts(rounds * len(urls), tokens, seed=778)
+    Arrivals are paced by the rate of all the instances, not by one idle instance's: they
+    share the machine's cores with each other (and, in the store's set-ups, with the
+    node), so together they prefill less than ``len(urls)`` times one idle instance, and
+    pacing by the idle rate overloads them in runs where that rate came out high."""
+    prompts = cold_prompts(rounds * len(urls), tokens, seed=seed)
     times = []
     for k in range(rounds):
-        batch = prompts[k * len(urls):(k + 1) * len(urls)]
-        got = asyncio.run(replay(batch, urls, model))
+        got = asyncio.run(replay(prompts[k * len(urls):(k + 1) * len(urls)], urls, model))
         if all(g["ok"] and g["ttft_s"] for g in got):
             times.append(max(g["ttft_s"] for g in got))
     return tokens / median(times) if times else 0.0
@@ -209,8 +199,8 @@ class Plan:
 
     def workloads_for(self, urls: list[str], model: str) -> list[list[Workload]]:
         if self.workloads is None:
-            self.rate = prefill_rate(urls[0], model)
-            self.busy_rate = busy_prefill_rate(urls, model)
+            self.rate = prefill_rate(urls[:1], model, seed=777)
+            self.busy_rate = prefill_rate(urls, model, seed=778)
             print(f"   prefill {self.rate:.0f} tokens/s on one idle instance, "
                   f"{self.busy_rate:.0f} each with all {len(urls)} busy (a cold 1,024-token "
                   f"prompt; arrivals follow the second)", flush=True)
