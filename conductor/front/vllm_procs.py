@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,28 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.core.ports import free_port  # re-exported: benchmarks and tests import it from here
+
 REPO = Path(__file__).resolve().parents[2]
 """The work tree: children run from it with it on ``PYTHONPATH``, so they run this tree's
 kvstore and Conductor whatever the environment's editable install points at."""
 VLLM_BLOCK = 32
 """vLLM's CPU attention wants block sizes that are multiples of 32."""
 
-
-_HANDED_OUT: set[int] = set()
-"""Ports ``free_port`` returned in this process: free when asked, maybe not bound yet."""
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, never one this process was given before: servers
-    started together are each given a port before any binds it, and the kernel can offer a
-    closed probe's port again (two vLLM servers of one test module once got the same one)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 @dataclass(slots=True, kw_only=True)
