@@ -34,17 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvstore.core.ports import free_port  # re-exported: benchmarks import it from here
+
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
 
 # ---- process plumbing ----------------------------------------------------------------------
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A port the kernel just handed out on ``host`` (free now; a peer must still bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def tcp_connectable(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,17 +34,12 @@ from typing import Any
 import numpy as np
 
 from benchmarks.stats import format_table, write_json
+from kvstore.core.ports import free_port
 from workers.client import WorkerClient, generate
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 VOCAB = {"tiny": 512, "small": 4096}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path, ready: str, timeout: float = 120.0
@@ -81,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen] = []
     tmp = Path(tempfile.mkdtemp(prefix="serving_ttft-"))
     try:
-        store = f"127.0.0.1:{_free_port()}"
+        store = f"127.0.0.1:{free_port()}"
         procs.append(_spawn(["-m", "kvstore", "serve", "--listen", store, "--dram-bytes",
                              args.dram, "--no-prefault"], tmp / "node.log",
                             "kvstore: serving on"))
@@ -89,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "--block-tokens", str(B)]
         addrs = {}
         for role in ("prefill", "decode"):
-            addrs[role] = f"127.0.0.1:{_free_port()}"
+            addrs[role] = f"127.0.0.1:{free_port()}"
             procs.append(_spawn(["-m", "workers", role, "--listen", addrs[role], *common],
                                 tmp / f"{role}.log", f"workers: {role} serving on"))
         pc = WorkerClient(addrs["prefill"], timeout=600)

@@ -15,23 +15,17 @@ import hashlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from kvstore.client import Client
 from kvstore.core.keys import BlockKey, block_keys
+from kvstore.core.ports import free_port  # re-exported: kvstore.demo.free_port stays
 from kvstore.remote.stat_table import format_stat_table
 
 NAMESPACE = "demo-llama/bf16/tp0"
 BLOCK_TOKENS = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(port: int, dram: str) -> subprocess.Popen:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from kvstore.core.ports import free_port  # re-exported: test modules import it from conftest
 
 if TYPE_CHECKING:
     from kvstore.auth.security import TenantRegistry
@@ -67,12 +68,6 @@ def write_auth_file(path: Path, tokens: dict[str, str], *, cluster: str | None =
         entries.append(f'[[tenant]]\nname = "cluster"\nrole = "cluster"\ntoken = "{cluster}"\n')
     path.write_text("\n".join(entries))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"

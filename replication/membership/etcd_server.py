@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Self
 
 from kvstore.auth.security import ServerTls
+from kvstore.core.ports import free_port
 
 _LOG_TAIL_BYTES = 4000
 _BIND_ATTEMPTS = 3  # fresh ports are tried again only if the chosen ones were taken meanwhile
@@ -40,12 +41,6 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class EtcdServerError(RuntimeError):
     """etcd could not be found, did not start, or did not become healthy in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_in_use(port: int) -> bool:
@@ -211,11 +206,11 @@ class EtcdServer:
     def _choose_ports(self, *, fresh: bool) -> None:
         """Picks the ports left to choose (all again when ``fresh`` and all were chosen)."""
         if self._client_port == 0 or (fresh and self._auto_ports):
-            self._client_port = _free_port()
+            self._client_port = free_port()
         if self._peer_port == 0 or (fresh and self._auto_ports):
-            self._peer_port = _free_port()
+            self._peer_port = free_port()
             while self._peer_port == self._client_port:
-                self._peer_port = _free_port()
+                self._peer_port = free_port()
 
     def _args(self, exe: str) -> list[str]:
         scheme = "https" if self.tls else "http"
