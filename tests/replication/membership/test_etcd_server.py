@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 from pathlib import Path
 
 import aetcd
 import pytest
 
+from kvstore.core.ports import free_port
 from replication.membership.etcd_server import EtcdServer, EtcdServerError
 
 pytest_plugins = ["etcd_fixtures"]
@@ -86,11 +86,7 @@ def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
 
 
 def test_explicit_ports_are_used(tmp_path: Path) -> None:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]  # two probes of their own could get the same port
     with EtcdServer(tmp_path / "etcd", client_port=ports[0], peer_port=ports[1],
                     name="custom") as server:
         assert server.endpoint == f"127.0.0.1:{ports[0]}"
