@@ -7,7 +7,9 @@
  * reused only once KVB_QUARANTINE other slots wait there, so a stale pointer sees the
  * old block's fields for a long while rather than another block at once.
  *
- * The allocators' live tables (extent offset -> length) are in block_map.c.
+ * The key table is a progressive hash table (probe_table.c): growing it never rehashes
+ * every key at once. The allocators' live tables (extent offset -> length) are in
+ * block_map.c.
  *
  * Single owner: every call is made under the owner's lock (cffi releases the GIL around
  * each call; nothing here touches Python objects). Every slot and level argument is
@@ -68,15 +70,15 @@ struct kvb_table {
     uint32_t fq_head;
     uint32_t fq_len;
     uint32_t fq_cap;
-    uint64_t *buckets;    /* 0: empty, else (slot + 1) << 32 | low 32 bits of the hash */
-    uint64_t mask;
-    uint64_t count;
+    /* Key table, one word a bucket: (slot + 1) << 32 | the low 32 bits of the key's hash
+     * (which place it: 2**32 buckets at most). */
+    struct kvp_table keys;
     uint32_t head;
     uint32_t tail;
     struct kvb_heap heaps[KVB_LEVELS];
 };
 
-int kvb_api_version(void) { return 1; }
+int kvb_api_version(void) { return 2; }
 
 static uint64_t kvb_hash(const uint8_t *key) {
     uint64_t a, b;
@@ -103,9 +105,7 @@ struct kvb_table *kvb_open(void) {
     struct kvb_table *t = calloc(1, sizeof *t);
     if (t == NULL)
         return NULL;
-    t->mask = 1023;
-    t->buckets = calloc(t->mask + 1, sizeof *t->buckets);
-    if (t->buckets == NULL) {
+    if (kvp_init(&t->keys, 1) != 0) {
         free(t);
         return NULL;
     }
@@ -117,16 +117,19 @@ void kvb_close(struct kvb_table *t) {
     if (t == NULL)
         return;
     for (uint32_t i = 0; i < t->nchunks; i++)
-        free(t->chunks[i]);
+        kvb_big_free(t->chunks[i], KVB_CHUNK * sizeof(struct kvb_entry));
     free(t->chunks);
     free(t->freeq);
-    free(t->buckets);
+    kvp_free(&t->keys);
     for (int i = 0; i < KVB_LEVELS; i++)
-        free(t->heaps[i].a);
+        kvb_big_free(t->heaps[i].a, (size_t)t->heaps[i].cap * sizeof(uint32_t));
     free(t);
 }
 
-uint64_t kvb_count(const struct kvb_table *t) { return t->count; }
+uint64_t kvb_count(const struct kvb_table *t) { return t->keys.count; }
+
+/* Buckets of the key table's old half still to move (0: not growing). */
+uint64_t kvb_moving(const struct kvb_table *t) { return kvp_moving(&t->keys); }
 
 uint32_t kvb_nchunks(const struct kvb_table *t) { return t->nchunks; }
 
@@ -137,7 +140,7 @@ struct kvb_entry *kvb_chunk(const struct kvb_table *t, uint32_t i) {
 /* Bytes of native memory the table holds (records, key table, heaps, free ring). */
 uint64_t kvb_native_bytes(const struct kvb_table *t) {
     uint64_t n = sizeof *t + (uint64_t)t->nchunks * KVB_CHUNK * sizeof(struct kvb_entry)
-        + (uint64_t)t->chunk_cap * sizeof *t->chunks + (t->mask + 1) * sizeof *t->buckets
+        + (uint64_t)t->chunk_cap * sizeof *t->chunks + kvp_bytes(&t->keys)
         + (uint64_t)t->fq_cap * sizeof *t->freeq;
     for (int i = 0; i < KVB_LEVELS; i++)
         n += (uint64_t)t->heaps[i].cap * sizeof(uint32_t);
@@ -159,7 +162,7 @@ static int add_chunk(struct kvb_table *t) {
         t->chunks = c;
         t->chunk_cap = cap;
     }
-    struct kvb_entry *chunk = calloc(KVB_CHUNK, sizeof *chunk);
+    struct kvb_entry *chunk = kvb_big_zalloc(KVB_CHUNK * sizeof *chunk);
     if (chunk == NULL)
         return KVB_ENOMEM;
     t->chunks[t->nchunks++] = chunk;
@@ -219,57 +222,47 @@ int kvb_retire(struct kvb_table *t, int64_t slot) {
 
 /* ---- the key table ----------------------------------------------------------------- */
 
-static int64_t find(const struct kvb_table *t, const uint8_t *key, uint64_t *where) {
-    uint64_t h = kvb_hash(key) & 0xFFFFFFFFull;
-    for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
-        uint64_t b = t->buckets[i];
-        if (b == 0) {
-            if (where)
-                *where = i;
-            return -1;
-        }
-        if ((b & 0xFFFFFFFFull) == h) {
-            uint32_t slot = (uint32_t)(b >> 32) - 1;
-            if (memcmp(at(t, slot)->key, key, KVB_KEY) == 0) {
-                if (where)
-                    *where = i;
-                return slot;
-            }
-        }
-    }
+struct key_query {
+    const uint8_t *key;
+    uint64_t h;  /* the low 32 bits of its hash */
+};
+
+static uint64_t key_bucket_hash(const uint64_t *bucket, const void *ctx) {
+    (void)ctx;
+    return bucket[0] & 0xFFFFFFFFull;
+}
+
+static int key_bucket_match(const uint64_t *bucket, const void *query, const void *ctx) {
+    const struct key_query *q = query;
+    if ((bucket[0] & 0xFFFFFFFFull) != q->h)
+        return 0;
+    uint32_t slot = (uint32_t)(bucket[0] >> 32) - 1;
+    return memcmp(at(ctx, slot)->key, q->key, KVB_KEY) == 0;
+}
+
+static const struct kvp_ops key_ops = {key_bucket_hash, key_bucket_match};
+
+static uint64_t *find_bucket(const struct kvb_table *t, const uint8_t *key) {
+    struct key_query q = {key, kvb_hash(key) & 0xFFFFFFFFull};
+    return kvp_find(&t->keys, q.h, &q, &key_ops, t);
+}
+
+static int64_t find(const struct kvb_table *t, const uint8_t *key) {
+    const uint64_t *b = find_bucket(t, key);
+    return b == NULL ? -1 : (int64_t)(uint32_t)((b[0] >> 32) - 1);
 }
 
 int64_t kvb_find(const struct kvb_table *t, const uint8_t *key) {
-    return find(t, key, NULL);
+    return find(t, key);
 }
 
 /* How many of the ``n`` keys (16 bytes each, back to back) are present before the
  * first absent one. */
 uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n) {
     uint64_t i = 0;
-    while (i < n && find(t, keys + i * KVB_KEY, NULL) >= 0)
+    while (i < n && find(t, keys + i * KVB_KEY) >= 0)
         i++;
     return i;
-}
-
-static int grow(struct kvb_table *t) {
-    uint64_t cap = (t->mask + 1) * 2;
-    uint64_t *nb = calloc(cap, sizeof *nb);
-    if (nb == NULL)
-        return KVB_ENOMEM;
-    for (uint64_t i = 0; i <= t->mask; i++) {
-        uint64_t b = t->buckets[i];
-        if (b == 0)
-            continue;
-        uint64_t j = (b & 0xFFFFFFFFull) & (cap - 1);
-        while (nb[j] != 0)
-            j = (j + 1) & (cap - 1);
-        nb[j] = b;
-    }
-    free(t->buckets);
-    t->buckets = nb;
-    t->mask = cap - 1;
-    return 0;
 }
 
 /* Puts ``slot`` in the key table, last in insertion order. KVB_EBAD if its key is
@@ -278,16 +271,14 @@ int kvb_link(struct kvb_table *t, int64_t slot) {
     if (!valid(t, slot) || at(t, (uint32_t)slot)->linked)
         return KVB_EBAD;
     /* At most 7/8 full; the hash's low 32 bits place a key, so 2**32 buckets at most. */
-    if ((t->count + 1) * 8 > (t->mask + 1) * 7) {
-        if (t->mask + 1 >= (1ull << 32) || grow(t) != 0)
-            return KVB_ENOMEM;
-    }
+    if (kvp_reserve(&t->keys, &key_ops, t, 1ull << 32) != 0)
+        return KVB_ENOMEM;
     struct kvb_entry *e = at(t, (uint32_t)slot);
-    uint64_t where;
-    if (find(t, e->key, &where) >= 0)
+    if (find(t, e->key) >= 0)
         return KVB_EBAD;
-    t->buckets[where] = ((uint64_t)slot + 1) << 32 | (kvb_hash(e->key) & 0xFFFFFFFFull);
-    t->count++;
+    uint64_t h = kvb_hash(e->key) & 0xFFFFFFFFull;
+    uint64_t bucket = ((uint64_t)slot + 1) << 32 | h;
+    kvp_insert(&t->keys, h, &bucket);
     e->linked = 1;
     e->prev = t->tail;
     e->next = KVB_NONE;
@@ -299,29 +290,15 @@ int kvb_link(struct kvb_table *t, int64_t slot) {
     return 0;
 }
 
-/* Takes ``slot`` out of the key table and the insertion order (backward-shift deletion:
- * no tombstones). */
+/* Takes ``slot`` out of the key table and the insertion order. */
 int kvb_unlink(struct kvb_table *t, int64_t slot) {
     if (!valid(t, slot) || !at(t, (uint32_t)slot)->linked)
         return KVB_EBAD;
     struct kvb_entry *e = at(t, (uint32_t)slot);
-    uint64_t i;
-    if (find(t, e->key, &i) != slot)
+    uint64_t *b = find_bucket(t, e->key);
+    if (b == NULL || (int64_t)(uint32_t)((b[0] >> 32) - 1) != slot)
         return KVB_EBAD;
-    for (uint64_t j = (i + 1) & t->mask;; j = (j + 1) & t->mask) {
-        uint64_t b = t->buckets[j];
-        if (b == 0)
-            break;
-        uint64_t home = (b & 0xFFFFFFFFull) & t->mask;
-        /* Move b back to i unless its home lies cyclically in (i, j]. */
-        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-        if (!stays) {
-            t->buckets[i] = b;
-            i = j;
-        }
-    }
-    t->buckets[i] = 0;
-    t->count--;
+    kvp_remove(&t->keys, b, &key_ops, t);
     e->linked = 0;
     if (e->prev != KVB_NONE)
         at(t, e->prev)->next = e->next;
@@ -415,7 +392,7 @@ static int heap_insert(struct kvb_table *t, int level, uint32_t slot) {
         uint32_t cap = h->cap ? h->cap * 2 : 1024;
         if (cap <= h->cap)
             return KVB_ENOMEM;
-        uint32_t *a = realloc(h->a, (size_t)cap * sizeof *a);
+        uint32_t *a = kvb_big_grow(h->a, (size_t)h->cap * sizeof *a, (size_t)cap * sizeof *a);
         if (a == NULL)
             return KVB_ENOMEM;
         h->a = a;

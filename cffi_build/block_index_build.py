@@ -1,6 +1,6 @@
 """cffi (API mode) build of ``tiers._block_index``: the tier index in native memory
-(``cffi_build/block_index.c``, and the allocators' live tables in ``block_map.c``;
-issue #24).
+(``cffi_build/block_index.c``, and the allocators' live tables in ``block_map.c``, both
+hash tables ``probe_table.c``; issue #24).
 
 Run from the repository root::
 
@@ -26,13 +26,15 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 
 # What tiers/native_index.py expects of a build (kvb_api_version()).
-API_VERSION = 1
+API_VERSION = 2
 CDEF = """
 #define KVB_NONE 4294967295
 #define KVB_EBAD -2
 #define KVB_ENOMEM -3
 #define KVB_CHUNK_BITS 16
 #define KVB_LEVELS 8
+#define KVP_STEP 16
+#define KVP_MIN_BUCKETS 1024
 struct kvb_entry {
     uint8_t key[16];
     uint8_t parent[16];
@@ -60,6 +62,7 @@ int kvb_api_version(void);
 struct kvb_table *kvb_open(void);
 void kvb_close(struct kvb_table *t);
 uint64_t kvb_count(const struct kvb_table *t);
+uint64_t kvb_moving(const struct kvb_table *t);
 uint32_t kvb_nchunks(const struct kvb_table *t);
 struct kvb_entry *kvb_chunk(const struct kvb_table *t, uint32_t i);
 uint64_t kvb_native_bytes(const struct kvb_table *t);
@@ -81,6 +84,8 @@ struct kvb_map *kvb_map_open(void);
 void kvb_map_close(struct kvb_map *m);
 uint64_t kvb_map_count(const struct kvb_map *m);
 uint64_t kvb_map_bytes(const struct kvb_map *m);
+uint64_t kvb_map_moving(const struct kvb_map *m);
+uint64_t kvb_map_released(const struct kvb_map *m);
 int64_t kvb_map_get(const struct kvb_map *m, int64_t offset);
 int kvb_map_set(struct kvb_map *m, int64_t offset, int64_t value);
 int64_t kvb_map_del(struct kvb_map *m, int64_t offset);
@@ -88,7 +93,7 @@ uint64_t kvb_map_items(const struct kvb_map *m, uint64_t *from, int64_t *offsets
                        int64_t *values, uint64_t cap);
 """
 MODULE = "tiers._block_index"
-SOURCES = ["block_index.c", "block_map.c"]
+SOURCES = ["probe_table.c", "block_index.c", "block_map.c"]
 
 
 def make_builder(asan: bool = False) -> FFI:

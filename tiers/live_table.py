@@ -88,6 +88,15 @@ class NativeLiveTable:
     def native_bytes(self) -> int:
         return int(self._lib.kvb_map_bytes(self._m))
 
+    def moving_buckets(self) -> int:
+        """Buckets of the old table still to move while the table grows (0: not growing;
+        ``cffi_build/probe_table.c``)."""
+        return int(self._lib.kvb_map_moving(self._m))
+
+    def released_bytes(self) -> int:
+        """Bytes of the old table already given back to the kernel while it drains."""
+        return int(self._lib.kvb_map_released(self._m))
+
 
 def make_live_table(kind: str | None = None) -> LiveTable:
     """The live table of ``kind`` (``tiers.index_kind.resolve``)."""

@@ -37,7 +37,7 @@ from tiers.records import PINNED, BlockEntry
 _module: Any = importlib.import_module("tiers._block_index")  # cffi: untyped
 ffi: Any = _module.ffi
 lib: Any = _module.lib
-API_VERSION = 1
+API_VERSION = 2  # cffi_build/block_index_build.py API_VERSION
 KEY_BYTES = 16
 _NONE = lib.KVB_NONE
 _CHUNK_BITS = lib.KVB_CHUNK_BITS
@@ -380,6 +380,11 @@ class NativeBlockTable:
     def native_bytes(self) -> int:
         """Native memory the table holds."""
         return int(lib.kvb_native_bytes(self.c))
+
+    def moving_buckets(self) -> int:
+        """Buckets of the key table's old half still to move while it grows (0: not
+        growing; ``cffi_build/probe_table.c``)."""
+        return int(lib.kvb_moving(self.c))
 
     def _own(self, entry: BlockEntry) -> NativeEntry:
         if not isinstance(entry, NativeEntry) or entry._table is not self:

@@ -357,3 +357,161 @@ def test_the_native_budget_covers_what_the_tables_hold() -> None:
         live[i] = 1
     per_block = (t.native_bytes() + live.native_bytes()) / n
     assert 160 < per_block <= NATIVE_BYTES_PER_BLOCK
+
+
+# ---- progressive growth of the hash tables (cffi_build/probe_table.c) ------------------------
+
+
+def _grow_at() -> int:
+    """Entries after which the first growth starts (the table passes 7/8 of its buckets)."""
+    return lib.KVP_MIN_BUCKETS * 7 // 8
+
+
+def test_a_key_table_growth_moves_a_bounded_step_per_link_and_frees_the_old_half() -> None:
+    """No link rehashes the whole table: the one that passes 7/8 allocates the bigger table
+    and moves ``KVP_STEP`` old buckets, every later link as many, until the old is gone."""
+    t = NativeBlockTable()
+    keys = [BlockKey(i.to_bytes(16, "big")) for i in range(3 * lib.KVP_MIN_BUCKETS)]
+    for k in keys[:_grow_at()]:
+        t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    assert t.moving_buckets() == 0
+    small = t.native_bytes()
+    moving, grown = [], []
+    for k in keys[_grow_at():]:
+        t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+        moving.append(t.moving_buckets())
+        grown.append(t.native_bytes() - small)
+        if moving[-1] == 0:
+            break
+    step, old = lib.KVP_STEP, lib.KVP_MIN_BUCKETS
+    assert moving == [old - step * i for i in range(1, old // step)] + [0]
+    # One word a bucket: both tables while the old drains, then only the doubled one.
+    assert grown == [8 * 2 * old] * (len(moving) - 1) + [8 * old]
+    assert list(t) == keys[:_grow_at() + len(moving)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["link", "unlink", "find", "fill"]),
+                              st.integers(0, 4 * 1024)), max_size=120))
+def test_the_key_table_answers_as_a_dict_while_it_grows(ops: list[tuple[str, int]]) -> None:
+    """Links, unlinks and finds through growths, many of them while an old table is still
+    being drained (``fill`` links hundreds of keys at once to reach a growth)."""
+    t = NativeBlockTable()
+    ref: dict[BlockKey, None] = {}  # insertion-ordered, as the table
+    entries: dict[BlockKey, BlockEntry] = {}
+    during = 0
+    next_fill = 1 << 20
+
+    def link(k: BlockKey) -> None:
+        e = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+        t[k] = e
+        ref[k] = None
+        entries[k] = e
+
+    for op, n in ops:
+        k = BlockKey(n.to_bytes(16, "big"))
+        if op == "fill":
+            for i in range(n % 700):
+                link(BlockKey((next_fill + i).to_bytes(16, "big")))
+            next_fill += 700
+        elif op == "link" and k not in ref:
+            link(k)
+        elif op == "unlink" and k in ref:
+            del t[k]
+            del ref[k]
+            e = entries.pop(k)
+            e.flags |= UNLINKED
+            t.retire(e)
+        elif op == "find":
+            assert (k in t) == (k in ref)
+        during += t.moving_buckets() > 0
+        assert len(t) == len(ref)
+    assert list(t) == list(ref)
+    assert all(k in t for k in ref)
+    if during:  # what was looked up mid-growth was found in either table
+        assert all(t.get(k) is entries[k] for k in ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "del", "get", "fill"]),
+                              st.integers(0, 5000) | st.integers(0, 1 << 62),
+                              st.integers(0, 1 << 40)), max_size=120))
+def test_the_live_table_answers_as_a_dict_while_it_grows(
+        ops: list[tuple[str, int, int]]) -> None:
+    native, ref = NativeLiveTable(), PyLiveTable()
+    next_fill = 1 << 50
+    for op, offset, length in ops:
+        if op == "fill":
+            for i in range(offset % 700):
+                native[next_fill + i] = length
+                ref[next_fill + i] = length
+            next_fill += 700
+        elif op == "set":
+            native[offset] = length
+            ref[offset] = length
+        elif op == "del":
+            if offset in ref:
+                del native[offset]
+                del ref[offset]
+            else:
+                with pytest.raises(KeyError):
+                    del native[offset]
+        assert native.get(offset) == ref.get(offset)
+        assert len(native) == len(ref)
+    assert sorted(native.items()) == sorted(ref.items())
+
+
+def test_a_live_table_growth_is_progressive_and_offset_zero_is_a_key() -> None:
+    """Offset 0 is stored as any other (the table keeps two codes of its own below 2)."""
+    t = NativeLiveTable()
+    for i in range(_grow_at() + 1):
+        t[i] = i + 1
+    assert t.moving_buckets() == lib.KVP_MIN_BUCKETS - lib.KVP_STEP
+    assert t.get(0) == 1 and t.get(_grow_at()) == _grow_at() + 1
+    del t[0]
+    assert t.get(0) is None and len(t) == _grow_at()
+    assert sorted(t.items()) == [(i, i + 1) for i in range(1, _grow_at() + 1)]
+
+
+def test_keys_unlinked_and_looked_up_while_the_key_table_grows() -> None:
+    """Unlinks mid-growth hit both tables (keys not moved yet and keys already moved), and
+    every lookup in between answers from whichever table holds the key."""
+    t = NativeBlockTable()
+    keys = [BlockKey(i.to_bytes(16, "little")) for i in range(_grow_at() + 200)]
+    entries = {}
+    for k in keys[:_grow_at()]:
+        entries[k] = t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    gone: set[BlockKey] = set()
+    for i, k in enumerate(keys[_grow_at():]):
+        entries[k] = t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+        if t.moving_buckets():
+            victim = keys[(7 * i) % _grow_at()]
+            if victim not in gone:
+                del t[victim]
+                gone.add(victim)
+            assert all((t.get(k) is entries[k]) != (k in gone) for k in keys[:_grow_at() + i + 1])
+    assert t.moving_buckets() == 0 and len(gone) > 50
+    assert list(t) == [k for k in keys if k not in gone]
+
+
+def test_a_big_growth_gives_the_drained_old_pages_back_and_still_answers() -> None:
+    """A table big enough that its drained old half is given back a megabyte at a time
+    while it grows (read as empty afterwards): every entry is still found, moved or not,
+    and absent ones are absent."""
+    t = NativeLiveTable()
+    grow_at = (1 << 17) * 7 // 8  # two-word buckets: 2**17 of them is 2 MiB
+    for i in range(grow_at):
+        t[i * 8] = i
+    released, i = [], grow_at
+    while t.moving_buckets() or i == grow_at:
+        t[i * 8] = i
+        if i % 16 == 0:
+            del t[(i - grow_at) * 8]  # some of the old half's, moved or not
+        released.append(t.released_bytes())
+        for j in range(i % 97, i, 4099):
+            assert t.get(j * 8) == (None if j % 16 == 0 and j <= i - grow_at else j)
+        assert t.get(i * 8 + 3) is None
+        i += 1
+    assert max(released) >= 1 << 20  # pages were given back while it drained
+    gone = {(k - grow_at) * 8 for k in range(grow_at, i) if k % 16 == 0}
+    assert sorted(t.items()) == [(k * 8, k) for k in range(i) if k * 8 not in gone]
