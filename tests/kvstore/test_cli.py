@@ -238,6 +238,8 @@ def test_config_file_with_a_flag_overriding_it(tmp_path: Path) -> None:
         assert stat.returncode == 0, stat.stderr
         stats = json.loads(stat.stdout)
         assert stats["tiers"]["dram"]["capacity"] == 24 << 20
+        # Start-up's objects are frozen out of the collector once the node serves.
+        assert stats["node"]["gc_frozen_objects"] > 1000
         assert stats["node"]["policy"] == "lfu"
         nobody = kvstore("stat", "--addr", f"127.0.0.1:{config_port}", "--timeout", "2")
         assert nobody.returncode == 1  # the flag won: nothing on the config's address
