@@ -19,7 +19,14 @@ runs in its own process, so its memory figures start from a clean interpreter. P
   millisecond while the writer fills, under one lock as a node's handlers do, and times
   each from when it fell due (open loop: lock wait, GIL wait, the machine's scheduling
   and garbage collection included); ``gc.callbacks`` times every collection (wall and
-  CPU), so a long pause can be told apart from the writer's lock hold or a busy machine.
+  CPU), and the writer times how long each put holds the lock. The index's own pause is
+  the longest of those two (``index_pause_ms``): what a get waits for behind the index.
+  The reader's figures also hold CPython's scheduling, which each size measures after
+  its fill with no index at all (``harness_floor``: a writer holding the lock as long as
+  the mean put, in the same loop; the GIL's 5 ms switch interval, and a released lock
+  taken again by the writer before the waiting reader runs).
+  Start-up objects are frozen out of the collector (``gc.freeze``) before the fill, as
+  ``kvstore serve`` does once it serves.
 
 ``--index python`` is the pure-Python index; ``--index native`` the native one (issue
 #24) where this tree has it, else the run says it is unavailable and skips it. Sizes whose
@@ -42,7 +49,7 @@ import time
 import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks.stats import write_json
 from kvstore.core.keys import BlockKey
@@ -61,6 +68,7 @@ QUICK_OPS = 20_000
 TRACEMALLOC_MAX = 1_000_000
 PEAK_FACTOR = 1.3  # a dict's growth holds the old and the new table at once
 READER_PERIOD_S = 0.001
+FLOOR_S = 5.0  # the harness floor's run (no index)
 WINDOWS = 10
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"bytes_per_block": 100, "max_get_pause_ms": 10.0}
@@ -109,10 +117,18 @@ class _GcTimes:
                                 time.thread_time() - self._c0))
 
 
+class _Leasing(Protocol):
+    """What the reader calls: a ``TierManager``, or ``_NoIndex`` for the harness floor."""
+
+    def acquire_read(self, key: BlockKey) -> Any: ...
+
+    def release_read(self, entry: Any) -> Any: ...
+
+
 class _Reader(threading.Thread):
     """Times a read lease on a random committed key about every ``READER_PERIOD_S``."""
 
-    def __init__(self, manager: TierManager, lock: threading.Lock, filled: list[int]) -> None:
+    def __init__(self, manager: _Leasing, lock: threading.Lock, filled: list[int]) -> None:
         super().__init__(daemon=True)
         self._manager, self._lock, self._filled = manager, lock, filled
         self.stop = threading.Event()
@@ -141,26 +157,78 @@ class _Reader(threading.Thread):
             due = max(due, time.perf_counter() - READER_PERIOD_S)  # one sample per pause
 
 
-def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int]
-          ) -> list[dict[str, float]]:
-    """Puts ``n`` blocks in chains; the put rate of each tenth of the fill."""
-    windows = []
+class _Fill:
+    """What the fill saw: the put rate of each tenth, and the longest time one put held
+    the lock (what a get waits for at most behind the index, collections in the put
+    included, once it is the lock's next holder)."""
+
+    def __init__(self) -> None:
+        self.windows: list[dict[str, float]] = []
+        self.max_hold_s = 0.0
+        self.total_hold_s = 0.0
+        self.holds_over_10ms = 0
+
+
+def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int]) -> _Fill:
+    """Puts ``n`` blocks in chains."""
+    out = _Fill()
     step = max(1, n // WINDOWS)
     parent: BlockKey | None = None
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    t0 = clock()
     for i in range(n):
         key = key_of(i)
         with lock:
+            h0 = clock()
             res = manager.reserve(key, 1, parent=parent if i % CHAIN else None)
             assert res is not None
             manager.commit(res)
+            hold = clock() - h0
+        out.total_hold_s += hold
+        if hold > out.max_hold_s:
+            out.max_hold_s = hold
+        out.holds_over_10ms += hold > 0.010
         filled[0] = i + 1
         parent = key
         if (i + 1) % step == 0:
-            t1 = time.perf_counter()
-            windows.append({"blocks": i + 1, "puts_per_s": step / (t1 - t0)})
+            t1 = clock()
+            out.windows.append({"blocks": i + 1, "puts_per_s": step / (t1 - t0)})
             t0 = t1
-    return windows
+    return out
+
+
+def harness_floor(hold_s: float, seconds: float = FLOOR_S) -> dict[str, float]:
+    """The reader's figures with no index at all: a writer that holds the same lock for
+    ``hold_s`` (the fill's mean put) in the same tight loop. What it measures is CPython's
+    own scheduling, which every figure of the reader includes: the GIL's 5 ms switch
+    interval, and a lock released and taken again by the writer before the waiting reader
+    runs."""
+    lock = threading.Lock()
+    reader = _Reader(_NoIndex(), lock, [1])
+    reader.start()
+    clock = time.perf_counter
+    end = clock() + seconds
+    while clock() < end:
+        with lock:
+            until = clock() + hold_s
+            while clock() < until:
+                pass
+    reader.stop.set()
+    reader.join()
+    samples = sorted(reader.samples)
+    return {"floor_max_get_ms": _pct(samples, 1.0) * 1e3,
+            "floor_p99_get_ms": _pct(samples, 0.99) * 1e3,
+            "floor_p999_get_ms": _pct(samples, 0.999) * 1e3}
+
+
+class _NoIndex:
+    """Stands for the manager in ``harness_floor``: every get misses at once."""
+
+    def acquire_read(self, key: BlockKey) -> None:
+        return None
+
+    def release_read(self, entry: object) -> None:
+        raise AssertionError("nothing is leased")
 
 
 def _pct(sorted_s: list[float], q: float) -> float:
@@ -213,6 +281,9 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
     gc.collect()
     rss0, objs0 = rss_bytes(), sys.getallocatedblocks()
     manager = make_manager(kind, n)
+    # As ``kvstore serve`` does once started: what start-up built is never garbage, so
+    # a full collection does not walk it again.
+    gc.freeze()
     lock = threading.Lock()
     filled = [0]
     gc_times = _GcTimes()
@@ -221,7 +292,7 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
     reader.start()
     t0, c0 = time.perf_counter(), time.thread_time()
     try:
-        windows = _fill(manager, n, lock, filled)
+        fill = _fill(manager, n, lock, filled)
     finally:
         fill_cpu_s = time.thread_time() - c0
         reader.stop.set()
@@ -235,7 +306,9 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
     out: dict[str, Any] = {
         "index": kind, "blocks": n, "chain": CHAIN, "fill_s": fill_s,
         "rss_bytes_per_block": rss / n, "objects_per_block": objs / n,
-        "puts_per_s": n / fill_s, "puts_per_cpu_s": n / fill_cpu_s, "put_windows": windows,
+        "puts_per_s": n / fill_s, "puts_per_cpu_s": n / fill_cpu_s,
+        "put_windows": fill.windows, "max_put_hold_ms": fill.max_hold_s * 1e3,
+        "put_holds_over_10ms": fill.holds_over_10ms,
         "gets_timed": len(samples), "max_get_pause_ms": _pct(samples, 1.0) * 1e3,
         "p99_get_ms": _pct(samples, 0.99) * 1e3, "p999_get_ms": _pct(samples, 0.999) * 1e3,
         "gets_over_10ms": sum(1 for s in samples if s > 0.010),
@@ -247,6 +320,10 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
         "gc_total_cpu_s": sum(c for _, _, c in gc_times.pauses),
         "budget_bytes_per_block": index_bytes(n, kind=kind) / n,
     }
+    # The longest a get waits for the index itself: one put's hold of the lock (its
+    # collections included), or a collection in the reader's own get.
+    out["index_pause_ms"] = max(out["max_put_hold_ms"], out["max_gc_pause_ms"])
+    out |= harness_floor(fill.total_hold_s / n)
     out.update(_rates(manager, n, ops))
     del manager, reader
     gc.collect()
@@ -294,7 +371,8 @@ def run_size(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, 
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
     head = (f"{'index':<7} {'blocks':>11} {'RSS B/blk':>9} {'objs/blk':>8} {'tm B/blk':>8} "
             f"{'put/s':>9} {'lookup/s':>9} {'prefix/s':>9} {'evict/s':>9} "
-            f"{'max get ms':>10} {'p99.9 ms':>8} {'max gc ms':>9} {'gc cpu ms':>9}")
+            f"{'max get ms':>10} {'p99.9 ms':>8} {'max gc ms':>9} {'gc cpu ms':>9} "
+            f"{'max hold ms':>11} {'index pause':>11} {'floor max':>9}")
     lines = [head, "-" * len(head)]
     for r in runs:
         if "skipped" in r:
@@ -307,7 +385,9 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
             f"{r['puts_per_cpu_s']:>9,.0f} {r['lookups_per_cpu_s']:>9,.0f} "
             f"{r['prefix_matches_per_cpu_s']:>9,.0f} {r['evicting_puts_per_cpu_s']:>9,.0f} "
             f"{r['max_get_pause_ms']:>10.1f} {r['p999_get_ms']:>8.2f} "
-            f"{r['max_gc_pause_ms']:>9.1f} {r['max_gc_pause_cpu_ms']:>9.1f}")
+            f"{r['max_gc_pause_ms']:>9.1f} {r['max_gc_pause_cpu_ms']:>9.1f} "
+            f"{r['max_put_hold_ms']:>11.1f} {r['index_pause_ms']:>11.1f} "
+            f"{r['floor_max_get_ms']:>9.1f}")
     return "\n".join(lines)
 
 
@@ -345,6 +425,7 @@ def plot(path: Path, runs: Sequence[dict[str, Any]]) -> None:
             axes[1].plot(xs, [r[name] for r in done], "o-", label=f"{kind} {name}")
         axes[2].plot(xs, [r["max_get_pause_ms"] for r in done], "o-", label=f"{kind} max get")
         axes[2].plot(xs, [r["max_gc_pause_ms"] for r in done], "x--", label=f"{kind} max gc")
+        axes[2].plot(xs, [r["index_pause_ms"] for r in done], "s-", label=f"{kind} index pause")
         axes[2].plot(xs, [r["max_gc_pause_cpu_ms"] for r in done], "+:",
                      label=f"{kind} max gc (CPU)")
     axes[0].axhline(TARGETS["bytes_per_block"], color="grey", ls=":", label="target")
