@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 /* ---- big arrays: records' chunks, heaps, hash tables ----------------------------------
  * Straight from mmap: the kernel zeroes a page when it is first touched, and mremap grows
@@ -74,14 +75,13 @@ static void *kvb_big_grow(void *p, size_t old_bytes, size_t new_bytes) {
 #define KVB_RELEASE_BYTES (1u << 20)
 
 /* Gives the pages of ``p``'s first ``bytes`` (a multiple of the page size) back to the
- * kernel; reading them again reads zeros (off Linux and under ASan, they are zeroed: the
- * same reads). 0 if done, -1 if not. */
-static int kvb_big_release(void *p, size_t bytes) {
+ * kernel if it takes them; reading them again reads zeros (off Linux and under ASan,
+ * they are zeroed: the same reads). Best effort: pages it keeps read as they were. */
+static void kvb_big_release(void *p, size_t bytes) {
 #ifdef KVB_BIG_MALLOC
     memset(p, 0, bytes);
-    return 0;
 #else
-    return madvise(p, bytes, MADV_DONTNEED);
+    (void)madvise(p, bytes, MADV_DONTNEED);
 #endif
 }
 
@@ -115,7 +115,8 @@ struct kvp_table {
     uint64_t old_mask;
     uint64_t cursor;    /* the next old bucket to move */
     uint64_t last_empty;  /* the last empty old bucket the cursor passed, + 1 (0: none) */
-    size_t released;    /* bytes at the old table's start given back to the kernel */
+    size_t released;    /* bytes at the old table's start given back to the kernel (or
+                         * that it kept: they read as they were, which is as right) */
     uint64_t count;     /* entries, both tables */
     uint32_t width;     /* words per bucket */
 };
@@ -191,12 +192,19 @@ static uint64_t *kvp_empty_for(const struct kvp_table *t, uint64_t h) {
  * probe run from its home has no empty bucket), so it was moved already, and a probe
  * there may end early; an entry further on is never looked for below E. */
 static void kvp_release_drained(struct kvp_table *t) {
-    size_t below = (size_t)(t->last_empty - 1) * t->width * sizeof(uint64_t);
-    size_t page = 4096, want = (below / page) * page;
-    if (t->last_empty == 0 || want < t->released + KVB_RELEASE_BYTES)
+    if (t->last_empty == 0)
         return;
-    if (kvb_big_release((unsigned char *)t->old + t->released, want - t->released) == 0)
-        t->released = want;
+    static size_t page;
+    if (page == 0) {
+        long got = sysconf(_SC_PAGESIZE);
+        page = got > 0 ? (size_t)got : 4096;
+    }
+    size_t below = (size_t)(t->last_empty - 1) * t->width * sizeof(uint64_t);
+    size_t want = below / page * page;
+    if (want < t->released + KVB_RELEASE_BYTES)
+        return;
+    kvb_big_release((unsigned char *)t->old + t->released, want - t->released);
+    t->released = want;
 }
 
 /* Moves up to ``n`` old buckets into the new table; frees the old one when drained. */
