@@ -242,9 +242,18 @@ static int key_bucket_match(const uint64_t *bucket, const void *query, const voi
 
 static const struct kvp_ops key_ops = {key_bucket_hash, key_bucket_match};
 
-static uint64_t *find_bucket(const struct kvb_table *t, const uint8_t *key) {
+static struct key_query key_query_of(const uint8_t *key) {
     struct key_query q = {key, kvb_hash(key) & 0xFFFFFFFFull};
-    return kvp_find(&t->keys, q.h, &q, &key_ops, t);
+    return q;
+}
+
+static uint64_t *find_query(const struct kvb_table *t, const struct key_query *q) {
+    return kvp_find(&t->keys, q->h, q, &key_ops, t);
+}
+
+static uint64_t *find_bucket(const struct kvb_table *t, const uint8_t *key) {
+    struct key_query q = key_query_of(key);
+    return find_query(t, &q);
 }
 
 static int64_t find(const struct kvb_table *t, const uint8_t *key) {
@@ -274,11 +283,11 @@ int kvb_link(struct kvb_table *t, int64_t slot) {
     if (kvp_reserve(&t->keys, &key_ops, t, 1ull << 32) != 0)
         return KVB_ENOMEM;
     struct kvb_entry *e = at(t, (uint32_t)slot);
-    if (find(t, e->key) >= 0)
+    struct key_query q = key_query_of(e->key);
+    if (find_query(t, &q) != NULL)
         return KVB_EBAD;
-    uint64_t h = kvb_hash(e->key) & 0xFFFFFFFFull;
-    uint64_t bucket = ((uint64_t)slot + 1) << 32 | h;
-    kvp_insert(&t->keys, h, &bucket);
+    uint64_t bucket = ((uint64_t)slot + 1) << 32 | q.h;
+    kvp_insert(&t->keys, q.h, &bucket);
     e->linked = 1;
     e->prev = t->tail;
     e->next = KVB_NONE;

@@ -156,25 +156,26 @@ static uint64_t kvp_moving(const struct kvp_table *t) {
     return t->old != NULL ? t->old_mask + 1 - t->cursor : 0;
 }
 
-/* The stored bucket matching ``query`` (whose hash is ``h``), or NULL. */
-static uint64_t *kvp_find(const struct kvp_table *t, uint64_t h, const void *query,
-                          const struct kvp_ops *ops, const void *ctx) {
-    for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
-        uint64_t *p = kvp_at(t->b, t->width, i);
-        if (p[0] == 0)
-            break;
-        if (ops->match(p, query, ctx))
-            return p;
-    }
-    if (t->old == NULL)
-        return NULL;
-    for (uint64_t i = h & t->old_mask;; i = (i + 1) & t->old_mask) {
-        uint64_t *p = kvp_at(t->old, t->width, i);
+/* The stored bucket of ``a`` (``mask + 1`` buckets) matching ``query``, probing from
+ * ``h``'s home past KVP_MOVED marks (only an old table has them) to an empty bucket. */
+static uint64_t *kvp_probe(uint64_t *a, uint64_t mask, uint32_t width, uint64_t h,
+                           const void *query, const struct kvp_ops *ops, const void *ctx) {
+    for (uint64_t i = h & mask;; i = (i + 1) & mask) {
+        uint64_t *p = kvp_at(a, width, i);
         if (p[0] == 0)
             return NULL;
         if (p[0] != KVP_MOVED && ops->match(p, query, ctx))
             return p;
     }
+}
+
+/* The stored bucket matching ``query`` (whose hash is ``h``), or NULL. */
+static uint64_t *kvp_find(const struct kvp_table *t, uint64_t h, const void *query,
+                          const struct kvp_ops *ops, const void *ctx) {
+    uint64_t *p = kvp_probe(t->b, t->mask, t->width, h, query, ops, ctx);
+    if (p == NULL && t->old != NULL)
+        p = kvp_probe(t->old, t->old_mask, t->width, h, query, ops, ctx);
+    return p;
 }
 
 /* The empty bucket of the new table where an entry of hash ``h`` goes. */
