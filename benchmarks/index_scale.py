@@ -48,6 +48,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,6 +158,7 @@ class _Reader(threading.Thread):
             due = max(due, time.perf_counter() - READER_PERIOD_S)  # one sample per pause
 
 
+@dataclass(slots=True, kw_only=True)
 class _Fill:
     """What the fill saw: the put rate of each tenth, and the longest time one put held
     the lock (what a get waits for at most behind the index, collections in the put
@@ -164,12 +166,11 @@ class _Fill:
     hold: about the hold if it was the index's work, far less if the writer was
     descheduled or waited for the GIL."""
 
-    def __init__(self) -> None:
-        self.windows: list[dict[str, float]] = []
-        self.max_hold_s = 0.0
-        self.max_hold_cpu_s = 0.0
-        self.total_hold_s = 0.0
-        self.holds_over_10ms = 0
+    windows: list[dict[str, float]] = field(default_factory=list)
+    max_hold_s: float = 0.0
+    max_hold_cpu_s: float = 0.0
+    total_hold_s: float = 0.0
+    holds_over_10ms: int = 0
 
 
 def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int]) -> _Fill:
