@@ -78,7 +78,7 @@ struct kvb_table {
     struct kvb_heap heaps[KVB_LEVELS];
 };
 
-int kvb_api_version(void) { return 2; }
+int kvb_api_version(void) { return 3; }
 
 static uint64_t kvb_hash(const uint8_t *key) {
     uint64_t a, b;
@@ -395,7 +395,8 @@ static void heap_remove(struct kvb_table *t, uint32_t slot) {
     sift_down(t, h, at(t, last)->heap_pos);
 }
 
-static int heap_insert(struct kvb_table *t, int level, uint32_t slot) {
+/* Room for one more slot in ``level``'s heap. */
+static int heap_reserve(struct kvb_table *t, int level) {
     struct kvb_heap *h = &t->heaps[level];
     if (h->n == h->cap) {
         uint32_t cap = h->cap ? h->cap * 2 : 1024;
@@ -407,6 +408,13 @@ static int heap_insert(struct kvb_table *t, int level, uint32_t slot) {
         h->a = a;
         h->cap = cap;
     }
+    return 0;
+}
+
+static int heap_insert(struct kvb_table *t, int level, uint32_t slot) {
+    if (heap_reserve(t, level) != 0)
+        return KVB_ENOMEM;
+    struct kvb_heap *h = &t->heaps[level];
     struct kvb_entry *e = at(t, slot);
     e->heap_id = (uint8_t)level;
     h->a[h->n] = slot;
@@ -463,4 +471,51 @@ int64_t kvb_heap_len(const struct kvb_table *t, int level) {
     if (level < 0 || level >= KVB_LEVELS)
         return KVB_EBAD;
     return t->heaps[level].n;
+}
+
+/* ---- leases: TierManager's read path in one call each ------------------------------ */
+
+/* A read hit on ``key`` at ``tick`` (TierManager.acquire_read's hit path, for a policy
+ * whose priority is the last access): one more reader, hit and tier hit, last access
+ * ``tick``; queued again in its level's heap at (tick, tick) unless a flag is set or,
+ * with ``leaves_only``, it has children. Returns -1 if ``key`` is not indexed, else
+ * slot | level << 32 | promote << 40, where promote says it is below the top level,
+ * has ``promote_after`` tier hits or more and has no ``moving`` flag bit. */
+int64_t kvb_read_hit(struct kvb_table *t, const uint8_t *key, uint64_t tick, int leaves_only,
+                     uint32_t promote_after, uint32_t moving) {
+    int64_t found = find(t, key);
+    if (found < 0)
+        return -1;
+    uint32_t slot = (uint32_t)found;
+    struct kvb_entry *e = at(t, slot);
+    if (e->level >= KVB_LEVELS)
+        return KVB_EBAD;
+    int queue = !(e->flags || (leaves_only && e->children > 0));
+    if (queue && heap_reserve(t, e->level) != 0)
+        return KVB_ENOMEM;  /* before any change: nothing is leased */
+    e->readers++;
+    e->hits++;
+    e->tier_hits++;
+    e->last_access = tick;
+    if (queue) {
+        heap_remove(t, slot);
+        e->queue_priority = (double)tick;
+        e->queue_seq = tick;
+        heap_insert(t, e->level, slot);  /* cannot fail: room reserved */
+    }
+    int64_t promote = e->level > 0 && e->tier_hits >= promote_after && !(e->flags & moving);
+    return (int64_t)slot | (int64_t)e->level << 32 | promote << 40;
+}
+
+/* Ends one read lease of ``slot`` in generation ``gen``: KVB_EBAD if none is held (a
+ * retired or reused record, or no readers), 1 if it was the last of a record whose
+ * ``unlinked`` flag bit is set (its space is the caller's to free), else 0. */
+int kvb_release_read(struct kvb_table *t, int64_t slot, uint32_t gen, uint32_t unlinked) {
+    if (!valid(t, slot))
+        return KVB_EBAD;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    if (e->gen != gen || e->readers == 0)
+        return KVB_EBAD;
+    e->readers--;
+    return e->readers == 0 && (e->flags & unlinked) != 0;
 }

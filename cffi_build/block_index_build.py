@@ -26,7 +26,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 
 # What tiers/native_index.py expects of a build (kvb_api_version()).
-API_VERSION = 2
+API_VERSION = 3
 CDEF = """
 #define KVB_NONE 4294967295
 #define KVB_EBAD -2
@@ -79,6 +79,9 @@ int kvb_heap_restore(struct kvb_table *t, int level, int64_t slot, uint64_t seq)
 int kvb_heap_remove(struct kvb_table *t, int64_t slot);
 int64_t kvb_heap_pop(struct kvb_table *t, int level);
 int64_t kvb_heap_len(const struct kvb_table *t, int level);
+int64_t kvb_read_hit(struct kvb_table *t, const uint8_t *key, uint64_t tick, int leaves_only,
+                     uint32_t promote_after, uint32_t moving);
+int kvb_release_read(struct kvb_table *t, int64_t slot, uint32_t gen, uint32_t unlinked);
 struct kvb_map;
 struct kvb_map *kvb_map_open(void);
 void kvb_map_close(struct kvb_map *m);

@@ -231,7 +231,7 @@ machines (unittest classes: no parameters) run on the one the environment names,
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     path = Path(metafunc.definition.path).resolve().relative_to(REPO).as_posix()
     if not path.startswith(INDEX_MODULES) or path.startswith("tests/tiers/ssd/") \
-            or path.endswith("test_native_index.py"):
+            or path.endswith(("test_native_index.py", "test_native_manager.py")):
         return
     if "tier_index" not in metafunc.fixturenames:
         metafunc.fixturenames.append("tier_index")

@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from kvstore.core.keys import BlockKey, leading_run
+from tiers.errors import LeaseNotHeld
 from tiers.index_budget import IndexKind
 from tiers.index_kind import resolve
 from tiers.policy import EvictionPolicy, EvictionQueue
-from tiers.records import BlockEntry
+from tiers.records import UNLINKED, BlockEntry
 
 
 class BlockTable(Protocol):
@@ -52,6 +53,10 @@ class BlockTable(Protocol):
                   children: int = 0, last_access: int = 0) -> BlockEntry:
         """A record for a block about to be indexed (``BlockEntry``'s arguments)."""
 
+    def end_read(self, entry: BlockEntry) -> bool:
+        """Ends one read lease of ``entry``: True if it was the last lease of an unlinked
+        entry (its space is now the caller's to free). RuntimeError if none is held."""
+
     def retire(self, entry: BlockEntry) -> None:
         """``entry`` is unindexed, unleased and its space freed: nothing reads it again."""
 
@@ -77,6 +82,12 @@ class PyBlockTable(dict[BlockKey, BlockEntry]):
         return BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, extent=extent,
                           location=location, pinned=pinned, children=children,
                           last_access=last_access)
+
+    def end_read(self, entry: BlockEntry) -> bool:
+        if entry.readers <= 0:
+            raise LeaseNotHeld(f"release of a read lease not held: {entry.key.hex()}")
+        entry.readers -= 1
+        return entry.readers == 0 and bool(entry.flags & UNLINKED)
 
     def retire(self, entry: BlockEntry) -> None:
         pass

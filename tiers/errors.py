@@ -11,3 +11,8 @@ class BlockTooLarge(TierError):
 
 class OutOfSpace(TierError):
     """Nothing more can be evicted: what is left is pinned, being read or being written."""
+
+
+class LeaseNotHeld(TierError, RuntimeError):
+    """A read lease was released that is not held (released twice, or never taken): a bug
+    in the caller. A RuntimeError too, as it was before it had a class of its own."""

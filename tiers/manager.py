@@ -146,6 +146,10 @@ class TierManager:
         self._moving = 0  # blocks marked moving: planned moves not finished yet
         self._reserved = 0  # bytes of the landing tier held by puts not committed yet
         self.prefetches = PrefetchPlanner(self)  # plans, their byte bound, settled counts
+        # The native table runs ``acquire_read``'s hit path in one C call when the queues
+        # order by recency (``NativeBlockTable.read_hit``); None: the path below.
+        self._read_hit: Callable[..., tuple[BlockEntry, int, bool] | None] | None = \
+            getattr(self._s.blocks, "read_hit", None) if policy.by_recency else None
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -366,6 +370,8 @@ class TierManager:
         once.
         """
         s = self._s
+        if access and self._read_hit is not None:
+            return self._native_read(key)
         entry = s.blocks.get(key)
         if not access:
             if entry is not None:
@@ -393,6 +399,26 @@ class TierManager:
         level.counters.bytes_out += entry.nbytes
         return entry
 
+    def _native_read(self, key: BlockKey) -> BlockEntry | None:
+        """``acquire_read``'s path above, its entry's part in C (``read_hit``: the same
+        rules, run by the same tests). The tick is drawn before the lookup: a miss skips
+        one, which orders nothing differently."""
+        assert self._read_hit is not None
+        hit = self._read_hit(key, next(self._clock), leaves_only=self.policy.leaves_only,
+                             promote_after=PROMOTE_AFTER_HITS)
+        if hit is None:
+            self.levels[self.landing].counters.misses += 1
+            return None
+        entry, at, promote = hit
+        level = self.levels[at]
+        if self.retention.held and self.retention.touch(key) and level.durable:
+            self._s.kept_dirty[key] = None
+        if promote:
+            self._s.promote[key] = None
+        level.counters.hits += 1
+        level.counters.bytes_out += entry.nbytes
+        return entry
+
     def read_view(self, entry: BlockEntry) -> memoryview:
         """The bytes of a block in a memory-mapped tier (see ``is_mapped``)."""
         extent = entry.extent
@@ -401,12 +427,7 @@ class TierManager:
 
     def release_read(self, entry: BlockEntry) -> DurableCopy | None:
         """Ends a lease. Returns a durable copy to delete (outside the lock), or None."""
-        if entry.readers <= 0:
-            raise RuntimeError(f"release of a read lease not held: {entry.key.hex()}")
-        entry.readers -= 1
-        if entry.readers == 0 and entry.flags & UNLINKED:
-            return self._free_space(entry)
-        return None
+        return self._free_space(entry) if self._s.blocks.end_read(entry) else None
 
     def report_corrupt(self, entry: BlockEntry) -> None:
         """A read found the block torn or corrupted: it leaves the index (freed on release)."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol, cast
 
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
+from tiers.errors import LeaseNotHeld
 from tiers.index_budget import IndexKind
 from tiers.policy import (
     B,
@@ -32,12 +33,12 @@ from tiers.policy import (
     EvictionQueue,
     QueuedBlock,
 )
-from tiers.records import PINNED, BlockEntry
+from tiers.records import MOVING, PINNED, UNLINKED, BlockEntry
 
 _module: Any = importlib.import_module("tiers._block_index")  # cffi: untyped
 ffi: Any = _module.ffi
 lib: Any = _module.lib
-API_VERSION = 2  # cffi_build/block_index_build.py API_VERSION
+API_VERSION = 3  # cffi_build/block_index_build.py API_VERSION
 KEY_BYTES = 16
 _NONE = lib.KVB_NONE
 _CHUNK_BITS = lib.KVB_CHUNK_BITS
@@ -352,6 +353,28 @@ class NativeBlockTable:
         p.children = children
         p.last_access = last_access
         return h
+
+    def read_hit(self, key: BlockKey, tick: int, *, leaves_only: bool, promote_after: int
+                 ) -> tuple[NativeEntry, int, bool] | None:
+        """``TierManager.acquire_read``'s hit path in one C call, for a policy ordered by
+        recency (``EvictionPolicy.by_recency``): the entry of ``key`` leased, its hit
+        counted and requeued at ``tick`` (``kvb_read_hit``), with its level and whether
+        it is now due for promotion; None if ``key`` is not indexed."""
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            return None
+        hit = int(lib.kvb_read_hit(self.c, key, tick, leaves_only, promote_after, MOVING))
+        if hit < 0:
+            if hit == -1:
+                return None
+            _check(hit, "read")
+        return self.handle(hit & 0xFFFFFFFF, key), (hit >> 32) & 0xFF, bool(hit >> 40)
+
+    def end_read(self, entry: BlockEntry) -> bool:
+        h = self._own(entry)
+        rc = int(lib.kvb_release_read(self.c, h._slot, h._gen, UNLINKED))
+        if rc < 0:
+            raise LeaseNotHeld(f"release of a read lease not held: {h._key.hex()}")
+        return rc == 1
 
     def retire(self, entry: BlockEntry) -> None:
         h = self._own(entry)

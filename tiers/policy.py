@@ -12,7 +12,9 @@ priority and seq are one int object (no second int per block). A policy is just
   (insert or access), so it may depend on policy state at that moment;
 * ``leaves_only``: whether a block that still has children in its prefix chain
   is ineligible (it is pushed again when its last child goes);
-* ``on_evict(priority)``: a hook for policies with state (LFU's ageing).
+* ``on_evict(priority)``: a hook for policies with state (LFU's ageing);
+* ``by_recency``: whether ``priority`` is the block's ``last_access`` (the native index
+  then requeues a read in the same C call that counts it).
 
 Ties in priority go to the block pushed earliest, so eviction order is exact
 and reproducible: tests assert it.
@@ -57,6 +59,7 @@ reference to the block: its key here, a slot in ``tiers.native_index``)."""
 class EvictionPolicy(Protocol):
     name: str
     leaves_only: bool
+    by_recency: bool
 
     def priority(self, block: QueuedBlock) -> float: ...
 
@@ -68,6 +71,7 @@ class LRUPolicy:
 
     name = "lru"
     leaves_only = False
+    by_recency = True
 
     def priority(self, block: QueuedBlock) -> float:
         return block.last_access
@@ -87,6 +91,7 @@ class LFUPolicy:
 
     name = "lfu"
     leaves_only = False
+    by_recency = False
 
     def __init__(self) -> None:
         self.age = 0.0
@@ -109,6 +114,7 @@ class PrefixAwarePolicy:
 
     name = "prefix"
     leaves_only = True
+    by_recency = True
 
     def priority(self, block: QueuedBlock) -> float:
         return block.last_access

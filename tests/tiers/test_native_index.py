@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstore.core.keys import BlockKey
 from tiers.allocator import Extent
 from tiers.block_table import BlockTable, PyBlockTable
+from tiers.errors import LeaseNotHeld
 from tiers.index_budget import NATIVE_BYTES_PER_BLOCK
 from tiers.index_kind import native_available
 from tiers.live_table import NativeLiveTable, PyLiveTable
@@ -285,6 +286,7 @@ def test_c_calls_check_their_slot_and_level(slot: int) -> None:
     assert lib.kvb_retire(c, slot) == lib.KVB_EBAD
     assert lib.kvb_heap_push(c, 0, slot, 1.0, 1) == lib.KVB_EBAD
     assert lib.kvb_heap_remove(c, slot) == lib.KVB_EBAD
+    assert lib.kvb_release_read(c, slot, 0, UNLINKED) == lib.KVB_EBAD
     for level in (-1, lib.KVB_LEVELS):
         assert lib.kvb_heap_push(c, level, 0, 1.0, 1) == lib.KVB_EBAD
         assert lib.kvb_heap_pop(c, level) == lib.KVB_EBAD
@@ -294,6 +296,53 @@ def test_c_calls_check_their_slot_and_level(slot: int) -> None:
     assert lib.kvb_slots(c, cursor, ffi.new("uint32_t[]", 4), 4) == 0
     assert cursor[0] == lib.KVB_NONE
     assert list(t) == [k]
+
+
+def test_a_read_hit_counts_requeues_and_says_when_to_promote_in_one_call() -> None:
+    t = NativeBlockTable()
+    a, b = BlockKey(b"a" * 16), BlockKey(b"b" * 16)
+    for key in (a, b):
+        t[key] = t.new_entry(key=key, parent=None, nbytes=7, level=1)
+    assert t.read_hit(BlockKey(b"c" * 16), 5, leaves_only=False, promote_after=2) is None
+    assert t.read_hit(BlockKey(b"short"), 5, leaves_only=False, promote_after=2) is None
+    hit = t.read_hit(a, 5, leaves_only=False, promote_after=2)
+    assert hit is not None
+    e, level, promote = hit
+    assert e is t.get(a) and level == 1 and not promote
+    assert (e.readers, e.hits, e.tier_hits, e.last_access, e.queue_seq,
+            e.queue_priority) == (1, 1, 1, 5, 5, 5.0)
+    assert t.read_hit(a, 6, leaves_only=False, promote_after=2) == (e, 1, True)
+    e.flags |= MOVING  # moving: neither requeued nor due for promotion
+    assert t.read_hit(a, 7, leaves_only=False, promote_after=2) == (e, 1, False)
+    assert (e.readers, e.hits, e.last_access, e.queue_seq) == (3, 3, 7, 6)
+    f = t.get(b)
+    assert f is not None
+    f.children = 1  # with leaves_only, a block with children is not requeued
+    t.read_hit(b, 8, leaves_only=True, promote_after=2)
+    assert (f.last_access, f.queue_seq) == (8, 0)
+    t.read_hit(b, 9, leaves_only=False, promote_after=2)
+    assert f.queue_seq == 9
+    queue = t.make_queue(make_policy("lru"), clock=itertools.count(100), level=1)
+    assert len(queue) == 2  # a stays where it was (popped, its flag drops it), b requeued
+
+
+@pytest.mark.parametrize("make_table", [PyBlockTable, NativeBlockTable])
+def test_end_read_frees_on_the_last_lease_of_an_unlinked_entry_and_refuses_a_double_end(
+        make_table: Any) -> None:
+    t = make_table()
+    k = BlockKey(b"a" * 16)
+    e = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+    t[k] = e
+    e.readers += 2
+    assert not t.end_read(e)
+    del t[k]
+    e.flags |= UNLINKED
+    assert t.end_read(e)  # the last lease of an unlinked entry: the caller frees it
+    with pytest.raises(LeaseNotHeld):
+        t.end_read(e)
+    t.retire(e)
+    with pytest.raises(LeaseNotHeld):  # a retired record's handle holds nothing
+        t.end_read(e)
 
 
 def test_a_native_entry_is_a_block_entry() -> None:
