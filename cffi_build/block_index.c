@@ -169,8 +169,15 @@ static int add_chunk(struct kvb_table *t) {
     return 0;
 }
 
-/* A fresh record for ``key`` (not yet in the key table); its slot, or KVB_ENOMEM. */
-int64_t kvb_new(struct kvb_table *t, const uint8_t *key) {
+/* A fresh record for ``key`` (not yet in the key table) with its fields (``parent``:
+ * NULL for none; ``pkind`` as the record's); its slot, KVB_ENOMEM, or KVB_EBAD for a level
+ * or place kind out of range or a negative size or length. */
+int64_t kvb_new(struct kvb_table *t, const uint8_t *key, const uint8_t *parent, int64_t nbytes,
+                int level, int64_t place, int64_t length, int pkind, int flags,
+                uint32_t children, uint64_t last_access) {
+    if (level < 0 || level >= KVB_LEVELS || pkind < 0 || pkind > 2 || nbytes < 0
+            || length < 0 || flags < 0 || flags > 0xFF)
+        return KVB_EBAD;
     uint32_t slot;
     if (t->fq_len > KVB_QUARANTINE) {
         slot = t->freeq[t->fq_head];
@@ -188,6 +195,18 @@ int64_t kvb_new(struct kvb_table *t, const uint8_t *key) {
     memset(e, 0, sizeof *e);
     e->gen = gen;
     memcpy(e->key, key, KVB_KEY);
+    if (parent != NULL) {
+        memcpy(e->parent, parent, KVB_KEY);
+        e->has_parent = 1;
+    }
+    e->nbytes = nbytes;
+    e->level = (uint8_t)level;
+    e->place = place;
+    e->length = length;
+    e->pkind = (uint8_t)pkind;
+    e->flags = (uint8_t)flags;
+    e->children = children;
+    e->last_access = last_access;
     e->heap_pos = e->prev = e->next = KVB_NONE;
     e->used = 1;
     return slot;

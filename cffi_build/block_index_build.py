@@ -66,7 +66,9 @@ uint64_t kvb_moving(const struct kvb_table *t);
 uint32_t kvb_nchunks(const struct kvb_table *t);
 struct kvb_entry *kvb_chunk(const struct kvb_table *t, uint32_t i);
 uint64_t kvb_native_bytes(const struct kvb_table *t);
-int64_t kvb_new(struct kvb_table *t, const uint8_t *key);
+int64_t kvb_new(struct kvb_table *t, const uint8_t *key, const uint8_t *parent, int64_t nbytes,
+                int level, int64_t place, int64_t length, int pkind, int flags,
+                uint32_t children, uint64_t last_access);
 int kvb_retire(struct kvb_table *t, int64_t slot);
 int64_t kvb_find(const struct kvb_table *t, const uint8_t *key);
 uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n);

@@ -214,14 +214,19 @@ class NativeEntry(BlockEntry):
         p = self._p
         if p.pkind == 2:
             self._table.places.pop(self._slot, None)
-        if value is None:
-            p.pkind = 0
-        elif type(value) is int:
-            p.place = value
-            p.pkind = 1
-        else:
+        p.place, p.pkind = _place_fields(value)
+        if p.pkind == 2:
             self._table.places[self._slot] = value
-            p.pkind = 2
+
+
+def _place_fields(value: Any) -> tuple[int, int]:
+    """A place's record fields (place, pkind): none (0), an int kept in the record (1), or
+    an object the table keeps by slot (2: a durable tier's location record)."""
+    if value is None:
+        return 0, 0
+    if type(value) is int:
+        return value, 1
+    return 0, 2
 
 
 class NativeBlockTable:
@@ -333,25 +338,21 @@ class NativeBlockTable:
                   children: int = 0, last_access: int = 0) -> BlockEntry:
         if type(key) is not bytes or len(key) != KEY_BYTES:
             raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, got {key!r}")
-        slot = _check(int(lib.kvb_new(self.c, key)), "new record")
-        h = self.handle(slot, key)
-        p = h._p
-        if parent is not None:
-            if len(parent) != KEY_BYTES:
-                raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, "
-                                 f"got parent {parent!r}")
-            ffi.memmove(p.parent, parent, KEY_BYTES)
-            p.has_parent = 1
-        h._parent = parent
-        p.nbytes = nbytes
-        p.level = level
+        if parent is not None and len(parent) != KEY_BYTES:
+            raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, "
+                             f"got parent {parent!r}")
         if extent is not None:
-            p.place, p.length, p.pkind = extent.offset, extent.length, 1
+            place, length, pkind = extent.offset, extent.length, 1
         else:
-            h.place = location
-        p.flags = PINNED if pinned else 0
-        p.children = children
-        p.last_access = last_access
+            (place, pkind), length = _place_fields(location), 0
+        slot = _check(int(lib.kvb_new(self.c, key, ffi.NULL if parent is None else bytes(parent),
+                                      nbytes, level, place, length, pkind,
+                                      PINNED if pinned else 0, children, last_access)),
+                      "new record")
+        if pkind == 2:
+            self.places[slot] = location
+        h = self.handle(slot, key)
+        h._parent = parent
         return h
 
     def read_hit(self, key: BlockKey, tick: int, *, leaves_only: bool, promote_after: int

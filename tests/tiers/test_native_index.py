@@ -255,6 +255,10 @@ def test_wrong_keys_are_refused_or_absent() -> None:
         t.new_entry(key=BlockKey(b"short"), parent=None, nbytes=1, level=0)
     assert BlockKey(b"short") not in t and t.get(BlockKey(b"short")) is None
     assert t.prefix_length([BlockKey(b"short")]) == 0
+    with pytest.raises(ValueError, match="16-byte keys"):
+        t.new_entry(key=BlockKey(b"a" * 16), parent=BlockKey(b"short"), nbytes=1, level=0)
+    with pytest.raises(NativeIndexError, match="bad argument"):
+        t.new_entry(key=BlockKey(b"a" * 16), parent=None, nbytes=1, level=lib.KVB_LEVELS)
     with pytest.raises(KeyError):
         del t[BlockKey(b"b" * 16)]
 
@@ -287,6 +291,12 @@ def test_c_calls_check_their_slot_and_level(slot: int) -> None:
     assert lib.kvb_heap_push(c, 0, slot, 1.0, 1) == lib.KVB_EBAD
     assert lib.kvb_heap_remove(c, slot) == lib.KVB_EBAD
     assert lib.kvb_release_read(c, slot, 0, UNLINKED) == lib.KVB_EBAD
+    other = b"b" * 16
+    for nbytes, level, length, pkind, flags in [(-1, 0, 0, 0, 0), (1, -1, 0, 0, 0),
+                                                (1, lib.KVB_LEVELS, 0, 0, 0), (1, 0, -1, 1, 0),
+                                                (1, 0, 0, 3, 0), (1, 0, 0, 0, 256)]:
+        assert lib.kvb_new(c, other, ffi.NULL, nbytes, level, 0, length, pkind, flags, 0,
+                           0) == lib.KVB_EBAD
     for level in (-1, lib.KVB_LEVELS):
         assert lib.kvb_heap_push(c, level, 0, 1.0, 1) == lib.KVB_EBAD
         assert lib.kvb_heap_pop(c, level) == lib.KVB_EBAD

@@ -90,6 +90,14 @@ def test_prefix_policy_declares_leaves_only() -> None:
     assert not LRUPolicy().leaves_only and not LFUPolicy().leaves_only
 
 
+def test_a_policy_by_recency_is_one_whose_priority_is_the_last_access() -> None:
+    block = Block(last_access=7, hits=3)
+    for policy in (LRUPolicy(), LFUPolicy(), PrefixAwarePolicy()):
+        assert policy.by_recency == (policy.priority(block) == block.last_access), policy.name
+    assert [p.by_recency for p in (LRUPolicy(), LFUPolicy(), PrefixAwarePolicy())] == \
+        [True, False, True]
+
+
 def test_compact_drops_stale_items_only() -> None:
     q = EvictionQueue(LRUPolicy())
     blocks = {k("a"): Block(last_access=1), k("b"): Block(last_access=2)}
