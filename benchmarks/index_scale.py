@@ -24,7 +24,10 @@ runs in its own process, so its memory figures start from a clean interpreter. P
   The reader's figures also hold CPython's scheduling, which each size measures after
   its fill with no index at all (``harness_floor``: a writer holding the lock as long as
   the mean put, in the same loop; the GIL's 5 ms switch interval, and a released lock
-  taken again by the writer before the waiting reader runs).
+  taken again by the writer before the waiting reader runs). The longest hold also
+  carries the writer's CPU time in it and the steal time the machine's hypervisor
+  reported meanwhile (``/proc/stat``, sampled every ``STEAL_EVERY`` puts: a virtual CPU
+  stopped by its host can count as the thread's CPU time).
   Start-up objects are frozen out of the collector (``gc.freeze``) before the fill, as
   ``kvstore serve`` does once it serves.
 
@@ -71,6 +74,7 @@ PEAK_FACTOR = 1.3  # a dict's growth holds the old and the new table at once
 READER_PERIOD_S = 0.001
 FLOOR_S = 5.0  # the harness floor's run (no index)
 WINDOWS = 10
+STEAL_EVERY = 1024  # puts between samples of the machine's steal time
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"bytes_per_block": 100, "max_get_pause_ms": 10.0}
 
@@ -169,6 +173,8 @@ class _Fill:
     windows: list[dict[str, float]] = field(default_factory=list)
     max_hold_s: float = 0.0
     max_hold_cpu_s: float = 0.0
+    max_hold_steal_ms: float = 0.0  # steal since the last sample before it, to after it
+    steal_ms: float = 0.0  # the whole fill's
     total_hold_s: float = 0.0
     holds_over_10ms: int = 0
 
@@ -180,8 +186,11 @@ def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int])
     parent: BlockKey | None = None
     clock, cpu = time.perf_counter, time.thread_time
     t0 = clock()
+    steal_start = steal_at = steal_ms()
     for i in range(n):
         key = key_of(i)
+        if i % STEAL_EVERY == 0:
+            steal_at = steal_ms()
         with lock:
             h0, c0 = clock(), cpu()
             res = manager.reserve(key, 1, parent=parent if i % CHAIN else None)
@@ -191,6 +200,7 @@ def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int])
         out.total_hold_s += hold
         if hold > out.max_hold_s:
             out.max_hold_s, out.max_hold_cpu_s = hold, hold_cpu
+            out.max_hold_steal_ms = steal_ms() - steal_at
         out.holds_over_10ms += hold > 0.010
         filled[0] = i + 1
         parent = key
@@ -198,7 +208,19 @@ def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int])
             t1 = clock()
             out.windows.append({"blocks": i + 1, "puts_per_s": step / (t1 - t0)})
             t0 = t1
+    out.steal_ms = steal_ms() - steal_start
     return out
+
+
+def steal_ms() -> float:
+    """CPU time the hypervisor took from this machine's CPUs, all of them, since boot, in ms
+    (``/proc/stat``; 0 where it is not reported)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0
+    return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 def harness_floor(hold_s: float, seconds: float = FLOOR_S) -> dict[str, float]:
@@ -313,6 +335,7 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
         "puts_per_s": n / fill_s, "puts_per_cpu_s": n / fill_cpu_s,
         "put_windows": fill.windows, "max_put_hold_ms": fill.max_hold_s * 1e3,
         "max_put_hold_cpu_ms": fill.max_hold_cpu_s * 1e3,
+        "max_put_hold_steal_ms": fill.max_hold_steal_ms, "fill_steal_ms": fill.steal_ms,
         "put_holds_over_10ms": fill.holds_over_10ms,
         "gets_timed": len(samples), "max_get_pause_ms": _pct(samples, 1.0) * 1e3,
         "p99_get_ms": _pct(samples, 0.99) * 1e3, "p999_get_ms": _pct(samples, 0.999) * 1e3,
@@ -377,14 +400,15 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
     head = (f"{'index':<7} {'blocks':>11} {'RSS B/blk':>9} {'objs/blk':>8} {'tm B/blk':>8} "
             f"{'put/s':>9} {'lookup/s':>9} {'prefix/s':>9} {'evict/s':>9} "
             f"{'max get ms':>10} {'p99.9 ms':>8} {'max gc ms':>9} {'gc cpu ms':>9} "
-            f"{'hold/cpu ms':>11} {'index pause':>11} {'floor max':>9}")
+            f"{'hold/cpu/steal ms':>17} {'index pause':>11} {'floor max':>9}")
     lines = [head, "-" * len(head)]
     for r in runs:
         if "skipped" in r:
             lines.append(f"{r['index']:<7} {r['blocks']:>11,} skipped: {r['skipped']}")
             continue
         tm = r.get("tracemalloc_bytes_per_block")
-        hold = f"{r['max_put_hold_ms']:.1f}/{r['max_put_hold_cpu_ms']:.1f}"
+        hold = (f"{r['max_put_hold_ms']:.1f}/{r['max_put_hold_cpu_ms']:.1f}/"
+                f"{r.get('max_put_hold_steal_ms', 0.0):.0f}")
         lines.append(
             f"{r['index']:<7} {r['blocks']:>11,} {r['rss_bytes_per_block']:>9.0f} "
             f"{r['objects_per_block']:>8.2f} {'-' if tm is None else f'{tm:.0f}':>8} "
@@ -392,7 +416,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
             f"{r['prefix_matches_per_cpu_s']:>9,.0f} {r['evicting_puts_per_cpu_s']:>9,.0f} "
             f"{r['max_get_pause_ms']:>10.1f} {r['p999_get_ms']:>8.2f} "
             f"{r['max_gc_pause_ms']:>9.1f} {r['max_gc_pause_cpu_ms']:>9.1f} "
-            f"{hold:>11} {r['index_pause_ms']:>11.1f} "
+            f"{hold:>17} {r['index_pause_ms']:>11.1f} "
             f"{r['floor_max_get_ms']:>9.1f}")
     return "\n".join(lines)
 

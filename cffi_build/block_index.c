@@ -284,6 +284,23 @@ int64_t kvb_find(const struct kvb_table *t, const uint8_t *key) {
     return find(t, key);
 }
 
+/* Adds ``delta`` (+1 or -1) to the children of the block indexed under ``key``: its
+ * count after, -1 if ``key`` is not indexed, KVB_EBAD (nothing changed) if the count would
+ * leave 0..2**32-1 or ``delta`` is neither. */
+int64_t kvb_child(struct kvb_table *t, const uint8_t *key, int delta) {
+    int64_t slot = find(t, key);
+    if (slot < 0)
+        return -1;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    if (delta == 1 && e->children < 0xFFFFFFFFu)
+        e->children++;
+    else if (delta == -1 && e->children > 0)
+        e->children--;
+    else
+        return KVB_EBAD;
+    return e->children;
+}
+
 /* How many of the ``n`` keys (16 bytes each, back to back) are present before the
  * first absent one. */
 uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n) {

@@ -71,6 +71,7 @@ int64_t kvb_new(struct kvb_table *t, const uint8_t *key, const uint8_t *parent, 
                 uint32_t children, uint64_t last_access);
 int kvb_retire(struct kvb_table *t, int64_t slot);
 int64_t kvb_find(const struct kvb_table *t, const uint8_t *key);
+int64_t kvb_child(struct kvb_table *t, const uint8_t *key, int delta);
 uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n);
 int kvb_link(struct kvb_table *t, int64_t slot);
 int kvb_unlink(struct kvb_table *t, int64_t slot);

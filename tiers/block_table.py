@@ -53,6 +53,14 @@ class BlockTable(Protocol):
                   children: int = 0, last_access: int = 0) -> BlockEntry:
         """A record for a block about to be indexed (``BlockEntry``'s arguments)."""
 
+    def add_child(self, parent: BlockKey) -> bool:
+        """One more indexed block names ``parent``: its count grows; False (nothing
+        counted) if ``parent`` is not indexed."""
+
+    def drop_child(self, parent: BlockKey) -> int:
+        """One indexed block naming ``parent`` left: its children left, -1 if ``parent`` is
+        not indexed."""
+
     def end_read(self, entry: BlockEntry) -> bool:
         """Ends one read lease of ``entry``: True if it was the last lease of an unlinked
         entry (its space is now the caller's to free). RuntimeError if none is held."""
@@ -82,6 +90,22 @@ class PyBlockTable(dict[BlockKey, BlockEntry]):
         return BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, extent=extent,
                           location=location, pinned=pinned, children=children,
                           last_access=last_access)
+
+    def add_child(self, parent: BlockKey) -> bool:
+        p = self.get(parent)
+        if p is None:
+            return False
+        p.children += 1
+        return True
+
+    def drop_child(self, parent: BlockKey) -> int:
+        p = self.get(parent)
+        if p is None:
+            return -1
+        if p.children <= 0:
+            raise ValueError(f"{parent.hex()} has no child to drop")
+        p.children -= 1
+        return p.children
 
     def end_read(self, entry: BlockEntry) -> bool:
         if entry.readers <= 0:

@@ -818,27 +818,24 @@ class TierManager:
 
     def _add_child(self, parent: BlockKey) -> None:
         s = self._s
-        p = s.blocks.get(parent)
-        if p is None:
+        if not s.blocks.add_child(parent):
             s.orphans[parent] = s.orphans.get(parent, 0) + 1
-        else:
-            p.children += 1
 
     def _drop_child(self, parent: BlockKey) -> None:
         s = self._s
-        p = s.blocks.get(parent)
-        if p is None:
+        left = s.blocks.drop_child(parent)
+        if left < 0:  # not indexed: an orphan count
             left = s.orphans[parent] - 1
             if left:
                 s.orphans[parent] = left
             else:
                 del s.orphans[parent]
             return
-        p.children -= 1
-        if (p.children == 0 and self.policy.leaves_only and not p.flags  # not pinned or moving
-                and not p.queue_seq):
-            # It became a leaf: eligible again, at the priority of its last access.
-            self.levels[p.level].queue.push(p.key, p)
+        if left == 0 and self.policy.leaves_only:
+            p = s.blocks[parent]
+            if not p.flags and not p.queue_seq:  # not pinned or moving, not queued
+                # It became a leaf: eligible again, at the priority of its last access.
+                self.levels[p.level].queue.push(parent, p)
 
     def drain_evicted(self) -> list[BlockKey]:
         """Keys evicted (dropped from the last tier) since the last call, in order."""

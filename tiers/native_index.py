@@ -41,6 +41,7 @@ lib: Any = _module.lib
 API_VERSION = 3  # cffi_build/block_index_build.py API_VERSION
 KEY_BYTES = 16
 _NONE = lib.KVB_NONE
+_EBAD = lib.KVB_EBAD
 _CHUNK_BITS = lib.KVB_CHUNK_BITS
 _CHUNK_MASK = (1 << _CHUNK_BITS) - 1
 _EVICT = Eligibility.EVICT
@@ -369,6 +370,20 @@ class NativeBlockTable:
                 return None
             _check(hit, "read")
         return self.handle(hit & 0xFFFFFFFF, key), (hit >> 32) & 0xFF, bool(hit >> 40)
+
+    def add_child(self, parent: BlockKey) -> bool:
+        return self._child(parent, 1) >= 0
+
+    def drop_child(self, parent: BlockKey) -> int:
+        return self._child(parent, -1)
+
+    def _child(self, parent: BlockKey, delta: int) -> int:
+        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+            return -1  # never indexed here
+        left = int(lib.kvb_child(self.c, parent, delta))
+        if left == _EBAD:
+            raise ValueError(f"{parent.hex()} has no child to drop")
+        return left
 
     def end_read(self, entry: BlockEntry) -> bool:
         h = self._own(entry)

@@ -355,6 +355,30 @@ def test_end_read_frees_on_the_last_lease_of_an_unlinked_entry_and_refuses_a_dou
         t.end_read(e)
 
 
+@pytest.mark.parametrize("make_table", [PyBlockTable, NativeBlockTable])
+def test_children_are_counted_on_an_indexed_parent_only_and_never_below_zero(
+        make_table: Any) -> None:
+    t = make_table()
+    p, absent = BlockKey(b"p" * 16), BlockKey(b"q" * 16)
+    t[p] = t.new_entry(key=p, parent=None, nbytes=1, level=0, children=1)
+    assert not t.add_child(absent) and t.drop_child(absent) == -1
+    assert not t.add_child(BlockKey(b"short")) and t.drop_child(BlockKey(b"short")) == -1
+    assert t.add_child(p) and t[p].children == 2
+    assert [t.drop_child(p), t.drop_child(p)] == [1, 0]
+    with pytest.raises(ValueError, match="no child"):
+        t.drop_child(p)
+    assert t[p].children == 0
+
+
+def test_the_c_child_count_refuses_a_bad_delta_or_an_overflow() -> None:
+    t = NativeBlockTable()
+    p = BlockKey(b"p" * 16)
+    t[p] = t.new_entry(key=p, parent=None, nbytes=1, level=0, children=(1 << 32) - 1)
+    for delta in (0, 2, -2, 1):  # 1: past 2**32 - 1
+        assert lib.kvb_child(t.c, p, delta) == lib.KVB_EBAD
+    assert lib.kvb_child(t.c, p, -1) == (1 << 32) - 2
+
+
 def test_a_native_entry_is_a_block_entry() -> None:
     t = NativeBlockTable()
     k = BlockKey(b"a" * 16)
