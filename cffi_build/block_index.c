@@ -213,6 +213,7 @@ int64_t kvb_new(struct kvb_table *t, const uint8_t *key, const uint8_t *parent, 
 }
 
 static void heap_remove(struct kvb_table *t, uint32_t slot);
+int kvb_unlink(struct kvb_table *t, int64_t slot);
 
 /* The record of ``slot`` is done with: out of its heap, slot queued for reuse. */
 int kvb_retire(struct kvb_table *t, int64_t slot) {
@@ -354,6 +355,22 @@ int kvb_unlink(struct kvb_table *t, int64_t slot) {
     else
         t->tail = e->prev;
     e->prev = e->next = KVB_NONE;
+    return 0;
+}
+
+/* Unindexes ``slot`` for good: out of the key table, the insertion order and its heap
+ * (its seq forgotten), with ``flag`` set in its flags; its record lives on until retired
+ * (leases). */
+int kvb_unlink_entry(struct kvb_table *t, int64_t slot, int flag) {
+    if (flag < 0 || flag > 0xFF)
+        return KVB_EBAD;
+    int rc = kvb_unlink(t, slot);
+    if (rc != 0)
+        return rc;
+    struct kvb_entry *e = at(t, (uint32_t)slot);
+    heap_remove(t, (uint32_t)slot);
+    e->queue_seq = 0;
+    e->flags = (uint8_t)(e->flags | flag);
     return 0;
 }
 

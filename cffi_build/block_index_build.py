@@ -75,6 +75,7 @@ int64_t kvb_child(struct kvb_table *t, const uint8_t *key, int delta);
 uint64_t kvb_prefix_length(const struct kvb_table *t, const uint8_t *keys, uint64_t n);
 int kvb_link(struct kvb_table *t, int64_t slot);
 int kvb_unlink(struct kvb_table *t, int64_t slot);
+int kvb_unlink_entry(struct kvb_table *t, int64_t slot, int flag);
 uint64_t kvb_slots(const struct kvb_table *t, uint32_t *from, uint32_t *out, uint64_t cap);
 int kvb_heap_push(struct kvb_table *t, int level, int64_t slot, double priority,
                   uint64_t seq);

@@ -53,6 +53,10 @@ class BlockTable(Protocol):
                   children: int = 0, last_access: int = 0) -> BlockEntry:
         """A record for a block about to be indexed (``BlockEntry``'s arguments)."""
 
+    def unlink(self, entry: BlockEntry) -> None:
+        """Unindexes ``entry`` for good: out of the key table and its queue (``queue_seq``
+        0), flagged ``UNLINKED``; it lives on (leases) until ``retire``."""
+
     def add_child(self, parent: BlockKey) -> bool:
         """One more indexed block names ``parent``: its count grows; False (nothing
         counted) if ``parent`` is not indexed."""
@@ -90,6 +94,11 @@ class PyBlockTable(dict[BlockKey, BlockEntry]):
         return BlockEntry(key=key, parent=parent, nbytes=nbytes, level=level, extent=extent,
                           location=location, pinned=pinned, children=children,
                           last_access=last_access)
+
+    def unlink(self, entry: BlockEntry) -> None:
+        del self[entry.key]
+        entry.queue_seq = 0  # EvictionQueue.forget(entry)
+        entry.flags |= UNLINKED
 
     def add_child(self, parent: BlockKey) -> bool:
         p = self.get(parent)

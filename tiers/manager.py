@@ -448,23 +448,25 @@ class TierManager:
 
     def _unlink(self, entry: BlockEntry) -> DurableCopy | None:
         s = self._s
-        del s.blocks[entry.key]
-        self.levels[entry.level].blocks -= 1
+        key, level = entry.key, entry.level
+        s.blocks.unlink(entry)  # out of the index and its queue, flagged UNLINKED
+        self.levels[level].blocks -= 1
         if s.promote:
-            s.promote.pop(entry.key, None)
-        entry.queue_seq = 0  # EvictionQueue.forget(entry)
+            s.promote.pop(key, None)
         if self.retention.held:
-            self.retention.forget(entry.key)
-        if entry.children:
-            s.orphans[entry.key] = s.orphans.get(entry.key, 0) + entry.children
-        if entry.parent is not None:
-            self._drop_child(entry.parent)
-        entry.flags |= UNLINKED
+            self.retention.forget(key)
+        children = entry.children
+        if children:
+            s.orphans[key] = s.orphans.get(key, 0) + children
+        parent = entry.parent
+        if parent is not None:
+            self._drop_child(parent)
         if self.observer is not None:
-            self.observer.removed(entry.key, entry.level)
+            self.observer.removed(key, level)
         if entry.readers == 0:
-            if entry.length:  # the memory-tier case of ``_free_space``, inlined
-                self.levels[entry.level].tier.free(Extent(entry.place, entry.length))
+            length = entry.length
+            if length:  # the memory-tier case of ``_free_space``, inlined
+                self.levels[level].tier.free(Extent(entry.place, length))
                 entry.place = None
                 entry.length = 0
                 s.blocks.retire(entry)
@@ -565,7 +567,7 @@ class TierManager:
         access and put re-queues a block and only eviction pops: without this a cache that
         never fills would grow its heap by one item per access, for ever."""
         lv = self.levels[level]
-        if len(lv.queue) > 2 * lv.blocks + 1024:
+        if lv.queue.needs_compaction(lv.blocks):
             lv.queue.compact({k: e for k, e in self._s.blocks.items() if e.level == level})
 
     # ---- moves between tiers -------------------------------------------------------------

@@ -371,6 +371,10 @@ class NativeBlockTable:
             _check(hit, "read")
         return self.handle(hit & 0xFFFFFFFF, key), (hit >> 32) & 0xFF, bool(hit >> 40)
 
+    def unlink(self, entry: BlockEntry) -> None:
+        h = self._own(entry)
+        _check(lib.kvb_unlink_entry(self.c, h._slot, UNLINKED), "unlink")
+
     def add_child(self, parent: BlockKey) -> bool:
         return self._child(parent, 1) >= 0
 
@@ -485,5 +489,8 @@ class NativeEvictionQueue(EvictionQueue):
             _check(lib.kvb_heap_restore(c, level, slot, seq), "queue restore")
         deferred.clear()
 
+    def needs_compaction(self, live: int) -> bool:
+        return False  # an indexed heap holds no stale items
+
     def compact(self, blocks: Mapping[BlockKey, QueuedBlock]) -> None:
-        pass  # an indexed heap holds no stale items
+        pass

@@ -220,9 +220,13 @@ class EvictionQueue:
             heapq.heappush(self._heap, item)
         deferred.clear()
 
+    def needs_compaction(self, live: int) -> bool:
+        """Whether stale heap items outnumber the ``live`` blocks the queue orders."""
+        return len(self._heap) > 2 * live + 1024
+
     def compact(self, blocks: Mapping[BlockKey, QueuedBlock]) -> None:
         """Drops stale heap items once they outnumber live ones (keeps memory O(blocks))."""
-        if len(self._heap) <= 2 * len(blocks) + 1024:
+        if not self.needs_compaction(len(blocks)):
             return
         self._heap = [
             (b.queue_priority, b.queue_seq, k) for k, b in blocks.items() if b.queue_seq

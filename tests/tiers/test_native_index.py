@@ -291,6 +291,8 @@ def test_c_calls_check_their_slot_and_level(slot: int) -> None:
     assert lib.kvb_heap_push(c, 0, slot, 1.0, 1) == lib.KVB_EBAD
     assert lib.kvb_heap_remove(c, slot) == lib.KVB_EBAD
     assert lib.kvb_release_read(c, slot, 0, UNLINKED) == lib.KVB_EBAD
+    assert lib.kvb_unlink_entry(c, slot, UNLINKED) == lib.KVB_EBAD
+    assert lib.kvb_unlink_entry(c, 0, 256) == lib.KVB_EBAD
     other = b"b" * 16
     for nbytes, level, length, pkind, flags in [(-1, 0, 0, 0, 0), (1, -1, 0, 0, 0),
                                                 (1, lib.KVB_LEVELS, 0, 0, 0), (1, 0, -1, 1, 0),
@@ -353,6 +355,25 @@ def test_end_read_frees_on_the_last_lease_of_an_unlinked_entry_and_refuses_a_dou
     t.retire(e)
     with pytest.raises(LeaseNotHeld):  # a retired record's handle holds nothing
         t.end_read(e)
+
+
+@pytest.mark.parametrize("make_table", [PyBlockTable, NativeBlockTable])
+def test_unlink_unindexes_dequeues_and_flags_an_entry_that_lives_on(make_table: Any) -> None:
+    t = make_table()
+    queue = t.make_queue(make_policy("lru"), clock=itertools.count(1), level=0)
+    a, b = BlockKey(b"a" * 16), BlockKey(b"b" * 16)
+    for key in (a, b):
+        t[key] = e = t.new_entry(key=key, parent=None, nbytes=1, level=0, last_access=1)
+        queue.push(key, e)
+    e = t[a]
+    e.readers += 1
+    t.unlink(e)
+    assert list(t) == [b] and a not in t
+    assert e.flags == UNLINKED and e.queue_seq == 0 and e.readers == 1
+    got = queue.pop_victim(t, lambda _: Eligibility.EVICT, [])
+    assert got == b and queue.pop_victim(t, lambda _: Eligibility.EVICT, []) is None
+    assert t.end_read(e)
+    t.retire(e)
 
 
 @pytest.mark.parametrize("make_table", [PyBlockTable, NativeBlockTable])
