@@ -120,7 +120,7 @@ class PyBlockTable(dict[BlockKey, BlockEntry]):
         if entry.readers <= 0:
             raise LeaseNotHeld(f"release of a read lease not held: {entry.key.hex()}")
         entry.readers -= 1
-        return entry.readers == 0 and bool(entry.flags & UNLINKED)
+        return entry.readers == 0 and entry.flags & UNLINKED != 0
 
     def retire(self, entry: BlockEntry) -> None:
         pass

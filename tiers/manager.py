@@ -148,6 +148,7 @@ class TierManager:
         self.prefetches = PrefetchPlanner(self)  # plans, their byte bound, settled counts
         # The native table runs ``acquire_read``'s hit path in one C call when the queues
         # order by recency (``NativeBlockTable.read_hit``); None: the path below.
+        self._end_read = self._s.blocks.end_read  # bound once: one call per lease
         self._read_hit: Callable[..., tuple[BlockEntry, int, bool] | None] | None = \
             getattr(self._s.blocks, "read_hit", None) if policy.by_recency else None
 
@@ -427,7 +428,7 @@ class TierManager:
 
     def release_read(self, entry: BlockEntry) -> DurableCopy | None:
         """Ends a lease. Returns a durable copy to delete (outside the lock), or None."""
-        return self._free_space(entry) if self._s.blocks.end_read(entry) else None
+        return self._free_space(entry) if self._end_read(entry) else None
 
     def report_corrupt(self, entry: BlockEntry) -> None:
         """A read found the block torn or corrupted: it leaves the index (freed on release)."""
