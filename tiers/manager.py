@@ -146,9 +146,9 @@ class TierManager:
         self._moving = 0  # blocks marked moving: planned moves not finished yet
         self._reserved = 0  # bytes of the landing tier held by puts not committed yet
         self.prefetches = PrefetchPlanner(self)  # plans, their byte bound, settled counts
-        # The native table runs ``acquire_read``'s hit path in one C call when the queues
-        # order by recency (``NativeBlockTable.read_hit``); None: the path below.
         self._end_read = self._s.blocks.end_read  # bound once: one call per lease
+        # The native table runs ``acquire_read``'s hit path in one C call when the queues
+        # order by recency (``NativeBlockTable.read_hit``); None: the Python path.
         self._read_hit: Callable[..., tuple[BlockEntry, int, bool] | None] | None = \
             getattr(self._s.blocks, "read_hit", None) if policy.by_recency else None
 
