@@ -174,6 +174,7 @@ class _Fill:
     max_hold_s: float = 0.0
     max_hold_cpu_s: float = 0.0
     max_hold_steal_ms: float = 0.0  # steal since the last sample before it, to after it
+    max_hold_at: int = 0  # which put (0-based): to tell a growth from chance
     steal_ms: float = 0.0  # the whole fill's
     total_hold_s: float = 0.0
     holds_over_10ms: int = 0
@@ -201,6 +202,7 @@ def _fill(manager: TierManager, n: int, lock: threading.Lock, filled: list[int])
         if hold > out.max_hold_s:
             out.max_hold_s, out.max_hold_cpu_s = hold, hold_cpu
             out.max_hold_steal_ms = steal_ms() - steal_at
+            out.max_hold_at = i
         out.holds_over_10ms += hold > 0.010
         filled[0] = i + 1
         parent = key
@@ -336,6 +338,7 @@ def measure(kind: str, n: int, *, ops: int, tracemalloc_max: int) -> dict[str, A
         "put_windows": fill.windows, "max_put_hold_ms": fill.max_hold_s * 1e3,
         "max_put_hold_cpu_ms": fill.max_hold_cpu_s * 1e3,
         "max_put_hold_steal_ms": fill.max_hold_steal_ms, "fill_steal_ms": fill.steal_ms,
+        "max_put_hold_at": fill.max_hold_at,
         "put_holds_over_10ms": fill.holds_over_10ms,
         "gets_timed": len(samples), "max_get_pause_ms": _pct(samples, 1.0) * 1e3,
         "p99_get_ms": _pct(samples, 0.99) * 1e3, "p999_get_ms": _pct(samples, 0.999) * 1e3,
