@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from benchmarks.stats import (
 )
 from kvstore import Client
 from kvstore.core.keys import BlockKey
+from kvstore.core.ports import free_port
 from kvstore.node.kv_events import KVEventPublisher, KVEventSettings
 from kvstore.node.semantics import Node, NodeSettings
 from kvstore.remote.kv_event_subscriber import KVEventSubscriber, decode
@@ -118,9 +118,7 @@ def one_round(blocks: int, events: bool) -> dict[str, Any]:
 
 def process_round(blocks: int, events: bool, batch: int = 64) -> dict[str, Any]:
     """``blocks`` puts in batches over the TCP channel to a ``kvstore serve`` process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     flags = ["--kv-events-endpoint", "tcp://127.0.0.1:0"] if events else []
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--listen",
                              f"127.0.0.1:{port}", "--dram-bytes",

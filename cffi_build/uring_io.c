@@ -1,5 +1,5 @@
 /*
- * Positional I/O through io_uring for the SSD tier (tiers/ssd.py, tiers/ssd_io.py).
+ * Positional I/O through io_uring for the SSD tier (tiers/ssd/).
  *
  * kv_queue (below): one ring per tier shared by every caller, owned by a completion
  * thread written in C (so it never takes the GIL). Callers queue groups of

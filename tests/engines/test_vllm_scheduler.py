@@ -3,7 +3,6 @@ a real kvstore node, no engine (seconds, not a minute)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 from vllm_fakes import FakeManager, blocks_of, request, request_id, sched_output, tokens
 
 from kvstore import Client, block_keys
+from kvstore.core.ports import free_port
 
 BLOCK = 32
 
@@ -57,10 +57,7 @@ def test_keys_carry_salt_and_differ_from_plain_text(sched: Any, client: Client) 
 
 
 def test_an_unreachable_store_is_a_miss(make_connector: Any) -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conn = make_connector("SCHEDULER", f"127.0.0.1:{port}", timeout=3)
+    conn = make_connector("SCHEDULER", f"127.0.0.1:{free_port()}", timeout=3)
     t0 = time.monotonic()
     assert conn.get_num_new_matched_tokens(request(tokens(100, 3)), 0) == (0, False)
     assert time.monotonic() - t0 < 10

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore import Client, block_keys
+from kvstore.core.ports import free_port
 from kvstore.integrations.vllm.blocks import HEADER_BYTES, BlockLayout, parse_header, reseal
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -213,12 +214,7 @@ def test_missing_blocks_are_reported_not_removed(worker: Any, client: Client, in
 
 @LOAD_MODES
 def test_a_dead_store_fails_the_load_softly(make_connector: Any, inline: bool) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conn = make_connector("WORKER", f"127.0.0.1:{port}", timeout=3)
+    conn = make_connector("WORKER", f"127.0.0.1:{free_port()}", timeout=3)
     conn.register_kv_caches({name: torch.zeros(SHAPE) for name in LAYERS})
     try:
         keys = keys_for(conn, 2, 6)
