@@ -530,8 +530,10 @@ int64_t kvb_heap_len(const struct kvb_table *t, int level) {
 
 /* A read hit on ``key`` at ``tick`` (TierManager.acquire_read's hit path, for a policy
  * whose priority is the last access): one more reader, hit and tier hit, last access
- * ``tick``; queued again in its level's heap at (tick, tick) unless a flag is set or,
- * with ``leaves_only``, it has children. Returns -1 if ``key`` is not indexed, else
+ * ``tick`` (the hit counts stop at 2**32 - 1); queued again in its level's heap at
+ * (tick, tick) unless a flag is set or, with ``leaves_only``, it has children. KVB_EBAD
+ * (nothing changed) if it has 2**32 - 1 readers already. Returns -1 if ``key`` is not
+ * indexed, else
  * slot | level << 32 | promote << 40, where promote says it is below the top level,
  * has ``promote_after`` tier hits or more and has no ``moving`` flag bit. */
 int64_t kvb_read_hit(struct kvb_table *t, const uint8_t *key, uint64_t tick, int leaves_only,
@@ -541,14 +543,16 @@ int64_t kvb_read_hit(struct kvb_table *t, const uint8_t *key, uint64_t tick, int
         return -1;
     uint32_t slot = (uint32_t)found;
     struct kvb_entry *e = at(t, slot);
-    if (e->level >= KVB_LEVELS)
+    if (e->level >= KVB_LEVELS || e->readers == UINT32_MAX)
         return KVB_EBAD;
     int queue = !(e->flags || (leaves_only && e->children > 0));
     if (queue && heap_reserve(t, e->level) != 0)
         return KVB_ENOMEM;  /* before any change: nothing is leased */
     e->readers++;
-    e->hits++;
-    e->tier_hits++;
+    if (e->hits < UINT32_MAX)  /* counts that stop at their top, as statistics */
+        e->hits++;
+    if (e->tier_hits < UINT32_MAX)
+        e->tier_hits++;
     e->last_access = tick;
     if (queue) {
         heap_remove(t, slot);

@@ -336,6 +336,13 @@ def test_a_read_hit_counts_requeues_and_says_when_to_promote_in_one_call() -> No
     assert f.queue_seq == 9
     queue = t.make_queue(make_policy("lru"), clock=itertools.count(100), level=1)
     assert len(queue) == 2  # a stays where it was (popped, its flag drops it), b requeued
+    f.hits = f.tier_hits = (1 << 32) - 1  # counts stop at their top
+    t.read_hit(b, 10, leaves_only=False, promote_after=2)
+    assert (f.hits, f.tier_hits, f.readers) == ((1 << 32) - 1, (1 << 32) - 1, 3)
+    f.readers = (1 << 32) - 1  # no lease past the top: refused, nothing changed
+    with pytest.raises(NativeIndexError, match="bad argument"):
+        t.read_hit(b, 11, leaves_only=False, promote_after=2)
+    assert (f.readers, f.last_access) == ((1 << 32) - 1, 10)
 
 
 @pytest.mark.parametrize("make_table", [PyBlockTable, NativeBlockTable])
