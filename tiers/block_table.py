@@ -63,11 +63,11 @@ class BlockTable(Protocol):
 
     def drop_child(self, parent: BlockKey) -> int:
         """One indexed block naming ``parent`` left: its children left, -1 if ``parent`` is
-        not indexed."""
+        not indexed. ValueError (nothing changed) if it has none: a broken count."""
 
     def end_read(self, entry: BlockEntry) -> bool:
         """Ends one read lease of ``entry``: True if it was the last lease of an unlinked
-        entry (its space is now the caller's to free). RuntimeError if none is held."""
+        entry (its space is now the caller's to free). ``LeaseNotHeld`` if none is held."""
 
     def retire(self, entry: BlockEntry) -> None:
         """``entry`` is unindexed, unleased and its space freed: nothing reads it again."""
