@@ -56,6 +56,11 @@ class NativeIndexError(RuntimeError):
     """The native table refused a call (a bad slot, or out of memory)."""
 
 
+def _indexable(key: object) -> bool:
+    """Whether ``key`` is one the native table can hold: 16 bytes, of type bytes."""
+    return type(key) is bytes and len(key) == KEY_BYTES
+
+
 def _check(rc: int, what: str) -> int:
     if rc < 0:
         reason = "out of memory" if rc == lib.KVB_ENOMEM else "bad argument"
@@ -285,11 +290,11 @@ class NativeBlockTable:
         return int(lib.kvb_count(self.c))
 
     def __contains__(self, key: object) -> bool:
-        return (type(key) is bytes and len(key) == KEY_BYTES
+        return (_indexable(key)
                 and lib.kvb_find(self.c, key) >= 0)
 
     def _slot_of(self, key: BlockKey) -> int:
-        if type(key) is not bytes or len(key) != KEY_BYTES:
+        if not _indexable(key):
             return -1
         return int(lib.kvb_find(self.c, key))
 
@@ -337,7 +342,7 @@ class NativeBlockTable:
     def new_entry(self, *, key: BlockKey, parent: BlockKey | None, nbytes: int, level: int,
                   extent: Extent | None = None, location: Any = None, pinned: bool = False,
                   children: int = 0, last_access: int = 0) -> BlockEntry:
-        if type(key) is not bytes or len(key) != KEY_BYTES:
+        if not _indexable(key):
             raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, got {key!r}")
         if parent is not None and len(parent) != KEY_BYTES:
             raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, "
@@ -362,7 +367,7 @@ class NativeBlockTable:
         recency (``EvictionPolicy.by_recency``): the entry of ``key`` leased, its hit
         counted and requeued at ``tick`` (``kvb_read_hit``), with its level and whether
         it is now due for promotion; None if ``key`` is not indexed."""
-        if type(key) is not bytes or len(key) != KEY_BYTES:
+        if not _indexable(key):
             return None
         hit = int(lib.kvb_read_hit(self.c, key, tick, leaves_only, promote_after, MOVING))
         if hit < 0:
@@ -382,11 +387,12 @@ class NativeBlockTable:
         return self._child(parent, -1)
 
     def _child(self, parent: BlockKey, delta: int) -> int:
-        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+        if not _indexable(parent):
             return -1  # never indexed here
         left = int(lib.kvb_child(self.c, parent, delta))
-        if left == _EBAD:
-            raise ValueError(f"{parent.hex()} has no child to drop")
+        if left == _EBAD:  # a broken count: a drop below 0, or an add past 2**32 - 1
+            raise ValueError(f"{parent.hex()} has no child to drop" if delta < 0
+                             else f"{parent.hex()} has 2**32 - 1 children already")
         return left
 
     def end_read(self, entry: BlockEntry) -> bool:
@@ -407,7 +413,7 @@ class NativeBlockTable:
     def prefix_length(self, keys: Sequence[BlockKey]) -> int:
         n = 0
         for key in keys:  # only 16-byte keys can be indexed here
-            if type(key) is not bytes or len(key) != KEY_BYTES:
+            if not _indexable(key):
                 break
             n += 1
         if not n:
