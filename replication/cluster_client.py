@@ -268,6 +268,7 @@ class ClusterClient(SingleKeyCalls):
         down: set[NodeId] = set()  # nodes that failed as master during this call
         errors: list[str] = []
         pending = list(range(len(ks)))
+        resent = False  # keys put again after their master failed (NodeClient.put: True)
         while pending:
             bad = self._suspects_now()
             groups: dict[NodeId, list[int]] = {}
@@ -285,6 +286,10 @@ class ClusterClient(SingleKeyCalls):
                 errors.append(str(exc))
                 retry.extend(idx)
 
+            def record(idx: list[int], flags: list[bool], resent: bool = resent) -> None:
+                for i, f in zip(idx, flags, strict=True):
+                    stored[i] = f or resent
+
             def put_group(master: NodeId, idx: list[int]) -> None:
                 client = self._client(view, master)
                 part = batch.pick(idx)
@@ -296,8 +301,7 @@ class ClusterClient(SingleKeyCalls):
                             with self._lock:
                                 self._no_forward.add(master)
                         else:
-                            for i, f in zip(idx, flags, strict=True):
-                                stored[i] = f
+                            record(idx, flags)
                             return
                     flags = client.put_checked(part)
                     if self.replicas > 1:
@@ -312,8 +316,7 @@ class ClusterClient(SingleKeyCalls):
                 except Unavailable as exc:  # the master is down (or died before replicating)
                     master_down(master, idx, exc)
                     return
-                for i, f in zip(idx, flags, strict=True):
-                    stored[i] = f
+                record(idx, flags)
 
             def finish_group(master: NodeId, idx: list[int], sent: PendingPut) -> None:
                 try:
@@ -325,8 +328,7 @@ class ClusterClient(SingleKeyCalls):
                 except Unavailable as exc:
                     return master_down(master, idx, exc)
                 self._check_quorum(copies, failed)
-                for i, f in zip(idx, flags, strict=True):
-                    stored[i] = f
+                record(idx, flags)
 
             # Stream connections pipeline: every master gets its part before any reply is
             # read (kvstore/remote/pipelined.py); the others are called as before.
@@ -342,7 +344,7 @@ class ClusterClient(SingleKeyCalls):
                                serial=self.replicas == 1 and self._all_mapped(view, groups))
             finally:  # every pending reply is read, whatever the other masters did
                 finish_all([partial(finish_group, m, groups[m], p) for m, p in sent.items()])
-            pending = retry
+            pending, resent = retry, True
         return stored
 
     def _put_forwarded(self, client: NodeClient, batch: PutBatch) -> list[bool]:

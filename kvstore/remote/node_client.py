@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
@@ -85,8 +85,10 @@ class SingleKeyCalls:
     def put(self: BatchCalls, key: bytes, value: object, *, parent: bytes | None = None,
             pin: bool = False, retain_s: float | None = None) -> bool:
         """Stores ``value`` under ``key``: True if stored, False if the key already existed
-        (cluster-wide: on its master). ``retain_s``: keep the block that many seconds after
-        its last put or read (docs/node.md, "Retention"); None asks for nothing."""
+        (cluster-wide: on its master). A put resent after a transport error (or, in a
+        cluster, to the next node after its master failed) is True: its first try may have
+        stored the key. ``retain_s``: keep the block that many seconds after its last put
+        or read (docs/node.md, "Retention"); None asks for nothing."""
         return self.put_batch([key], [value], parents=[parent], pin=pin,
                               retain_s=retain_s)[0]
 
@@ -233,8 +235,11 @@ class NodeClient(SingleKeyCalls):
             return
         raise Unavailable(f"{self.addr}: cannot open a {self._requested} channel: {last}")
 
-    def _channel_call(self, fn: Any) -> Any:
-        """Runs ``fn(conn)`` on a pooled connection, retrying once after a transport error."""
+    def _channel_call(self, fn: Any, *, resent: Callable[[Any], Any] | None = None) -> Any:
+        """Runs ``fn(conn)`` on a pooled connection, retrying once after a transport error.
+
+        ``resent``: maps the retry's result for a request that may have landed on its first
+        try (a put the node stored before its answer was lost finds its keys stored)."""
         for attempt in (1, 2):
             self._resolve()
             conn = self._checkout()
@@ -253,7 +258,7 @@ class NodeClient(SingleKeyCalls):
                 conn.close()  # the stream's state is unknown
                 raise
             self._checkin(conn)
-            return result
+            return result if attempt == 1 or resent is None else resent(result)
         raise AssertionError("unreachable")
 
     def _invalidate(self) -> None:
@@ -316,7 +321,8 @@ class NodeClient(SingleKeyCalls):
             for lo in range(0, len(ks), MAX_BATCH):
                 hi = lo + MAX_BATCH
                 out += self._channel_call(lambda c, lo=lo, hi=hi: c.put(ks[lo:hi], views[lo:hi],
-                                                                        ps[lo:hi], pin, keep))
+                                                                        ps[lo:hi], pin, keep),
+                                          resent=_all_stored)
             return out
         stored: list[bool] = []
         for lo, hi in _chunks([len(v) for v in views], _GRPC_BATCH_BYTES):
@@ -351,7 +357,8 @@ class NodeClient(SingleKeyCalls):
             hi = lo + MAX_BATCH
             flags, n, text = self._channel_call(
                 lambda c, lo=lo, hi=hi: c.put_replicated(ks[lo:hi], views[lo:hi], ps[lo:hi],
-                                                         pin, copies, write_quorum, keep))
+                                                         pin, copies, write_quorum, keep),
+                resent=lambda r: (_all_stored(r[0]), *r[1:]))
             stored += flags
             made = min(made, n)
             if text:
@@ -581,6 +588,13 @@ def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
             raise
     mid = len(part) // 2
     return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
+
+
+def _all_stored(flags: list[bool]) -> list[bool]:
+    """A resent put's flags: every key counts as stored. A key the resend found stored may
+    be this put's own first try, which landed before its answer was lost; either way the
+    key holds a value now (its value, for a content-addressed block)."""
+    return [True] * len(flags)
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[tuple[int, int]]:

@@ -1,5 +1,6 @@
 """``ClusterClient`` over real node processes: a put is checked once, on either path to its
-copies (the one-trip forwarded put, and put + ``Replicate``)."""
+copies (the one-trip forwarded put, and put + ``Replicate``); a put resent after its
+master's answer was lost is reported stored."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from conftest import NodeProcess, free_port, start_node, start_static_cluster
 
 from kvstore.client import Client
 from kvstore.core.errors import InvalidArgument
+from kvstore.protocol.wire import Op
+from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import PutBatch
 from replication.cluster_client import ClusterClient
 from replication.placement.rendezvous import Member, NodeId
@@ -110,5 +113,48 @@ def test_a_cluster_put_is_checked_once(path: str, request: pytest.FixtureRequest
         assert bool(c._no_forward) == (path == "two_trip")  # the path named was taken
     monkeypatch.undo()
     for n in nodes:  # two copies: each node holds every key
+        with Client(n.addr, transport="grpc") as one:
+            assert one.get_batch(keys) == values
+
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "called"])
+def test_a_put_resent_after_its_masters_answer_was_lost_is_stored(
+        forwarding: list[NodeProcess], monkeypatch: pytest.MonkeyPatch,
+        pipeline: bool) -> None:
+    """The first master to answer stores and forwards its keys, then its answer is lost
+    (the stream resets). Pipelined, the client puts those keys through the next node,
+    which holds the forwarded copies already; called, the node client resends to the same
+    master, which holds them too. Either way every key is reported stored, with both
+    copies."""
+    lost: list[int] = []
+    put_reply, call = ChannelConnection.put_reply, ChannelConnection._call  # the real ones
+
+    def reply_then_reset(conn: ChannelConnection, count: int, *, replicated: bool = False
+                         ) -> tuple[list[bool], int, str]:
+        answer = put_reply(conn, count, replicated=replicated)
+        if not lost:
+            lost.append(count)
+            raise ConnectionResetError("the answer was lost")
+        return answer
+
+    def call_then_reset(conn: ChannelConnection, op: Op, count: int, meta: bytes,
+                        values: Any = ()) -> tuple[int, bytes]:
+        answer = call(conn, op, count, meta, values)
+        if op is Op.RPUT and not lost:
+            lost.append(count)
+            raise ConnectionResetError("the answer was lost")
+        return answer
+
+    monkeypatch.setattr(ChannelConnection, "put_reply", reply_then_reset)
+    monkeypatch.setattr(ChannelConnection, "_call", call_then_reset)
+    keys = [bytes([0xA5, pipeline, i, 0]) * 4 for i in range(24)]
+    values = [bytes([i]) * 3000 for i in range(24)]
+    with ClusterClient(members=_members([n.addr for n in forwarding]), replicas=2,
+                       write_quorum=2, transport="tcp", pipeline=pipeline) as c:
+        assert c.put_batch(keys, values) == [True] * 24
+    assert len(lost) == 1 and 0 < lost[0] < 24  # one master's part was put twice
+    monkeypatch.undo()
+    for n in forwarding:  # two copies: each node holds every key
         with Client(n.addr, transport="grpc") as one:
             assert one.get_batch(keys) == values

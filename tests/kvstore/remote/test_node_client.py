@@ -1,6 +1,7 @@
 """``NodeClient``: the typed errors it maps a node's refusals to, with and without the
-reason a node sends beside the status code; the one check every put passes; and a closed
-client's calls failing as Unavailable (a pool closes a departed peer's client while other
+reason a node sends beside the status code; the one check every put passes; a put resent
+after its answer was lost, reported stored; and a closed client's calls failing as
+Unavailable (a pool closes a departed peer's client while other
 threads may still call it).
 
 A node before reasons cannot be started from this tree, so ``_ReplyBoundNode`` stands in
@@ -30,6 +31,8 @@ from kvstore.core.errors import (
 )
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.protocol.wire import Op
+from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
 
 
@@ -164,3 +167,33 @@ def test_calls_on_a_closed_client_are_unavailable(node: NodeProcess, transport: 
         c.get(b"\x07" * 16)
     with pytest.raises(Unavailable):
         c.remove(b"\x07" * 16)
+
+
+
+def test_a_put_whose_answer_was_lost_is_resent_and_reported_stored(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node stores the batch, then the stream resets before the client reads the
+    answer: the client resends on a new connection, the node finds every key stored, and
+    the keys still count as stored by this put (its first try stored them)."""
+    lost: list[Op] = []
+    call = ChannelConnection._call  # the real exchange, answered, then lost once
+
+    def reset_once(conn: ChannelConnection, op: Op, count: int, meta: bytes,
+                   values: Any = ()) -> tuple[int, bytes]:
+        answer = call(conn, op, count, meta, values)
+        if op is Op.PUT and not lost:
+            lost.append(op)
+            raise ConnectionResetError("the answer was lost")
+        return answer
+
+    monkeypatch.setattr(ChannelConnection, "_call", reset_once)
+    keys = [bytes([0x5A, i]) * 8 for i in range(5)]
+    values = [bytes([i]) * 100 for i in range(5)]
+    c = NodeClient(node.addr, transport="tcp")
+    try:
+        assert c.put_batch(keys, values) == [True] * 5
+        assert lost == [Op.PUT]  # the first answer was lost: the flags are the resend's
+        assert c.put_batch(keys, values) == [False] * 5  # not resent: stored already
+        assert c.get_batch(keys) == values
+    finally:
+        c.close()
