@@ -96,6 +96,7 @@ asan-index: $(STAMP)
 	$(PY) -m cffi_build.block_index_build --asan
 	LD_PRELOAD="$(ASAN_RT)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 KVSTORE_NATIVE_INDEX=1 \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/tiers/test_native_index.py \
+	  tests/tiers/test_live_table.py tests/tiers/test_native_manager.py \
 	  tests/tiers/test_manager.py tests/tiers/test_tier_moves.py tests/tiers/test_allocator.py \
 	  tests/tiers/test_retention.py tests/tiers/test_tier_prefetch.py; \
 	  rc=$$?; $(PY) -m cffi_build.block_index_build; exit $$rc

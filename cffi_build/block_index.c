@@ -78,7 +78,7 @@ struct kvb_table {
     struct kvb_heap heaps[KVB_LEVELS];
 };
 
-int kvb_api_version(void) { return 3; }
+int kvb_api_version(void) { return 4; }
 
 static uint64_t kvb_hash(const uint8_t *key) {
     uint64_t a, b;
@@ -524,6 +524,47 @@ int64_t kvb_heap_len(const struct kvb_table *t, int level) {
     if (level < 0 || level >= KVB_LEVELS)
         return KVB_EBAD;
     return t->heaps[level].n;
+}
+
+/* ---- a new block in one call: TierManager's commit and adopt ------------------------ */
+
+/* Indexes a new block (TierManager's commit and adopt, for a policy whose priority is the
+ * last access): a record with kvb_new's fields, linked last in insertion order, one more
+ * child counted on the block indexed under ``parent`` (after the link, as the manager
+ * counts it), and, with no flag set, queued in its level's heap at (last_access,
+ * last_access). Room for the key, the record and the heap place is reserved first:
+ * KVB_EBAD (bad arguments, ``key`` already indexed, a parent with 2**32 - 1 children)
+ * and KVB_ENOMEM change nothing. Returns slot | parent_counted << 32, where
+ * parent_counted says a block was indexed under ``parent`` (else it is an orphan's). */
+int64_t kvb_insert(struct kvb_table *t, const uint8_t *key, const uint8_t *parent,
+                   int64_t nbytes, int level, int64_t place, int64_t length, int pkind,
+                   int flags, uint32_t children, uint64_t last_access) {
+    if (level < 0 || level >= KVB_LEVELS || find(t, key) >= 0)
+        return KVB_EBAD;
+    if (parent != NULL) {
+        int self_parent = memcmp(parent, key, KVB_KEY) == 0;
+        int64_t p = self_parent ? -1 : find(t, parent);
+        if (self_parent ? children == UINT32_MAX
+                        : p >= 0 && at(t, (uint32_t)p)->children == UINT32_MAX)
+            return KVB_EBAD;
+    }
+    if (kvp_reserve(&t->keys, &key_ops, t, 1ull << 32) != 0)
+        return KVB_ENOMEM;
+    if (flags == 0 && heap_reserve(t, level) != 0)
+        return KVB_ENOMEM;
+    int64_t slot = kvb_new(t, key, parent, nbytes, level, place, length, pkind, flags,
+                           children, last_access);
+    if (slot < 0)
+        return slot;  /* its own checks and its record: nothing linked yet */
+    kvb_link(t, slot);  /* cannot fail: a fresh record, a key not indexed, room reserved */
+    int64_t counted = parent != NULL && kvb_child(t, parent, 1) >= 0;
+    if (flags == 0) {
+        struct kvb_entry *e = at(t, (uint32_t)slot);
+        e->queue_priority = (double)last_access;
+        e->queue_seq = last_access;
+        heap_insert(t, level, (uint32_t)slot);  /* cannot fail: room reserved */
+    }
+    return slot | counted << 32;
 }
 
 /* ---- leases: TierManager's read path in one call each ------------------------------ */

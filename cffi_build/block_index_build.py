@@ -26,7 +26,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 
 # What tiers/native_index.py expects of a build (kvb_api_version()).
-API_VERSION = 3
+API_VERSION = 4
 CDEF = """
 #define KVB_NONE 4294967295
 #define KVB_EBAD -2
@@ -86,6 +86,9 @@ int64_t kvb_heap_len(const struct kvb_table *t, int level);
 int64_t kvb_read_hit(struct kvb_table *t, const uint8_t *key, uint64_t tick, int leaves_only,
                      uint32_t promote_after, uint32_t moving);
 int kvb_release_read(struct kvb_table *t, int64_t slot, uint32_t gen, uint32_t unlinked);
+int64_t kvb_insert(struct kvb_table *t, const uint8_t *key, const uint8_t *parent,
+                   int64_t nbytes, int level, int64_t place, int64_t length, int pkind,
+                   int flags, uint32_t children, uint64_t last_access);
 struct kvb_map;
 struct kvb_map *kvb_map_open(void);
 void kvb_map_close(struct kvb_map *m);

@@ -28,6 +28,7 @@ AllocatorError; they are never clamped.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ class Extent:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+_offset_of = operator.attrgetter("offset")
 
 
 class ExtentAllocator:
@@ -193,30 +197,34 @@ class ExtentAllocator:
         self._recent.clear()
         self._recent_count = 0
         a, cap = self._alignment, self._capacity
-        ordered = sorted(live, key=lambda e: e.offset)
-        prev_end = 0
-        for e in ordered:
-            if e.length <= 0 or e.offset % a or e.length % a:
+        ordered = sorted(live, key=_offset_of)
+        prev_end = used = 0
+        for e in ordered:  # every check before any change: a refused rebuild changes nothing
+            offset, length = e.offset, e.length
+            if length <= 0 or offset % a or length % a:
                 raise ValueError(f"misaligned extent {e}")
-            if e.offset < prev_end:
-                raise ValueError(f"overlapping extents near offset {e.offset}")
-            if e.end > cap:
+            if offset < prev_end:
+                raise ValueError(f"overlapping extents near offset {offset}")
+            prev_end = offset + length
+            if prev_end > cap:
                 raise ValueError(f"extent {e} beyond the region ({cap} bytes)")
-            prev_end = e.end
+            used += length
         self._free_by_start.clear()
         self._free_by_end.clear()
         for b in self._bins:
             b.clear()
         self._nonempty = 0
         cursor = 0
+        live_table = self._live
         for e in ordered:
-            if e.offset > cursor:
-                self._insert_free(cursor, e.offset - cursor)
-            self._live[e.offset] = e.length
-            cursor = e.end
+            offset = e.offset
+            if offset > cursor:
+                self._insert_free(cursor, offset - cursor)
+            live_table[offset] = e.length
+            cursor = offset + e.length
         if cursor < cap:
             self._insert_free(cursor, cap - cursor)
-        self._used = sum(e.length for e in ordered)
+        self._used = used
 
     def free_extents(self) -> list[Extent]:
         """Every free extent, by offset (for tests and diagnostics)."""

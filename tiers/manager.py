@@ -51,7 +51,7 @@ Invariants, checked by tests:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,10 @@ from tiers.retention import RetainAsk, Retention, RetentionBook
 
 PROMOTE_AFTER_HITS = 2
 
+AdoptedBlock = tuple[BlockKey, BlockKey | None, int, Any, Retention | None]
+"""What ``TierManager.adopt_many`` indexes of a block a durable tier kept: its key, its
+parent, its value's bytes, its location in that tier, and its retention."""
+
 SPARE_SCAN = 8192
 """Most spared blocks (retained, or named by the call) one prefetch's room looks past for
 its victims. Under the node's lock, on every prefetch: a DRAM full of retained blocks
@@ -89,8 +93,8 @@ must not cost a scan of all of them each time. Past it the prefetch reports no r
 class _ScanBound(Exception):
     """A prefetch's room looked past ``SPARE_SCAN`` spared blocks (``plan_moves``)."""
 
-__all__ = ["BlockEntry", "Level", "Move", "NeedsRoom", "PrefetchPlan", "Reservation",
-           "TierCounters", "TierManager", "Watermarks"]
+__all__ = ["AdoptedBlock", "BlockEntry", "Level", "Move", "NeedsRoom", "PrefetchPlan",
+           "Reservation", "TierCounters", "TierManager", "Watermarks"]
 
 
 
@@ -151,6 +155,9 @@ class TierManager:
         # order by recency (``NativeBlockTable.read_hit``); None: the Python path.
         self._read_hit: Callable[..., tuple[BlockEntry, int, bool] | None] | None = \
             getattr(self._s.blocks, "read_hit", None) if policy.by_recency else None
+        # And indexes a new block in one (``NativeBlockTable.insert``), on the same terms.
+        self._insert: Callable[..., bool] | None = \
+            getattr(self._s.blocks, "insert", None) if policy.by_recency else None
 
     # ---- single-tier compatibility ---------------------------------------------------------
 
@@ -269,18 +276,15 @@ class TierManager:
             if reservation.retain is not None:
                 self.retention.grant(key, blocks[key].nbytes, reservation.retain)
             return False
-        tick = next(self._clock)
-        entry = blocks.new_entry(key=key, parent=reservation.parent, nbytes=reservation.nbytes,
-                                 level=self.landing, extent=reservation.extent,
-                                 pinned=reservation.pin, last_access=tick,
-                                 children=s.orphans.pop(key, 0) if s.orphans else 0)
-        self._index(entry, tick)
+        parent, nbytes = reservation.parent, reservation.nbytes
+        self._index_new(key, parent, nbytes, self.landing, next(self._clock),
+                        extent=reservation.extent, pinned=reservation.pin)
         if reservation.retain is not None:
-            self.retention.grant(key, entry.nbytes, reservation.retain)
+            self.retention.grant(key, nbytes, reservation.retain)
         if self.observer is not None:
-            self.observer.stored(key, entry.parent, self.landing)
+            self.observer.stored(key, parent, self.landing)
         level.counters.puts += 1
-        level.counters.bytes_in += entry.nbytes
+        level.counters.bytes_in += nbytes
         return True
 
     def abort(self, reservation: Reservation) -> None:
@@ -297,17 +301,26 @@ class TierManager:
               location: Any, retention: Retention | None = None) -> bool:
         """Indexes a block already stored in a durable tier (restart recovery), retained
         until the deadline it kept if that has not passed."""
-        s = self._s
-        if key in s.blocks:
-            return False
-        tick = next(self._clock)
-        entry = s.blocks.new_entry(key=key, parent=parent, nbytes=nbytes, level=level,
-                                   location=location, last_access=tick,
-                                   children=s.orphans.pop(key, 0))
-        self._index(entry, tick)
-        if retention is not None:
-            self.retention.restore(key, nbytes, retention)
-        return True
+        return self.adopt_many(level, [(key, parent, nbytes, location, retention)]) == 1
+
+    def adopt_many(self, level: int, blocks: Iterable[AdoptedBlock]) -> int:
+        """``adopt`` of each (key, parent, nbytes, location, retention) at ``level``, in
+        order; how many were indexed (a key indexed already is skipped, as ``adopt``
+        skips it). A restart's thousands to millions of blocks take this path: the level's
+        queue is compacted once, after them, not checked after each."""
+        table, clock, restore = self._s.blocks, self._clock, self.retention.restore
+        index_new = self._index_new
+        adopted = 0
+        for key, parent, nbytes, location, retention in blocks:
+            if key in table:
+                continue
+            index_new(key, parent, nbytes, level, next(clock), location=location,
+                      compact=False)
+            if retention is not None:
+                restore(key, nbytes, retention)
+            adopted += 1
+        self._compact(level)
+        return adopted
 
     def retain(self, key: BlockKey, ask: RetainAsk) -> bool | None:
         """Retains the stored block ``key`` as a put of it with ``ask`` would: True if
@@ -350,15 +363,40 @@ class TierManager:
         s.kept_dirty = {}
         return out
 
-    def _index(self, entry: BlockEntry, tick: int) -> None:
-        """Indexes a new entry whose ``last_access`` is ``tick``, just drawn from the clock."""
-        self._s.blocks[entry.key] = entry
-        self.levels[entry.level].blocks += 1
-        if entry.parent is not None:
-            self._add_child(entry.parent)
-        if not entry.flags:  # not pinned
-            self.levels[entry.level].queue.push(entry.key, entry, tick)
-            self._compact(entry.level)
+    def _index_new(self, key: BlockKey, parent: BlockKey | None, nbytes: int, level: int,
+                   tick: int, *, extent: Extent | None = None, location: Any = None,
+                   pinned: bool = False, compact: bool = True) -> None:
+        """Indexes a new block whose last access is ``tick``, just drawn from the clock: its
+        entry (with the children counted while it was an orphan's parent), its count as
+        its parent's child, its place in its level's queue unless pinned (``compact``:
+        False where the caller compacts that queue itself)."""
+        s = self._s
+        orphans = s.orphans
+        children = orphans.get(key, 0) if orphans else 0
+        lv = self.levels[level]
+        if self._insert is not None:  # one C call (NativeBlockTable.insert), same rules
+            counted = self._insert(key=key, parent=parent, nbytes=nbytes, level=level,
+                                   tick=tick, extent=extent, location=location,
+                                   pinned=pinned, children=children)
+            if children:
+                del orphans[key]
+            lv.blocks += 1
+            if parent is not None and not counted:
+                self._count_orphan(parent)
+            return
+        entry = s.blocks.new_entry(key=key, parent=parent, nbytes=nbytes, level=level,
+                                   extent=extent, location=location, pinned=pinned,
+                                   last_access=tick, children=children)
+        s.blocks[key] = entry
+        if children:
+            del orphans[key]
+        lv.blocks += 1
+        if parent is not None:
+            self._add_child(parent)
+        if not pinned:
+            lv.queue.push(key, entry, tick)
+            if compact:
+                self._compact(level)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -820,9 +858,13 @@ class TierManager:
     # ---- prefix chains -------------------------------------------------------------------
 
     def _add_child(self, parent: BlockKey) -> None:
-        s = self._s
-        if not s.blocks.add_child(parent):
-            s.orphans[parent] = s.orphans.get(parent, 0) + 1
+        if not self._s.blocks.add_child(parent):
+            self._count_orphan(parent)
+
+    def _count_orphan(self, parent: BlockKey) -> None:
+        """One more child of ``parent``, which is not indexed: counted until it is."""
+        orphans = self._s.orphans
+        orphans[parent] = orphans.get(parent, 0) + 1
 
     def _drop_child(self, parent: BlockKey) -> None:
         s = self._s

@@ -38,7 +38,7 @@ from tiers.records import MOVING, PINNED, UNLINKED, BlockEntry
 _module: Any = importlib.import_module("tiers._block_index")  # cffi: untyped
 ffi: Any = _module.ffi
 lib: Any = _module.lib
-API_VERSION = 3  # cffi_build/block_index_build.py API_VERSION
+API_VERSION = 4  # cffi_build/block_index_build.py API_VERSION
 KEY_BYTES = 16
 _NONE = lib.KVB_NONE
 _EBAD = lib.KVB_EBAD
@@ -117,7 +117,7 @@ class NativeEntry(BlockEntry):
             p = self._p
             parent = BlockKey(ffi.buffer(p.parent, KEY_BYTES)[:]) if p.has_parent else None
             self._parent = parent
-        return cast(BlockKey | None, parent)
+        return cast("BlockKey | None", parent)  # a string: no Union built per call
 
     @property
     def nbytes(self) -> int:  # type: ignore[override]  # read-only here: fixed at creation
@@ -223,6 +223,20 @@ class NativeEntry(BlockEntry):
         p.place, p.pkind = _place_fields(value)
         if p.pkind == 2:
             self._table.places[self._slot] = value
+
+
+def _record_place(key: BlockKey, parent: BlockKey | None, extent: Extent | None,
+                  location: Any) -> tuple[int, int, int]:
+    """A new record's (place, length, pkind), once its keys are checked (ValueError)."""
+    if not _indexable(key):
+        raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, got {key!r}")
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, "
+                         f"got parent {parent!r}")
+    if extent is not None:
+        return extent.offset, extent.length, 1
+    (place, pkind) = _place_fields(location)
+    return place, 0, pkind
 
 
 def _place_fields(value: Any) -> tuple[int, int]:
@@ -342,15 +356,7 @@ class NativeBlockTable:
     def new_entry(self, *, key: BlockKey, parent: BlockKey | None, nbytes: int, level: int,
                   extent: Extent | None = None, location: Any = None, pinned: bool = False,
                   children: int = 0, last_access: int = 0) -> BlockEntry:
-        if not _indexable(key):
-            raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, got {key!r}")
-        if parent is not None and len(parent) != KEY_BYTES:
-            raise ValueError(f"the native index keeps {KEY_BYTES}-byte keys, "
-                             f"got parent {parent!r}")
-        if extent is not None:
-            place, length, pkind = extent.offset, extent.length, 1
-        else:
-            (place, pkind), length = _place_fields(location), 0
+        place, length, pkind = _record_place(key, parent, extent, location)
         slot = _check(int(lib.kvb_new(self.c, key, ffi.NULL if parent is None else bytes(parent),
                                       nbytes, level, place, length, pkind,
                                       PINNED if pinned else 0, children, last_access)),
@@ -360,6 +366,24 @@ class NativeBlockTable:
         h = self.handle(slot, key)
         h._parent = parent
         return h
+
+    def insert(self, *, key: BlockKey, parent: BlockKey | None, nbytes: int, level: int,
+               tick: int, extent: Extent | None = None, location: Any = None,
+               pinned: bool = False, children: int = 0) -> bool:
+        """``TierManager``'s indexing of a new block (its commit, its adopt) in one C call,
+        for a policy ordered by recency (``EvictionPolicy.by_recency``; ``kvb_insert``): the
+        ``new_entry`` of these fields at last access ``tick``, linked, counted as a child
+        of ``parent`` where that is indexed, queued at ``tick`` unless pinned. No handle
+        is made. Returns whether a block is indexed under ``parent`` (False: the caller
+        counts an orphan); NativeIndexError (nothing changed) if ``key`` is indexed."""
+        place, length, pkind = _record_place(key, parent, extent, location)
+        rc = _check(int(lib.kvb_insert(self.c, key,
+                                       ffi.NULL if parent is None else bytes(parent), nbytes,
+                                       level, place, length, pkind, PINNED if pinned else 0,
+                                       children, tick)), "insert")
+        if pkind == 2:
+            self.places[rc & 0xFFFFFFFF] = location
+        return bool(rc >> 32)
 
     def read_hit(self, key: BlockKey, tick: int, *, leaves_only: bool, promote_after: int
                  ) -> tuple[NativeEntry, int, bool] | None:

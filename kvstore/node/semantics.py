@@ -31,6 +31,7 @@ from kvstore.core.checks import MAX_BATCH as MAX_BATCH
 from kvstore.core.checks import check_key as check_key
 from kvstore.core.checks import check_keys as check_keys
 from kvstore.core.checks import check_parent as check_parent
+from kvstore.core.collector import collector_paused
 from kvstore.core.errors import (
     REPLY_BOUND,
     InvalidArgument,
@@ -184,8 +185,9 @@ class Node:
         from tiers.ssd.tier import SsdIndexDamagedError, SsdTier
 
         try:
-            ssd = SsdTier(s.ssd_path or "", s.ssd_bytes, io=s.ssd_io,
-                          allow_index_rebuild=s.allow_index_rebuild)
+            with collector_paused():  # its records: what a restart recovers
+                ssd = SsdTier(s.ssd_path or "", s.ssd_bytes, io=s.ssd_io,
+                              allow_index_rebuild=s.allow_index_rebuild)
         except SsdIndexDamagedError as exc:
             log.error("the SSD tier's index is damaged, so its blocks cannot be served: %s",
                       exc)
@@ -213,9 +215,9 @@ class Node:
             if lv.durable_tier is not None:
                 records = lv.durable_tier.recover()
                 m = self._manager
-                for r in records:
-                    m.adopt(r.key, r.parent, r.location.nbytes, level=level,
-                            location=r.location, retention=r.retention)
+                with collector_paused():
+                    m.adopt_many(level, ((r.key, r.parent, r.location.nbytes, r.location,
+                                          r.retention) for r in records))
                 self._info["recovered_blocks"] = len(records)
                 log.info("recovered %d blocks from the %s tier (%d still retained)",
                          len(records), lv.tier.name, len(m.retention.held))

@@ -89,6 +89,14 @@ def _encode_entry(parent: bytes | None, loc: SsdLocation, seq: int,
 
 
 def _decode_entry(raw: bytes) -> IndexEntry:
+    parent, loc, seq, retention = _decode(raw)
+    return IndexEntry(parent=parent, location=loc, seq=seq, retention=retention)
+
+
+def _decode(raw: bytes) -> tuple[BlockKey | None, SsdLocation, int, Retention | None]:
+    """(parent, location, sequence number, retention) of one entry; SsdIndexDamagedError
+    if it does not decode or its value does not fit its extent. Restart decodes every
+    entry through here: no object beyond the ones a record keeps."""
     header, seq, until, seconds = 0, 0, 0.0, 0.0
     if len(raw) == _ENTRY.size:
         (offset, length, nbytes, checksum, has_parent, parent, header, seq, until,
@@ -101,10 +109,9 @@ def _decode_entry(raw: bytes) -> IndexEntry:
     if header + nbytes > length:
         raise SsdIndexDamagedError(f"index entry claims {header} + {nbytes} bytes in an "
                                    f"extent of {length}")
-    loc = SsdLocation(extent=Extent(offset, length), nbytes=nbytes, checksum=checksum,
-                      header=header)
-    return IndexEntry(parent=BlockKey(parent) if has_parent else None, location=loc, seq=seq,
-                      retention=Retention(until=until, seconds=seconds) if until else None)
+    return (parent if has_parent else None,
+            SsdLocation(Extent(offset, length), nbytes, checksum, header),  # by position: fast
+            seq, Retention(until=until, seconds=seconds) if until else None)
 
 
 class SsdIndex:
@@ -278,17 +285,17 @@ class SsdIndex:
     def records(self) -> list[SsdRecord]:
         """Every entry, in key order (SsdIndexDamagedError if one cannot be read)."""
         records: list[SsdRecord] = []
+        add, decode, Record = records.append, _decode, SsdRecord  # locals: once per entry
+        skip = len(_BLOCK_PREFIX)
+        key_end = skip + KEY_BYTES
         try:
             for k, v in self._raw_items(_BLOCK_PREFIX):
                 if not k.startswith(_BLOCK_PREFIX):
                     break
-                key = bytes(k[len(_BLOCK_PREFIX):])
-                if len(key) != KEY_BYTES:
+                if len(k) != key_end:
                     raise SsdIndexDamagedError(f"index key of wrong length: {k!r}")
-                e = _decode_entry(bytes(v))
-                records.append(SsdRecord(key=BlockKey(key), parent=e.parent,
-                                         location=e.location, retention=e.retention,
-                                         seq=e.seq))
+                parent, loc, seq, retention = decode(v)
+                add(Record(BlockKey(k[skip:]), parent, loc, retention, seq))
         except SsdIndexDamagedError:
             raise
         except Exception as exc:  # RocksDB's own errors (a corrupt table read lazily)
