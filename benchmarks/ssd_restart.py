@@ -21,11 +21,9 @@ takes from restart to serving, and whether it comes back whole.
 
 Each block takes a 4 KiB header page and its value rounded up to 4 KiB: 8 KiB of disk for
 a small value, so 10 million blocks need 82 GB. The region is sized so the blocks fill
-85% of it: a node whose SSD tier is past its high watermark (95%) evicts at start, and
-today it evicts far more than the watermarks ask for when values are small (the mover
-counts the bytes it frees as value bytes, 64 here, while the tier's use counts header
-and alignment, 8 KiB: see ``benchmarks/RESULTS.md``), which would leave nothing to
-measure. Writes ``results/ssd_restart.json``.
+85% of it: a node whose SSD tier is past its high watermark (95%) evicts at start, down to
+its low watermark, and the blocks it drops would be counted as lost here. Writes
+``results/ssd_restart.json``.
 
     python -m benchmarks.ssd_restart --path /var/tmp/kvstore-ssd-restart.img --blocks 1e6
 """
@@ -126,21 +124,23 @@ def fill(path: Path, blocks: int, value_bytes: int, batch: int) -> dict[str, Any
 
 
 def restart_parts(path: Path, capacity: int) -> dict[str, Any]:
+    from kvstore.core.collector import collector_paused
     from tiers.manager import TierManager
     from tiers.metadata import MetadataTier
     from tiers.policy import make_policy
     from tiers.ssd.tier import SsdTier
 
     t0, c0 = time.perf_counter(), time.process_time()
-    tier = SsdTier(path, capacity)
+    with collector_paused():  # as Node._open_ssd and Node._recover
+        tier = SsdTier(path, capacity)
     t1, c1 = time.perf_counter(), time.process_time()
     records = tier.recover()
     t2 = time.perf_counter()
     manager = TierManager([MetadataTier(64 << 20), tier], make_policy("lru"), landing=0)
     c2 = time.process_time()
-    for r in records:
-        manager.adopt(r.key, r.parent, r.location.nbytes, level=1, location=r.location,
-                      retention=r.retention)
+    with collector_paused():
+        manager.adopt_many(1, ((r.key, r.parent, r.location.nbytes, r.location, r.retention)
+                               for r in records))
     t3, c3 = time.perf_counter(), time.process_time()
     n = len(records)
     del records, manager

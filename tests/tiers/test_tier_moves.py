@@ -196,6 +196,21 @@ def test_adopt_indexes_recovered_blocks() -> None:
     assert m.remove(k("x")) == (k("x"), ("loc", "x"))
 
 
+def test_adopt_many_indexes_in_order_skips_the_indexed_and_counts_orphans() -> None:
+    """A restart's records in any order: a child adopted before its parent is counted on
+    the parent when it comes; a key indexed already is skipped; the queue orders them as
+    adopted."""
+    m = two_levels(durable_below=True)
+    put(m, "a")  # indexed already (in the memory tier): skipped
+    blocks = [(k("c"), k("b"), 100, ("loc", "c"), None), (k("a"), None, 100, ("loc", "a"), None),
+              (k("b"), None, 100, ("loc", "b"), None), (k("d"), k("b"), 100, ("loc", "d"), None)]
+    assert m.adopt_many(1, blocks) == 3
+    assert [m.entry(k(n)).children for n in "bcd"] == [2, 0, 0]  # type: ignore[union-attr]
+    assert m.entry(k("a")).level == 0  # type: ignore[union-attr]
+    moves = m.plan_moves(1, 3 * 100)
+    assert [name(mv.entry.key) for mv in moves] == ["c", "b", "d"]  # in the order adopted
+
+
 def test_corrupt_block_leaves_the_index() -> None:
     m = two_levels(durable_below=True)
     m.adopt(k("x"), None, 100, level=1, location=("loc", "x"))
