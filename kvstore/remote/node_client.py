@@ -365,6 +365,25 @@ class NodeClient(SingleKeyCalls):
                 failed.append(text)
         return stored, made, failed
 
+    # One key over the transfer channel: the call an engine makes per block. The same
+    # checks, errors and retry as the batch of one it stands for, in one frame, without
+    # the batch's slicing and split-on-bound (one block always fits a reply).
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value of ``key``, or None on a miss."""
+        k = check_key(key)
+        if not self._uses_channel():
+            return self.get_batch([k])[0]
+        return cast("bytes | None", self._channel_call(lambda c: c.get((k,), None))[0])
+
+    def get_into(self, key: bytes, buf: object) -> int | None:
+        """Writes the value of ``key`` into ``buf``; its length, or None on a miss."""
+        k = check_key(key)
+        out = as_writable(buf)
+        if not self._uses_channel():
+            return self.get_batch_into([k], [out])[0]
+        return cast("int | None", self._channel_call(lambda c: c.get((k,), (out,)))[0])
+
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = [check_key(k) for k in keys]
         if self._uses_channel():

@@ -24,6 +24,7 @@ from conftest import NodeProcess
 from kvstore.core.errors import (
     REASON_HEADER,
     REPLY_BOUND,
+    BufferTooSmall,
     InvalidArgument,
     ReplyTooLarge,
     ResourceExhausted,
@@ -197,3 +198,27 @@ def test_a_put_whose_answer_was_lost_is_resent_and_reported_stored(
         assert c.get_batch(keys) == values
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto", "grpc"])
+def test_one_key_calls_answer_as_the_batch_of_one(node: NodeProcess, transport: str) -> None:
+    """``get`` and ``get_into`` of one key take a path of their own on the transfer channel:
+    the same answers and the same errors as ``get_batch``/``get_batch_into`` of one key,
+    and the connection stays usable after a refusal."""
+    key, absent, value = b"\x11" * 16, b"\x12" * 16, bytes(range(256)) * 40
+    with NodeClient(node.addr, transport=transport) as c:
+        assert c.put(key, value)
+        for k in (key, absent):
+            assert c.get(k) == c.get_batch([k])[0]
+            buf, batch_buf = bytearray(len(value) + 5), bytearray(len(value) + 5)
+            assert c.get_into(k, buf) == c.get_batch_into([k], [batch_buf])[0]
+            assert buf == batch_buf
+        assert c.get(key) == value and c.get(absent) is None
+        with pytest.raises(BufferTooSmall):
+            c.get_into(key, bytearray(len(value) - 1))
+        with pytest.raises(InvalidArgument):
+            c.get(b"short")
+        with pytest.raises(InvalidArgument):
+            c.get_into(key, bytes(len(value)))  # read-only
+        out = memoryview(bytearray(len(value)))
+        assert c.get_into(key, out) == len(value) and out == value  # still in step
