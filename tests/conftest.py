@@ -10,16 +10,51 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from kvstore.core.ports import free_port  # re-exported: test modules import it from conftest
+from kvstore.protocol.wire import Op
+from kvstore.remote.channel_client import ChannelConnection
 
 if TYPE_CHECKING:
     from kvstore.auth.security import TenantRegistry
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def lose_first_answer(monkeypatch: pytest.MonkeyPatch, op: Op) -> list[int]:
+    """Loses this process's first answer to an ``op`` request (``Op.PUT`` or ``Op.RPUT``)
+    on the transfer channel after the node sent it: the real exchange runs (the node has
+    stored the put), then the stream resets (ConnectionResetError), as a connection that
+    breaks just then. A pipelined put's answer (``put_reply``) too. Returns the item
+    counts of the answers lost: one at most."""
+    lost: list[int] = []
+    call, put_reply = ChannelConnection._call, ChannelConnection.put_reply
+
+    def lose(count: int) -> None:
+        if not lost:
+            lost.append(count)
+            raise ConnectionResetError("the answer was lost")
+
+    def call_then_lose(conn: ChannelConnection, asked: Op, count: int, meta: bytes,
+                       values: Any = ()) -> tuple[int, bytes]:
+        answer = call(conn, asked, count, meta, values)
+        if asked is op:
+            lose(count)
+        return answer
+
+    def reply_then_lose(conn: ChannelConnection, count: int, *, replicated: bool = False
+                        ) -> tuple[list[bool], int, str]:
+        answer = put_reply(conn, count, replicated=replicated)
+        if (Op.RPUT if replicated else Op.PUT) is op:
+            lose(count)
+        return answer
+
+    monkeypatch.setattr(ChannelConnection, "_call", call_then_lose)
+    monkeypatch.setattr(ChannelConnection, "put_reply", reply_then_lose)
+    return lost
 
 
 class ManualClock:

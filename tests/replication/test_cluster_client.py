@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NodeProcess, free_port, start_node, start_static_cluster
+from conftest import (
+    NodeProcess,
+    free_port,
+    lose_first_answer,
+    start_node,
+    start_static_cluster,
+)
 
 from kvstore.client import Client
 from kvstore.core.errors import InvalidArgument
 from kvstore.protocol.wire import Op
-from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import PutBatch
 from replication.cluster_client import ClusterClient
 from replication.placement.rendezvous import Member, NodeId
@@ -127,27 +132,7 @@ def test_a_put_resent_after_its_masters_answer_was_lost_is_stored(
     which holds the forwarded copies already; called, the node client resends to the same
     master, which holds them too. Either way every key is reported stored, with both
     copies."""
-    lost: list[int] = []
-    put_reply, call = ChannelConnection.put_reply, ChannelConnection._call  # the real ones
-
-    def reply_then_reset(conn: ChannelConnection, count: int, *, replicated: bool = False
-                         ) -> tuple[list[bool], int, str]:
-        answer = put_reply(conn, count, replicated=replicated)
-        if not lost:
-            lost.append(count)
-            raise ConnectionResetError("the answer was lost")
-        return answer
-
-    def call_then_reset(conn: ChannelConnection, op: Op, count: int, meta: bytes,
-                        values: Any = ()) -> tuple[int, bytes]:
-        answer = call(conn, op, count, meta, values)
-        if op is Op.RPUT and not lost:
-            lost.append(count)
-            raise ConnectionResetError("the answer was lost")
-        return answer
-
-    monkeypatch.setattr(ChannelConnection, "put_reply", reply_then_reset)
-    monkeypatch.setattr(ChannelConnection, "_call", call_then_reset)
+    lost = lose_first_answer(monkeypatch, Op.RPUT)
     keys = [bytes([0xA5, pipeline, i, 0]) * 4 for i in range(24)]
     values = [bytes([i]) * 3000 for i in range(24)]
     with ClusterClient(members=_members([n.addr for n in forwarding]), replicas=2,

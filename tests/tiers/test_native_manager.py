@@ -57,6 +57,18 @@ def _step(m: TierManager, held: list[BlockEntry], op: str, i: int) -> object:
     return bool(m.remove(key))
 
 
+def _assert_alike(py: TierManager, native: TierManager) -> None:
+    """The same keys, each with the same fields and location, in the same recency order."""
+    assert py.keys() == native.keys()
+    for key in KEYS:
+        a, b = py.entry(key), native.entry(key)
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert [getattr(a, f) for f in FIELDS] == [getattr(b, f) for f in FIELDS]
+            assert a.location == b.location
+    assert _by_recency(py) == _by_recency(native)
+
+
 def _by_recency(m: TierManager) -> list[BlockKey]:
     """The stored keys, least recently used first (ticks differ, their order must not)."""
     return sorted(m.keys(), key=lambda key: m.entry(key).last_access)  # type: ignore[union-attr]
@@ -72,13 +84,7 @@ def test_a_manager_on_either_index_answers_every_call_alike(policy: str,
         answers = [_step(m, h, op, i) for m, h in zip((py, native), held, strict=True)]
         assert answers[0] == answers[1], (op, i)
         assert py.drain_evicted() == native.drain_evicted()  # the same victims, in order
-        assert py.keys() == native.keys()
-        for key in KEYS:
-            a, b = py.entry(key), native.entry(key)
-            assert (a is None) == (b is None)
-            if a is not None and b is not None:
-                assert [getattr(a, f) for f in FIELDS] == [getattr(b, f) for f in FIELDS]
-        assert _by_recency(py) == _by_recency(native)
+        _assert_alike(py, native)
         assert py.counters == native.counters
         assert py.tier.used == native.tier.used
     for m, h in zip((py, native), held, strict=True):
@@ -117,14 +123,7 @@ def test_a_restart_on_either_index_adopts_alike(policy: str,
         if op != "adopted":
             answers = [_step(m, h, op, i) for m, h in zip((py, native), held, strict=True)]
             assert answers[0] == answers[1], (op, i)
-        assert py.keys() == native.keys()
-        for key in KEYS:
-            a, b = py.entry(key), native.entry(key)
-            assert (a is None) == (b is None)
-            if a is not None and b is not None:
-                assert [getattr(a, f) for f in FIELDS] == [getattr(b, f) for f in FIELDS]
-                assert a.location == b.location
-        assert _by_recency(py) == _by_recency(native)
+        _assert_alike(py, native)
         assert set(py.retention.held) == set(native.retention.held)
     for m, h in zip((py, native), held, strict=True):
         while h:

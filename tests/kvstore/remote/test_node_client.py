@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 
 import grpc
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, lose_first_answer
 
 from kvstore.core.errors import (
     REASON_HEADER,
@@ -33,7 +33,6 @@ from kvstore.core.errors import (
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol.wire import Op
-from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
 
 
@@ -176,24 +175,13 @@ def test_a_put_whose_answer_was_lost_is_resent_and_reported_stored(
     """The node stores the batch, then the stream resets before the client reads the
     answer: the client resends on a new connection, the node finds every key stored, and
     the keys still count as stored by this put (its first try stored them)."""
-    lost: list[Op] = []
-    call = ChannelConnection._call  # the real exchange, answered, then lost once
-
-    def reset_once(conn: ChannelConnection, op: Op, count: int, meta: bytes,
-                   values: Any = ()) -> tuple[int, bytes]:
-        answer = call(conn, op, count, meta, values)
-        if op is Op.PUT and not lost:
-            lost.append(op)
-            raise ConnectionResetError("the answer was lost")
-        return answer
-
-    monkeypatch.setattr(ChannelConnection, "_call", reset_once)
+    lost = lose_first_answer(monkeypatch, Op.PUT)
     keys = [bytes([0x5A, i]) * 8 for i in range(5)]
     values = [bytes([i]) * 100 for i in range(5)]
     c = NodeClient(node.addr, transport="tcp")
     try:
         assert c.put_batch(keys, values) == [True] * 5
-        assert lost == [Op.PUT]  # the first answer was lost: the flags are the resend's
+        assert lost == [5]  # the first answer was lost: the flags are the resend's
         assert c.put_batch(keys, values) == [False] * 5  # not resent: stored already
         assert c.get_batch(keys) == values
     finally:
