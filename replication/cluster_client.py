@@ -62,7 +62,7 @@ from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreErro
 from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.core.retention import RetainOutcome, check_retain, merged_outcome
-from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls
+from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls, all_stored
 from kvstore.remote.pipelined import PendingPut, finish_all, start_puts
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
@@ -268,7 +268,7 @@ class ClusterClient(SingleKeyCalls):
         down: set[NodeId] = set()  # nodes that failed as master during this call
         errors: list[str] = []
         pending = list(range(len(ks)))
-        resent = False  # keys put again after their master failed (NodeClient.put: True)
+        resent = False  # keys put again after their master failed: all_stored
         while pending:
             bad = self._suspects_now()
             groups: dict[NodeId, list[int]] = {}
@@ -287,8 +287,8 @@ class ClusterClient(SingleKeyCalls):
                 retry.extend(idx)
 
             def record(idx: list[int], flags: list[bool], resent: bool = resent) -> None:
-                for i, f in zip(idx, flags, strict=True):
-                    stored[i] = f or resent
+                for i, f in zip(idx, all_stored(flags) if resent else flags, strict=True):
+                    stored[i] = f
 
             def put_group(master: NodeId, idx: list[int]) -> None:
                 client = self._client(view, master)

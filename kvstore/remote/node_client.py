@@ -322,7 +322,7 @@ class NodeClient(SingleKeyCalls):
                 hi = lo + MAX_BATCH
                 out += self._channel_call(lambda c, lo=lo, hi=hi: c.put(ks[lo:hi], views[lo:hi],
                                                                         ps[lo:hi], pin, keep),
-                                          resent=_all_stored)
+                                          resent=all_stored)
             return out
         stored: list[bool] = []
         for lo, hi in _chunks([len(v) for v in views], _GRPC_BATCH_BYTES):
@@ -358,7 +358,7 @@ class NodeClient(SingleKeyCalls):
             flags, n, text = self._channel_call(
                 lambda c, lo=lo, hi=hi: c.put_replicated(ks[lo:hi], views[lo:hi], ps[lo:hi],
                                                          pin, copies, write_quorum, keep),
-                resent=lambda r: (_all_stored(r[0]), *r[1:]))
+                resent=lambda r: (all_stored(r[0]), *r[1:]))
             stored += flags
             made = min(made, n)
             if text:
@@ -609,8 +609,9 @@ def _split_on_bound(fn: Any, part: list[BlockKey], lo: int) -> list[Any]:
     return _split_on_bound(fn, part[:mid], lo) + _split_on_bound(fn, part[mid:], lo + mid)
 
 
-def _all_stored(flags: list[bool]) -> list[bool]:
-    """A resent put's flags: every key counts as stored. A key the resend found stored may
+def all_stored(flags: list[bool]) -> list[bool]:
+    """A resent put's flags (the node client's transport retry, the cluster client's put
+    through the next node): every key counts as stored. A key the resend found stored may
     be this put's own first try, which landed before its answer was lost; either way the
     key holds a value now (its value, for a content-addressed block)."""
     return [True] * len(flags)
@@ -648,4 +649,4 @@ def _trailing(exc: grpc.RpcError, key: str) -> str | None:
 
 
 __all__ = ["TRANSPORTS", "DrainOutcome", "NodeClient", "PutBatch", "ReplicateOutcome",
-           "SingleKeyCalls", "check_put_batch"]
+           "SingleKeyCalls", "all_stored", "check_put_batch"]
