@@ -161,8 +161,20 @@ int64_t kvc_send_frame(int fd, unsigned code, uint32_t count, const char *meta,
 
 /* ---- the server: requests in through a buffer ----------------------------------------- */
 
-/* Makes at least `need` bytes buffered (need <= cap), keeping what arrived on any error. */
-static int fill(int fd, struct kvc_reader *r, uint64_t need)
+/* How far a request's read may run past the bytes it needs: a run of small requests (gets,
+ * a batch's meta) still arrives in one recv, while a put's value, which follows its meta,
+ * is received mostly straight into its slot by kvc_reader_read_into instead of through
+ * this buffer and a copy (a 64 KiB value was copied whole when a read took all it could). */
+#define KVC_READ_AHEAD 4096u
+/* kvc_reader_read_into: a remainder at least this long is received straight into its
+ * destination; a shorter one refills the buffer as far as it holds (one recv for a run of
+ * small values rather than one each). */
+#define KVC_DIRECT_MIN 16384u
+
+/* Makes at least `need` bytes buffered (need <= cap), reading at most `ahead` bytes past
+ * the buffer's start (or `need`, if more; never past cap), keeping what arrived on any
+ * error. */
+static int fill_upto(int fd, struct kvc_reader *r, uint64_t need, uint64_t ahead)
 {
     if (r->end - r->start >= need)
         return 0;
@@ -171,8 +183,11 @@ static int fill(int fd, struct kvc_reader *r, uint64_t need)
         r->end -= r->start;
         r->start = 0;
     }
+    uint64_t limit = need > ahead ? need : ahead;
+    if (limit > r->cap)
+        limit = r->cap;
     while (r->end < need) {
-        ssize_t got = recv(fd, r->buf + r->end, r->cap - r->end, 0);
+        ssize_t got = recv(fd, r->buf + r->end, limit - r->end, 0);
         if (got < 0) {
             if (errno == EINTR)
                 continue;
@@ -183,6 +198,11 @@ static int fill(int fd, struct kvc_reader *r, uint64_t need)
         r->end += (uint64_t)got;
     }
     return 0;
+}
+
+static int fill(int fd, struct kvc_reader *r, uint64_t need)
+{
+    return fill_upto(fd, r, need, KVC_READ_AHEAD);
 }
 
 /* The next request: its header checked against item_size (256 entries, one per op code:
@@ -219,21 +239,32 @@ int kvc_next_request(int fd, struct kvc_reader *r, const uint16_t *item_size,
     return 0;
 }
 
-/* Fills dst[0:n]: buffered bytes first, then straight from the socket. */
+/* Fills dst[0:n]: buffered bytes first, then the rest straight from the socket, or, for a
+ * rest shorter than KVC_DIRECT_MIN, through the buffer refilled as far as it holds. */
 int kvc_reader_read_into(int fd, struct kvc_reader *r, char *dst, uint64_t n)
 {
     if (r->start > r->end || r->end > r->cap)
         return KVC_BAD_ARG;
-    uint64_t k = r->end - r->start;
-    if (k > n)
-        k = n;
-    if (k) {
-        memcpy(dst, r->buf + r->start, k);
-        r->start += k;
+    for (;;) {
+        uint64_t k = r->end - r->start;
+        if (k > n)
+            k = n;
+        if (k) {
+            memcpy(dst, r->buf + r->start, k);
+            r->start += k;
+            dst += k;
+            n -= k;
+        }
+        if (n == 0)
+            return 0;
+        if (n >= KVC_DIRECT_MIN || n > r->cap)
+            break;
+        /* Buffered from here: at least n bytes (then the loop copies them and returns). */
+        int rc = fill_upto(fd, r, n, r->cap);
+        if (rc)
+            return rc == KVC_EOF ? KVC_SHORT : rc;
     }
-    if (k == n)
-        return 0;
-    int rc = recv_exact(fd, dst + k, n - k);
+    int rc = recv_exact(fd, dst, n);
     return rc == KVC_EOF ? KVC_SHORT : rc;
 }
 

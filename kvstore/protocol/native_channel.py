@@ -5,8 +5,10 @@ parses and moves a request with the GIL released: a client's call is one C call 
 sends the header, the metadata and the values with ``sendmsg`` and receives the reply's
 header, metadata and (GET) the values straight into the caller's buffers; a node's
 connection reads each request's header and metadata in one C call that checks every field
-against its bounds before it is used, receives put values straight into their reserved
-slots, and sends each reply with one ``sendmsg``. The bytes on the wire are
+against its bounds before it is used (reading at most 4 KiB past them), receives put
+values straight into their reserved slots (a value or rest under 16 KiB through its
+buffer, refilled with all that has arrived in one ``recv``), and sends each reply with one
+``sendmsg``. The bytes on the wire are
 ``kvstore.protocol.wire``'s, unchanged: either end may run the pure-Python path.
 
 The pure-Python path is the fallback: without the built module, for TLS streams (no
@@ -211,7 +213,8 @@ class ServerStream(_Base):
         raise AssertionError("unreachable")
 
     def read_into(self, dest: memoryview) -> None:
-        """Fills ``dest``: buffered bytes first, then straight from the socket."""
+        """Fills ``dest``: buffered bytes first, then straight from the socket (a rest
+        under 16 KiB: through the buffer, refilled with all that has arrived)."""
         if not len(dest):
             return
         with self._ffi.from_buffer(dest, require_writable=True) as buf:

@@ -198,6 +198,86 @@ def test_values_land_in_place_after_the_buffered_head(
     t.join()
 
 
+@FUZZ
+@given(sizes=st.lists(st.sampled_from([0, 1, 600, 4000, 16383, 16384, 40000, 70000]),
+                      min_size=1, max_size=6),
+       bufsize=st.sampled_from([32, 100, 5000, 64 << 10]), trickle=st.booleans())
+def test_every_value_of_a_put_batch_lands_whole_and_in_frame(sizes: list[int], bufsize: int,
+                                                             trickle: bool) -> None:
+    """Values of any size after a put's meta, read one by one (buffered head, refills of a
+    short rest, or straight from the socket, any buffer size, arriving at once or in
+    pieces), each byte for byte, and the stream stays in frame for the next request."""
+    values = [bytes([(i * 7 + j) % 251 for j in range(min(n, 251))]) * (n // 251 + 1)
+              for i, n in enumerate(sizes)]
+    values = [v[:n] for v, n in zip(values, sizes, strict=True)]
+    meta = b"".join(wire.PUT_ITEM.pack(bytes([i]) * 16, bytes(16), n, 0)
+                    for i, n in enumerate(sizes))
+    data = _frame(Op.PUT, len(sizes), len(meta), meta) + b"".join(values) + _frame(
+        Op.REMOVE, 1, 16, b"r" * 16)
+    a, b = socket.socketpair()
+    with a, b:
+        if trickle:
+            def run() -> None:
+                for i in range(0, len(data), 1500):
+                    a.sendall(data[i:i + 1500])
+            t = threading.Thread(target=run)
+            t.start()
+        else:
+            t = _feed(a, data)
+        stream = native_channel.ServerStream(mod, b, SIZES, MAX_BATCH, size=bufsize)
+        assert stream.next_request() == (Op.PUT, len(sizes), meta)
+        for value in values:
+            dest = bytearray(len(value) + 1)
+            stream.read_into(memoryview(dest)[: len(value)])
+            assert dest[: len(value)] == value and dest[-1] == 0
+        assert stream.next_request() == (Op.REMOVE, 1, b"r" * 16)
+        t.join()
+
+
+def test_a_large_value_is_received_in_place_not_through_the_buffer(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Everything has arrived, but reading the request takes in little past its meta: the
+    64 KiB value then goes straight into its slot instead of being copied through the
+    64 KiB buffer."""
+    a, b = pair
+    value = bytes(range(256)) * 256
+    meta = wire.PUT_ITEM.pack(b"k" * 16, bytes(16), len(value), 0)
+    a.sendall(_frame(Op.PUT, 1, len(meta), meta) + value)
+    stream = native_channel.server_stream(b, SIZES, MAX_BATCH)
+    assert stream is not None
+    assert stream.next_request() == (Op.PUT, 1, meta)
+    assert 0 < stream.buffered <= 4096 - HEADER.size - len(meta)
+    dest = bytearray(len(value))
+    stream.read_into(memoryview(dest))
+    assert dest == value and stream.buffered == 0
+
+
+def test_a_batch_of_small_values_is_read_through_one_refill(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Small values come through the buffer: the first one not buffered whole refills it
+    with all that has arrived (the rest of the batch), not one recv per value."""
+    a, b = pair
+    values = [bytes([i]) * 600 for i in range(20)]
+    meta = b"".join(wire.PUT_ITEM.pack(bytes([i]) * 16, bytes(16), 600, 0) for i in range(20))
+    a.sendall(_frame(Op.PUT, 20, len(meta), meta) + b"".join(values))
+    stream = native_channel.server_stream(b, SIZES, MAX_BATCH)
+    assert stream is not None
+    assert stream.next_request() == (Op.PUT, 20, meta)
+    refills = []
+    for i, value in enumerate(values):
+        before = stream.buffered
+        dest = bytearray(600)
+        stream.read_into(memoryview(dest))
+        assert dest == value
+        if before < 600:
+            refills.append((i, stream.buffered))
+    assert len(refills) == 1
+    i, after = refills[0]
+    assert after == (len(values) - 1 - i) * 600
+
+
 def test_a_stall_inside_a_frame_leaves_it_buffered(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
