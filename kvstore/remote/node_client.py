@@ -369,6 +369,16 @@ class NodeClient(SingleKeyCalls):
     # checks, errors and retry as the batch of one it stands for, in one frame, without
     # the batch's slicing and split-on-bound (one block always fits a reply).
 
+    def put(self, key: bytes, value: object, *, parent: bytes | None = None,
+            pin: bool = False, retain_s: float | None = None) -> bool:
+        """Stores ``value`` under ``key``, as ``SingleKeyCalls.put`` (the batch of one)."""
+        batch = PutBatch.check([key], [value], parents=[parent], pin=pin, retain_s=retain_s)
+        if not self._uses_channel():
+            return self.put_checked(batch)[0]
+        ks, views, ps, keep = batch.keys, batch.values, batch.parents, batch.retain_s
+        return cast(bool, self._channel_call(lambda c: c.put(ks, views, ps, pin, keep),
+                                             resent=all_stored)[0])
+
     def get(self, key: bytes) -> bytes | None:
         """The value of ``key``, or None on a miss."""
         k = check_key(key)

@@ -188,14 +188,34 @@ def test_a_put_whose_answer_was_lost_is_resent_and_reported_stored(
         c.close()
 
 
+def test_a_single_put_whose_answer_was_lost_is_resent_and_reported_stored(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``put`` of one key, on its own path: the same resend and the same answer."""
+    lost = lose_first_answer(monkeypatch, Op.PUT)
+    with NodeClient(node.addr, transport="tcp") as c:
+        assert c.put(b"\x5b" * 16, b"one") and lost == [1]
+        assert not c.put(b"\x5b" * 16, b"one")  # not resent: stored already
+        assert c.get(b"\x5b" * 16) == b"one"
+
+
 @pytest.mark.parametrize("transport", ["tcp", "auto", "grpc"])
 def test_one_key_calls_answer_as_the_batch_of_one(node: NodeProcess, transport: str) -> None:
-    """``get`` and ``get_into`` of one key take a path of their own on the transfer channel:
-    the same answers and the same errors as ``get_batch``/``get_batch_into`` of one key,
-    and the connection stays usable after a refusal."""
+    """``put``, ``get`` and ``get_into`` of one key take a path of their own on the transfer
+    channel: the same answers and the same errors as the batch calls of one key, and the
+    connection stays usable after a refusal."""
     key, absent, value = b"\x11" * 16, b"\x12" * 16, bytes(range(256)) * 40
     with NodeClient(node.addr, transport=transport) as c:
-        assert c.put(key, value)
+        assert c.put(key, value, parent=absent, retain_s=5.0)
+        assert not c.put(key, value) and c.put_batch([key], [value]) == [False]
+        for bad in ({"value": "text"}, {"parent": b"short"}, {"retain_s": -1.0}):
+            args: dict[str, object] = {"value": value, **bad}
+            with pytest.raises(InvalidArgument):
+                c.put(absent, **args)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument):
+                c.put_batch([absent], [args["value"]],
+                            parents=[args.get("parent")],  # type: ignore[list-item]
+                            retain_s=args.get("retain_s"))  # type: ignore[arg-type]
+        assert c.exists([absent]) == [False]
         for k in (key, absent):
             assert c.get(k) == c.get_batch([k])[0]
             buf, batch_buf = bytearray(len(value) + 5), bytearray(len(value) + 5)
