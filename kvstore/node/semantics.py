@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TypeVar
 
 from kvstore.auth.quotas import QuotaBook
@@ -107,6 +108,41 @@ class PutSlot:
         self.reservation = reservation
         self.view = view
         self.stored = False
+
+
+class PutScope:
+    """``Node.put_slot``'s scope: entering reserves (a ``PutSlot``, or None when the key is
+    stored already), a clean exit commits, an exception aborts and propagates. A class, not
+    a generator: a node enters one per put."""
+
+    __slots__ = ("_args", "_node", "_slot")
+
+    def __init__(self, node: Node, args: tuple[BlockKey, int, BlockKey | None, bool,
+                                               str | None, int | None, float | None, int]
+                 ) -> None:
+        self._node = node
+        self._args = args
+        self._slot: PutSlot | None = None
+
+    def __enter__(self) -> PutSlot | None:
+        node = self._node
+        reservation = node._reserve(*self._args)
+        if reservation is None:
+            return None
+        self._slot = PutSlot(reservation, node._manager.fill_view(reservation))
+        return self._slot
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        slot = self._slot
+        if slot is None:
+            return
+        self._slot = None
+        slot.view.release()
+        if exc_type is not None:
+            self._node.abort(slot.reservation)
+            return
+        slot.stored = self._node.commit(slot.reservation)
 
 
 class Node:
@@ -330,31 +366,16 @@ class Node:
         if self._room is not None:
             self._room.settled()
 
-    @contextmanager
     def put_slot(self, key: BlockKey, nbytes: int, *, parent: BlockKey | None = None,
                  pin: bool = False, owner: str | None = None, quota: int | None = None,
-                 retain_s: float | None = None, holding: int = 0
-                 ) -> Iterator[PutSlot | None]:
+                 retain_s: float | None = None, holding: int = 0) -> PutScope:
         """Two-phase put: reserve, let the caller fill ``slot.view``, commit on a clean exit.
 
         Yields None when the key is already stored (the put is an idempotent no-op).
         ``owner`` is charged ``nbytes`` against ``quota`` (see ``kvstore.auth.quotas``);
         ``retain_s``: see ``tiers.retention``; ``holding``: see ``reserve``.
         """
-        reservation = self._reserve(key, nbytes, parent, pin, owner, quota, retain_s,
-                                    holding)
-        if reservation is None:
-            yield None
-            return
-        slot = PutSlot(reservation, self._manager.fill_view(reservation))
-        try:
-            yield slot
-        except BaseException:
-            slot.view.release()
-            self.abort(reservation)
-            raise
-        slot.view.release()
-        slot.stored = self.commit(reservation)
+        return PutScope(self, (key, nbytes, parent, pin, owner, quota, retain_s, holding))
 
     def put(self, key: BlockKey, value: memoryview, *, parent: BlockKey | None = None,
             pin: bool = False, owner: str | None = None, quota: int | None = None,

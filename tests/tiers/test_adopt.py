@@ -38,7 +38,8 @@ def _two_levels(index: str, policy: str) -> TierManager:
 
 def _state(m: TierManager) -> object:
     entries = []
-    for key in m.keys():  # insertion order
+    indexed = m.keys()  # insertion order (a TierManager has no __iter__)
+    for key in indexed:
         e = m.entry(key)
         assert e is not None
         entries.append((key, [getattr(e, f) for f in FIELDS], e.location, e.parent))
