@@ -120,18 +120,25 @@ def test_sigterm_leaves_at_once_and_a_new_node_joins(cluster: LocalCluster) -> N
         assert time.monotonic() - t0 < 30  # revoked, not expired (the lease was 60 s)
 
 
+# New keys one load thread puts at most: with the 300 first and two threads, 3,300 blocks of
+# 8-12 KiB, two copies each, fit the two survivors' 64 MiB whole (a block evicted would read
+# as lost). A fast machine put 7,000 in the seconds the test runs, and the nodes evicted.
+MAX_PUTS = 1_500
+
+
 def _load(client: ClusterClient, acked: dict[int, bytes], stop: threading.Event,
           errors: list[str], read_failures: list[str], start: int) -> None:
-    """Puts new keys and reads back acknowledged ones until ``stop``."""
+    """Puts up to ``MAX_PUTS`` new keys and reads back acknowledged ones until ``stop``."""
     i = start
     rng = random.Random(start)
     while not stop.is_set():
-        try:
-            client.put(_key(i), _value(i))
-            acked[i] = _value(i)
-        except KVStoreError as exc:
-            errors.append(str(exc))
-        i += 1
+        if i < start + MAX_PUTS:
+            try:
+                client.put(_key(i), _value(i))
+                acked[i] = _value(i)
+            except KVStoreError as exc:
+                errors.append(str(exc))
+            i += 1
         if acked:
             j = rng.choice(list(acked))
             try:
@@ -175,6 +182,10 @@ def test_kill_9_under_load_loses_no_acknowledged_block(cluster: LocalCluster) ->
             assert time.monotonic() < deadline, f"{counts.count(1)} blocks still single"
             time.sleep(0.2)
         repaired_in = time.monotonic() - killed
+        for rec in cluster.nodes:  # the premise: the load fit, nothing was evicted
+            if rec.id != "node-2":
+                with Client(rec.addr, transport="grpc", timeout=5) as c:
+                    assert c.stats()["tiers"]["dram"]["evictions"] == 0, rec.id
     print(f"\n{len(keys)} acknowledged blocks, {len(errors)} puts refused during the kill, "
           f"two copies of every block {repaired_in:.1f}s after kill -9 (lease TTL {TTL}s)")
 
