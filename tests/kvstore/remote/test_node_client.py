@@ -222,6 +222,8 @@ def test_one_key_calls_answer_as_the_batch_of_one(node: NodeProcess, transport: 
             assert c.get_into(k, buf) == c.get_batch_into([k], [batch_buf])[0]
             assert buf == batch_buf
         assert c.get(key) == value and c.get(absent) is None
+        # The node answers a GET of one key on a path of its own: as one of a batch.
+        assert c.get_batch([absent, key, key]) == [None, value, value]
         with pytest.raises(BufferTooSmall):
             c.get_into(key, bytearray(len(value) - 1))
         with pytest.raises(InvalidArgument):
