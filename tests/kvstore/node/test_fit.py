@@ -130,9 +130,17 @@ def test_limits_are_read_from_v1_and_v2_files(tmp_path: Path) -> None:
     assert fit.cgroup_memory_limit(str(proc)) is None
 
 
-def test_check_fits_counts_an_hbm_tier_on_the_cpu() -> None:
+def _pinned_allowance(monkeypatch: pytest.MonkeyPatch) -> fit.Allowance:
+    """This process's allowance, read once and held for the test: ``check_fits`` reads it
+    again, and MemAvailable moves with every other process on the machine."""
     allowed = fit.allowance()
     assert allowed is not None
+    monkeypatch.setattr(fit, "allowance", lambda: allowed)
+    return allowed
+
+
+def test_check_fits_counts_an_hbm_tier_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed = _pinned_allowance(monkeypatch)
     fit.check_fits(allowed.nbytes // 4, 1 << 50, "cuda:0")  # on a device: not host memory
     with pytest.raises(ResourceExhausted, match="DRAM and HBM on the CPU"):
         fit.check_fits(allowed.nbytes // 4, allowed.nbytes, "cpu")
@@ -149,9 +157,9 @@ def test_the_index_budget_counts_every_tier_at_full_occupancy() -> None:
         "16,777,216;" in budget.describe()
 
 
-def test_check_fits_refuses_an_index_that_does_not_fit_beside_the_tiers() -> None:
-    allowed = fit.allowance()
-    assert allowed is not None
+def test_check_fits_refuses_an_index_that_does_not_fit_beside_the_tiers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed = _pinned_allowance(monkeypatch)
     small = fit.index_budget({"dram": allowed.nbytes // 4}, 64 << 10, kind="python")
     fit.check_fits(allowed.nbytes // 4, index=small)
     big = fit.index_budget({"dram": allowed.nbytes // 4, "ssd": 1 << 50}, 4096, kind="native")
