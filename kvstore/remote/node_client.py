@@ -320,9 +320,7 @@ class NodeClient(SingleKeyCalls):
             out: list[bool] = []
             for lo in range(0, len(ks), MAX_BATCH):
                 hi = lo + MAX_BATCH
-                out += self._channel_call(lambda c, lo=lo, hi=hi: c.put(ks[lo:hi], views[lo:hi],
-                                                                        ps[lo:hi], pin, keep),
-                                          resent=all_stored)
+                out += self._channel_put(ks[lo:hi], views[lo:hi], ps[lo:hi], pin, keep)
             return out
         stored: list[bool] = []
         for lo, hi in _chunks([len(v) for v in views], _GRPC_BATCH_BYTES):
@@ -375,9 +373,15 @@ class NodeClient(SingleKeyCalls):
         batch = PutBatch.check([key], [value], parents=[parent], pin=pin, retain_s=retain_s)
         if not self._uses_channel():
             return self.put_checked(batch)[0]
-        ks, views, ps, keep = batch.keys, batch.values, batch.parents, batch.retain_s
-        return cast(bool, self._channel_call(lambda c: c.put(ks, views, ps, pin, keep),
-                                             resent=all_stored)[0])
+        return self._channel_put(batch.keys, batch.values, batch.parents, pin,
+                                 batch.retain_s)[0]
+
+    def _channel_put(self, ks: list[BlockKey], views: list[memoryview],
+                     ps: list[BlockKey | None], pin: bool, keep: float) -> list[bool]:
+        """One PUT frame of at most MAX_BATCH checked items, resent once after a transport
+        error (its flags then ``all_stored``)."""
+        return cast("list[bool]", self._channel_call(lambda c: c.put(ks, views, ps, pin, keep),
+                                                     resent=all_stored))
 
     def get(self, key: bytes) -> bytes | None:
         """The value of ``key``, or None on a miss."""
