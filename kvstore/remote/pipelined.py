@@ -123,7 +123,7 @@ def start_puts(parts: dict[K, tuple[NodeClient, PutBatch]], *, copies: int = 1,
     return sent
 
 
-def finish_all(calls: list[Callable[[], None]]) -> None:
+def finish_all(calls: list[Callable[[], object]]) -> None:
     """Runs every call (each reads one pending put's replies, which must be read whatever
     the others do); then re-raises the first error."""
     first: BaseException | None = None

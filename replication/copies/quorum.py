@@ -4,23 +4,28 @@ A group is a set of blocks with the same candidate order (owners first, then the
 next ranked nodes). Its first ``copies - 1`` candidates are pushed to at once;
 each push that fails is replaced by the next unused candidate (a sloppy quorum: a
 copy on a lower-ranked node still counts, and repair later moves it to its
-owner). The first push runs in the caller's thread, the others on ``pool``. ``run``
-answers when every group has ``write_quorum - 1`` copies or no
-candidate left, or, with ``wait_all``, only once every push it started has
-settled (the caller lends the bytes and must not reuse them before).
+owner). Two ways to run them:
 
-Bounds, so that no caller can tie up the node: without ``wait_all``, ``run`` waits
-at most ``wait_s`` and returns at once when its ``Cancel`` is set (the node
-stopping); the targets not started then, and the pushes still sending, are
-reported failed with the reason. With ``wait_all`` neither applies: the bytes are
-lent, so it waits for every push, each of which ends within the peer stream's
-stall timeout.
+* ``run`` (``Replicate``: the master reads blocks it holds): every push runs on ``pool``;
+  ``run`` answers when every group has ``write_quorum - 1`` copies or no candidate left.
+  Bounded, so that no caller can tie up
+  the node: it waits at most ``wait_s`` and returns at once when its ``Cancel`` is set
+  (the node stopping); the targets not started then, and the pushes still sending, are
+  reported failed with the reason.
+* ``run_lent`` (a replicated put's forwards: the caller lends the bytes and must not
+  reuse them before every push it started has settled): every push runs in the caller's
+  thread, in two halves. First each push is *started* (its blocks sent, on a stream
+  connection, without waiting for the answer), then each is *finished* (its answer
+  read), so the targets store at the same time with no hand-off between threads; a
+  replacement is started and finished as its failure is seen. No bound but the peer
+  stream's stall timeout, which ends every read and write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -31,6 +36,12 @@ from kvstore.core.errors import KVStoreError
 log = logging.getLogger("kvstore.replicator")
 
 Push = Callable[[str], None]  # copies the group's blocks to the node at ADDR; raises on failure
+Finish = Callable[[], None]
+"""Reads the answer of a started push; raises if it failed."""
+StartPush = Callable[[str], Finish]
+"""Starts copying the group's blocks to the node at ADDR (raises if that fails) and returns
+what finishes it. A push that cannot be split does all of its work in the start and
+returns a ``Finish`` with nothing left to do."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -96,19 +107,14 @@ class _Round:
         self.stored_on: list[str] = []
         self.failed: list[str] = []
 
-    def settled(self, need: int, wait_all: bool) -> bool:
-        if self.running and wait_all:
-            return False
+    def settled(self, need: int) -> bool:
         return len(self.stored_on) >= need or not (self.running or self.candidates)
 
 
 def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], *,
-        copies: int, write_quorum: int, wait_all: bool = False, wait_s: float | None = None,
+        copies: int, write_quorum: int, wait_s: float | None = None,
         cancel: Cancel | None = None) -> QuorumResult:
     """Pushes each group to ``copies - 1`` of its candidates; see the module docstring."""
-    if wait_all and (wait_s is not None or cancel is not None):
-        raise ValueError("wait_all lends the bytes until every push settles: no wait_s or "
-                         "cancel with it")
     if not groups or copies == 1:
         return QuorumResult(copies=1)
     cond = threading.Condition()
@@ -122,26 +128,16 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
     def stopped() -> bool:
         return cancel is not None and cancel.is_set
 
-    first: tuple[_Round, str] | None = None
     with nullcontext() if cancel is None else cancel.watching(cond, stop_all):
         with cond:
             if stopped():
                 stop_all()
             for rnd in rounds:
                 for _ in range(min(copies - 1, len(rnd.candidates))):
-                    # With wait_all the caller only waits for every push: run one here, not
-                    # on the pool. A bounded wait keeps every push on the pool (wakeable).
-                    if first is None and wait_all:
-                        first = (rnd, rnd.candidates.pop(0))
-                        rnd.running += 1
-                        rnd.inflight.append(first[1])
-                    else:
-                        _start(pool, rnd)
-        if first is not None:  # ends within the peer stream's stall timeout
-            _push(pool, *first)
+                    _start(pool, rnd)  # on the pool, so that a bounded wait can leave it
         with cond:
             settled = cond.wait_for(
-                lambda: stopped() or all(r.settled(need, wait_all) for r in rounds),
+                lambda: stopped() or all(r.settled(need) for r in rounds),
                 timeout=wait_s)
             if not settled or stopped():
                 why = STOPPING if stopped() else "timed out"
@@ -149,10 +145,16 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
                     r.failed += [f"{a}: {why}" for a in r.candidates]
                     r.candidates.clear()
                     r.failed += [f"{a}: still sending, {why}" for a in r.inflight]
-            stored = set.intersection(*(set(r.stored_on) for r in rounds))
-            return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
-                                stored_on=[t for t in rounds[0].stored_on if t in stored],
-                                failed=[f for r in rounds for f in r.failed])
+            return _result(rounds)
+
+
+def _result(rounds: Sequence[_Round | _LentRound]) -> QuorumResult:
+    """Copies of every group (the caller's included), the targets holding every group, and
+    every failure."""
+    stored = set.intersection(*(set(r.stored_on) for r in rounds))
+    return QuorumResult(copies=1 + min(len(r.stored_on) for r in rounds),
+                        stored_on=[t for t in rounds[0].stored_on if t in stored],
+                        failed=[f for r in rounds for f in r.failed])
 
 
 def _start(pool: ThreadPoolExecutor, rnd: _Round) -> None:
@@ -171,11 +173,8 @@ def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
     error = ""
     try:
         rnd.push(addr)
-    except KVStoreError as exc:
-        error = str(exc)
-    except Exception as exc:  # a bug must not strand the waiting writer
-        log.exception("replicating to %s failed", addr)
-        error = f"internal error: {exc}"
+    except Exception as exc:
+        error = _why(addr, exc)
     with rnd.cond:
         rnd.running -= 1
         rnd.inflight.remove(addr)
@@ -186,3 +185,59 @@ def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
         else:
             rnd.stored_on.append(addr)
         rnd.cond.notify_all()
+
+
+@dataclass(slots=True)
+class _LentRound:
+    """One group of ``run_lent``: its candidates not yet started, in order."""
+
+    candidates: list[str]
+    start: StartPush
+    stored_on: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def run_lent(groups: Sequence[tuple[Sequence[str], StartPush]], *, copies: int
+             ) -> QuorumResult:
+    """Pushes each group to ``copies - 1`` of its candidates, every push in this thread, and
+    returns once every push started has settled; see the module docstring."""
+    if not groups or copies == 1:
+        return QuorumResult(copies=1)
+    rounds = [_LentRound(list(cands), start) for cands, start in groups]
+    started: deque[tuple[_LentRound, str, Finish]] = deque()
+    for rnd in rounds:
+        for _ in range(min(copies - 1, len(rnd.candidates))):
+            _start_lent(rnd, started)
+    while started:
+        rnd, addr, finish = started.popleft()
+        try:
+            finish()
+        except Exception as exc:
+            rnd.failed.append(f"{addr}: {_why(addr, exc)}")
+            _start_lent(rnd, started)  # the next candidate in its place, if any is left
+        else:
+            rnd.stored_on.append(addr)
+    return _result(rounds)
+
+
+def _start_lent(rnd: _LentRound, started: deque[tuple[_LentRound, str, Finish]]) -> None:
+    """Starts a push to ``rnd``'s next candidate whose start succeeds (each that fails is
+    recorded); none once the candidates run out."""
+    while rnd.candidates:
+        addr = rnd.candidates.pop(0)
+        try:
+            finish = rnd.start(addr)
+        except Exception as exc:
+            rnd.failed.append(f"{addr}: {_why(addr, exc)}")
+            continue
+        started.append((rnd, addr, finish))
+        return
+
+
+def _why(addr: str, exc: Exception) -> str:
+    """What a failed push to ``addr`` reports. A bug is logged whole, and reported like any
+    failure, so it never strands the waiting caller."""
+    if isinstance(exc, KVStoreError):
+        return str(exc)
+    log.exception("replicating to %s failed", addr, exc_info=exc)
+    return f"internal error: {exc}"

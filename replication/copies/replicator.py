@@ -20,6 +20,7 @@ names, but ``PeerPool`` contacts only members this node knows.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from kvstore.core.errors import InvalidArgument, ResourceExhausted
 from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
 from kvstore.node.semantics import Node
+from kvstore.remote.node_client import PutBatch
+from kvstore.remote.pipelined import PendingPut, finish_all, start_put
 from replication.copies import quorum
 from replication.copies.peers import PeerFor, PeerPool
 
@@ -48,16 +51,35 @@ def send_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> int:
     """Puts ``blocks`` on the peer (``peer(owner)``: its client that charges puts to
     ``owner``); bytes sent. Blocks go in batches of one tenant, one pin flag and one
     retention, so the peer charges, pins and retains what the source did."""
-    sent = 0
+    start_copies(peer, blocks)()
+    return sum(len(b.value) for b in blocks)
+
+
+def start_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> quorum.Finish:
+    """``send_copies`` in two halves: sends every batch (on a stream connection, without
+    waiting for its answer; a peer reached through shared memory or gRPC is called whole
+    here) and returns what reads the answers. Once this returns, ``blocks``' values are no
+    longer read. Raises, with every batch already sent answered and read, if a send fails."""
     groups: dict[tuple[str, bool, float], list[BlockCopy]] = {}
     for b in blocks:
         groups.setdefault((b.owner or "", b.pin, b.retain_s), []).append(b)
-    for (owner, pin, keep), group in sorted(groups.items()):
-        peer(owner or None).put_batch([b.key for b in group], [b.value for b in group],
-                                      parents=[b.parent for b in group], pin=pin,
-                                      retain_s=keep or None)
-        sent += sum(len(b.value) for b in group)
-    return sent
+    pending: list[PendingPut] = []
+    try:
+        for (owner, pin, keep), group in sorted(groups.items()):
+            client = peer(owner or None)
+            batch = PutBatch.check([b.key for b in group], [b.value for b in group],
+                                   parents=[b.parent for b in group], pin=pin,
+                                   retain_s=keep or None)
+            sent = start_put(client, batch)
+            if sent is None:
+                client.put_checked(batch)
+            else:
+                pending.append(sent)
+    except BaseException:
+        with contextlib.suppress(Exception):  # their answers read; the send's error wins
+            finish_all([p.finish for p in pending])
+        raise
+    return partial(finish_all, [p.finish for p in pending])
 
 
 def push_blocks(node: Node, peer: PeerFor, keys: Sequence[BlockKey]) -> int:

@@ -104,6 +104,19 @@ def test_a_replicated_put_is_one_trip_and_lands_on_the_owners(
             assert direct.get_batch(held) == [values[keys.index(k)] for k in held]
 
 
+def test_a_master_forwards_to_both_other_owners_of_three_copies(
+        cluster: LocalCluster, one_trip: None) -> None:
+    """Each group goes to two targets: both are sent their blocks before either answer is
+    read (``quorum.run_lent``), and both hold every byte."""
+    keys = [_key(i) for i in range(200, 224)]
+    values = [_value(i) for i in range(200, 224)]
+    with Client(etcd=cluster.etcd, replicas=3, write_quorum=3, transport="tcp") as c:
+        assert c.put_batch(keys, values) == [True] * len(keys)
+    for rec in cluster.nodes:
+        with Client(rec.addr, transport="tcp") as direct:
+            assert direct.get_batch(keys) == values
+
+
 def test_an_existing_block_is_still_forwarded_to_an_owner_that_lacks_it(
         cluster: LocalCluster, one_trip: None) -> None:
     with Client(etcd=cluster.etcd, replicas=2, write_quorum=2, transport="tcp") as c:

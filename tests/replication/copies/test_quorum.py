@@ -70,10 +70,60 @@ def test_a_bounded_wait_reports_the_pushes_still_sending(pool) -> None:
     assert (out.copies, out.failed) == (1, ["a: still sending, timed out"])
 
 
-def test_wait_all_lends_the_bytes_so_it_takes_no_bound(pool) -> None:
-    with pytest.raises(ValueError, match="wait_all"):
-        quorum.run(pool, [(["a"], lambda _: None)], copies=2, write_quorum=2, wait_all=True,
-                   wait_s=1.0)
-    with pytest.raises(ValueError, match="wait_all"):
-        quorum.run(pool, [(["a"], lambda _: None)], copies=2, write_quorum=2, wait_all=True,
-                   cancel=quorum.Cancel())
+class _Lent:
+    """Pushes for ``run_lent`` that log each half, failing where told."""
+
+    def __init__(self, *, fail_start: set[str] = frozenset(),
+                 fail_finish: dict[str, Exception] | None = None) -> None:
+        self.log: list[str] = []
+        self.fail_start = fail_start
+        self.fail_finish = fail_finish or {}
+
+    def start(self, group: str):
+        def start(addr: str):
+            self.log.append(f"start {group}>{addr}")
+            if addr in self.fail_start:
+                raise Unavailable(f"{addr} refused")
+
+            def finish() -> None:
+                self.log.append(f"finish {group}>{addr}")
+                if addr in self.fail_finish:
+                    raise self.fail_finish[addr]
+            return finish
+        return start
+
+
+def test_lent_pushes_are_all_started_before_any_answer_is_read() -> None:
+    lent = _Lent()
+    out = quorum.run_lent([(["b", "c"], lent.start("g1")), (["c", "a"], lent.start("g2"))],
+                          copies=3)
+    assert lent.log == ["start g1>b", "start g1>c", "start g2>c", "start g2>a",
+                        "finish g1>b", "finish g1>c", "finish g2>c", "finish g2>a"]
+    assert (out.copies, out.stored_on, out.failed) == (3, ["c"], [])
+
+
+def test_a_lent_push_failing_is_replaced_by_the_next_candidate_in_order() -> None:
+    lent = _Lent(fail_start={"b"}, fail_finish={"c": Unavailable("c is down")})
+    out = quorum.run_lent([(["b", "c", "d", "e"], lent.start("g"))], copies=2)
+    assert lent.log == ["start g>b", "start g>c", "finish g>c", "start g>d", "finish g>d"]
+    assert (out.copies, out.stored_on, out.failed) == (
+        2, ["d"], ["b: b refused", "c: c is down"])
+
+
+def test_lent_copies_are_the_fewest_any_group_reached() -> None:
+    lent = _Lent(fail_finish={"b": Unavailable("b is down")})
+    out = quorum.run_lent([(["a"], lent.start("g1")), (["b"], lent.start("g2"))], copies=2)
+    assert (out.copies, out.stored_on, out.failed) == (1, [], ["b: b is down"])
+
+
+def test_a_bug_in_a_lent_push_is_reported_and_replaced(caplog) -> None:
+    lent = _Lent(fail_finish={"a": RuntimeError("oops")})
+    out = quorum.run_lent([(["a", "b"], lent.start("g"))], copies=2)
+    assert (out.copies, out.stored_on, out.failed) == (2, ["b"], ["a: internal error: oops"])
+    assert "replicating to a failed" in caplog.text
+
+
+def test_one_copy_pushes_nothing() -> None:
+    lent = _Lent()
+    assert quorum.run_lent([(["a"], lent.start("g"))], copies=1).copies == 1
+    assert lent.log == []

@@ -8,13 +8,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, start_static_cluster, wait_until
+from conftest import NodeProcess, start_node, start_static_cluster, wait_until
 
 from kvstore.client import Client
-from kvstore.core.errors import InvalidArgument, Unavailable
+from kvstore.core.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvstore.core.forwarding import BlockCopy
+from kvstore.core.keys import BlockKey
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.remote.node_client import ReplicateOutcome
+from kvstore.remote.node_client import NodeClient, ReplicateOutcome
+from kvstore.remote.pipelined import PendingPut
 from replication.cluster_client import ClusterClient
+from replication.copies.replicator import start_copies
 from replication.placement.rendezvous import Member, NodeId, Placement
 
 
@@ -224,3 +228,37 @@ def test_hot_block_fans_out_spreads_reads_and_is_dropped_when_cool(
         wait_until(lambda: _holders(trio, members, hot) == {placement.master(hot)},
                    timeout=10, what="extra copies dropped")
         assert c.fanned_out() == {}
+
+
+def test_start_copies_reads_the_answers_already_due_before_a_failed_send_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch (no tenant) is sent; the second's client cannot be had. The error
+    propagates only once the first batch's answer is read: its block is stored and its
+    connection is in step for the next call."""
+    steps: list[str] = []
+    finish = PendingPut.finish
+
+    def logged_finish(self: PendingPut) -> tuple[list[bool], int, list[str]]:
+        steps.append("answer read")
+        return finish(self)
+
+    monkeypatch.setattr(PendingPut, "finish", logged_finish)
+    node = start_node(tmp_path, dram="32MiB")
+    try:
+        with NodeClient(node.addr, transport="tcp") as client:
+            def peer(owner: str | None) -> NodeClient:
+                steps.append(f"client for {owner}")
+                if owner is not None:
+                    raise PermissionDenied(f"no client charging {owner}")
+                return client
+
+            blocks = [BlockCopy(key=BlockKey(_key(i)), place=BlockKey(_key(i)), parent=None,
+                                pin=False, retain_s=0.0, owner=owner, value=memoryview(_value(i)))
+                      for i, owner in ((1, None), (2, "tenant"))]
+            with pytest.raises(PermissionDenied, match="charging tenant"):
+                start_copies(peer, blocks)
+            assert steps == ["client for None", "client for tenant", "answer read"]
+            assert client.exists([_key(1), _key(2)]) == [True, False]
+            assert client.get(_key(1)) == _value(1)
+    finally:
+        node.stop()
