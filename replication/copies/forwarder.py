@@ -4,14 +4,15 @@ The channel server (``kvstore/node/channel_replicated.py``) hands ``forward`` th
 blocks it received, as frozen ``BlockCopy`` values. The targets come from this
 node's own membership and placement, never from the writer: each block's
 candidates are its owners for ``copies`` copies, then every other live node in
-ranking order, this node left out. Blocks with equal candidate orders travel
-together; each group goes to its first ``copies - 1`` candidates over node-to-node
-transfer channels (``PeerPool`` clients, which present the node's peer token), and a
-failed target is replaced by the next candidate (``replication/copies/quorum.py``,
-``run_lent``). Every push runs in the handler's own thread: each group is sent to all of
-its targets before any answer is read, so the targets store at the same time, with no
+ranking order, this node left out. Blocks with equal candidate orders form a group;
+each group goes to its first ``copies - 1`` candidates over node-to-node transfer
+channels (``PeerPool`` clients, which present the node's peer token), the groups bound
+for one target in one push, and a failed target is replaced by the group's next
+candidate (``replication/copies/quorum.py``, ``run_lent``: a dead target is tried once
+per forward). Every push runs in the handler's own thread: every target is sent its
+blocks before any answer is read, so the targets store at the same time, with no
 hand-off to another thread (on two shared cores a pool's hand-offs cost the nodes about
-a third of their CPU per replicated 64 KiB block). ``forward`` returns once every push
+a fifth of their CPU per replicated 64 KiB block). ``forward`` returns once every push
 it started has settled: the values are borrowed from the put's slots, which commit after.
 ``write_quorum`` is the writer's to check against the copies made (every push runs to
 its end either way).
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from kvstore.core.forwarding import BlockCopy, ForwardOutcome
 from replication.copies import quorum
@@ -103,9 +103,7 @@ class Forwarder:
         r = min(copies, nodes)
         for b in blocks:
             groups.setdefault(targets.get(b.place, r), []).append(b)
-        out = quorum.run_lent(
-            [(cands, partial(self._start_push, blocks=bs)) for cands, bs in groups.items()],
-            copies=copies)
+        out = quorum.run_lent(list(groups.items()), self._start_push, copies=copies)
         return ForwardOutcome(copies=out.copies, stored_on=tuple(out.stored_on),
                               failed=tuple(out.failed))
 

@@ -16,20 +16,20 @@ owner). Two ways to run them:
   reuse them before every push it started has settled): every push runs in the caller's
   thread, in two halves. First each push is *started* (its blocks sent, on a stream
   connection, without waiting for the answer), then each is *finished* (its answer
-  read), so the targets store at the same time with no hand-off between threads; a
-  replacement is started and finished as its failure is seen. No bound but the peer
-  stream's stall timeout, which ends every read and write.
+  read), so the targets store at the same time with no hand-off between threads; the
+  groups bound for one target go as one push, and replacements go in a next wave. No
+  bound but the peer stream's stall timeout, which ends every read and write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from kvstore.core.errors import KVStoreError
 
@@ -37,11 +37,11 @@ log = logging.getLogger("kvstore.replicator")
 
 Push = Callable[[str], None]  # copies the group's blocks to the node at ADDR; raises on failure
 Finish = Callable[[], None]
-"""Reads the answer of a started push; raises if it failed."""
-StartPush = Callable[[str], Finish]
-"""Starts copying the group's blocks to the node at ADDR (raises if that fails) and returns
-what finishes it. A push that cannot be split does all of its work in the start and
-returns a ``Finish`` with nothing left to do."""
+"""Reads the answer of a started push; raises if it failed. ``run_lent``'s ``start(addr,
+items)`` sends the items to the node at ADDR (raises if that fails) and returns one; a
+push that cannot be split does all of its work in the start and returns a ``Finish`` with
+nothing left to do."""
+T = TypeVar("T")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -148,7 +148,7 @@ def run(pool: ThreadPoolExecutor, groups: Sequence[tuple[Sequence[str], Push]], 
             return _result(rounds)
 
 
-def _result(rounds: Sequence[_Round | _LentRound]) -> QuorumResult:
+def _result(rounds: Sequence[_Round | _LentRound[Any]]) -> QuorumResult:
     """Copies of every group (the caller's included), the targets holding every group, and
     every failure."""
     stored = set.intersection(*(set(r.stored_on) for r in rounds))
@@ -188,50 +188,70 @@ def _push(pool: ThreadPoolExecutor, rnd: _Round, addr: str) -> None:
 
 
 @dataclass(slots=True)
-class _LentRound:
-    """One group of ``run_lent``: its candidates not yet started, in order."""
+class _LentRound(Generic[T]):
+    """One group of ``run_lent``: its blocks, and its candidates not yet tried, in order."""
 
     candidates: list[str]
-    start: StartPush
+    items: Sequence[T]
+    want: int
+    """Pushes to start in the next wave (a failure in this one adds one)."""
     stored_on: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
 
-def run_lent(groups: Sequence[tuple[Sequence[str], StartPush]], *, copies: int
-             ) -> QuorumResult:
-    """Pushes each group to ``copies - 1`` of its candidates, every push in this thread, and
-    returns once every push started has settled; see the module docstring."""
+def run_lent(groups: Sequence[tuple[Sequence[str], Sequence[T]]],
+             start: Callable[[str, list[T]], Finish], *, copies: int) -> QuorumResult:
+    """Pushes each group's items to ``copies - 1`` of its candidates, every push in this
+    thread, and returns once every push started has settled (see the module docstring).
+
+    In waves: each group takes its next candidates, skipping any that failed earlier in
+    this call; the items bound for one address travel as one push (``start(addr,
+    items)``); every push of the wave is started, then every one finished. A push that
+    fails fails every group in it, and each takes its next candidate in the next wave. So
+    a dead target costs one failure per wave, at most, however many groups rank it first,
+    and is never tried again in this call."""
     if not groups or copies == 1:
         return QuorumResult(copies=1)
-    rounds = [_LentRound(list(cands), start) for cands, start in groups]
-    started: deque[tuple[_LentRound, str, Finish]] = deque()
-    for rnd in rounds:
-        for _ in range(min(copies - 1, len(rnd.candidates))):
-            _start_lent(rnd, started)
-    while started:
-        rnd, addr, finish = started.popleft()
-        try:
-            finish()
-        except Exception as exc:
-            rnd.failed.append(f"{addr}: {_why(addr, exc)}")
-            _start_lent(rnd, started)  # the next candidate in its place, if any is left
-        else:
-            rnd.stored_on.append(addr)
+    rounds = [_LentRound(list(cands), items, copies - 1) for cands, items in groups]
+    dead: set[str] = set()
+    while wave := _next_wave(rounds, dead):
+        started: list[tuple[str, list[_LentRound[T]], Finish]] = []
+        for addr, members in wave.items():
+            try:
+                started.append((addr, members,
+                                start(addr, [it for r in members for it in r.items])))
+            except Exception as exc:
+                _failed(addr, members, _why(addr, exc), dead)
+        for addr, members, finish in started:
+            try:
+                finish()
+            except Exception as exc:
+                _failed(addr, members, _why(addr, exc), dead)
+            else:
+                for r in members:
+                    r.stored_on.append(addr)
     return _result(rounds)
 
 
-def _start_lent(rnd: _LentRound, started: deque[tuple[_LentRound, str, Finish]]) -> None:
-    """Starts a push to ``rnd``'s next candidate whose start succeeds (each that fails is
-    recorded); none once the candidates run out."""
-    while rnd.candidates:
-        addr = rnd.candidates.pop(0)
-        try:
-            finish = rnd.start(addr)
-        except Exception as exc:
-            rnd.failed.append(f"{addr}: {_why(addr, exc)}")
-            continue
-        started.append((rnd, addr, finish))
-        return
+def _next_wave(rounds: Sequence[_LentRound[T]], dead: set[str]
+               ) -> dict[str, list[_LentRound[T]]]:
+    """The groups each address is pushed in the next wave, in the order first named."""
+    wave: dict[str, list[_LentRound[T]]] = {}
+    for rnd in rounds:
+        while rnd.want and rnd.candidates:
+            addr = rnd.candidates.pop(0)
+            if addr not in dead:
+                wave.setdefault(addr, []).append(rnd)
+                rnd.want -= 1
+        rnd.want = 0  # no candidate left for the rest
+    return wave
+
+
+def _failed(addr: str, members: Sequence[_LentRound[T]], why: str, dead: set[str]) -> None:
+    dead.add(addr)
+    for r in members:
+        r.failed.append(f"{addr}: {why}")
+        r.want += 1
 
 
 def _why(addr: str, exc: Exception) -> str:

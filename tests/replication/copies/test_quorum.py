@@ -71,7 +71,7 @@ def test_a_bounded_wait_reports_the_pushes_still_sending(pool) -> None:
 
 
 class _Lent:
-    """Pushes for ``run_lent`` that log each half, failing where told."""
+    """``run_lent``'s ``start``: logs each half of each push, failing where told."""
 
     def __init__(self, *, fail_start: set[str] = frozenset(),
                  fail_finish: dict[str, Exception] | None = None) -> None:
@@ -79,51 +79,62 @@ class _Lent:
         self.fail_start = fail_start
         self.fail_finish = fail_finish or {}
 
-    def start(self, group: str):
-        def start(addr: str):
-            self.log.append(f"start {group}>{addr}")
-            if addr in self.fail_start:
-                raise Unavailable(f"{addr} refused")
+    def start(self, addr: str, items: list[str]):
+        self.log.append(f"start {addr} {''.join(items)}")
+        if addr in self.fail_start:
+            raise Unavailable(f"{addr} refused")
 
-            def finish() -> None:
-                self.log.append(f"finish {group}>{addr}")
-                if addr in self.fail_finish:
-                    raise self.fail_finish[addr]
-            return finish
-        return start
+        def finish() -> None:
+            self.log.append(f"finish {addr}")
+            if addr in self.fail_finish:
+                raise self.fail_finish[addr]
+        return finish
 
 
-def test_lent_pushes_are_all_started_before_any_answer_is_read() -> None:
+def test_lent_pushes_are_all_started_before_any_answer_is_read_one_per_target() -> None:
     lent = _Lent()
-    out = quorum.run_lent([(["b", "c"], lent.start("g1")), (["c", "a"], lent.start("g2"))],
+    out = quorum.run_lent([(["b", "c"], ["1"]), (["c", "a"], ["2", "3"])], lent.start,
                           copies=3)
-    assert lent.log == ["start g1>b", "start g1>c", "start g2>c", "start g2>a",
-                        "finish g1>b", "finish g1>c", "finish g2>c", "finish g2>a"]
+    assert lent.log == ["start b 1", "start c 123", "start a 23",
+                        "finish b", "finish c", "finish a"]
     assert (out.copies, out.stored_on, out.failed) == (3, ["c"], [])
 
 
 def test_a_lent_push_failing_is_replaced_by_the_next_candidate_in_order() -> None:
     lent = _Lent(fail_start={"b"}, fail_finish={"c": Unavailable("c is down")})
-    out = quorum.run_lent([(["b", "c", "d", "e"], lent.start("g"))], copies=2)
-    assert lent.log == ["start g>b", "start g>c", "finish g>c", "start g>d", "finish g>d"]
+    out = quorum.run_lent([(["b", "c", "d", "e"], ["1"])], lent.start, copies=2)
+    assert lent.log == ["start b 1", "start c 1", "finish c", "start d 1", "finish d"]
     assert (out.copies, out.stored_on, out.failed) == (
         2, ["d"], ["b: b refused", "c: c is down"])
 
 
+def test_a_dead_target_is_tried_once_however_many_groups_rank_it() -> None:
+    """Three groups push to ``x`` in the first wave: one push carries all three, its
+    failure fails all three, and the replacements (one wave later) skip ``x``."""
+    lent = _Lent(fail_finish={"x": Unavailable("x timed out")})
+    out = quorum.run_lent([(["x", "b"], ["1"]), (["c", "x", "d", "x2"], ["2"]),
+                           (["x", "d", "e"], ["3"])], lent.start, copies=3)
+    assert lent.log == ["start x 123", "start b 1", "start c 2", "start d 3",
+                        "finish x", "finish b", "finish c", "finish d",
+                        "start d 2", "start e 3", "finish d", "finish e"]
+    assert (out.copies, out.stored_on) == (2, [])  # the first group had no candidate left
+    assert out.failed == ["x: x timed out"] * 3
+
+
 def test_lent_copies_are_the_fewest_any_group_reached() -> None:
     lent = _Lent(fail_finish={"b": Unavailable("b is down")})
-    out = quorum.run_lent([(["a"], lent.start("g1")), (["b"], lent.start("g2"))], copies=2)
+    out = quorum.run_lent([(["a"], ["1"]), (["b"], ["2"])], lent.start, copies=2)
     assert (out.copies, out.stored_on, out.failed) == (1, [], ["b: b is down"])
 
 
 def test_a_bug_in_a_lent_push_is_reported_and_replaced(caplog) -> None:
     lent = _Lent(fail_finish={"a": RuntimeError("oops")})
-    out = quorum.run_lent([(["a", "b"], lent.start("g"))], copies=2)
+    out = quorum.run_lent([(["a", "b"], ["1"])], lent.start, copies=2)
     assert (out.copies, out.stored_on, out.failed) == (2, ["b"], ["a: internal error: oops"])
     assert "replicating to a failed" in caplog.text
 
 
 def test_one_copy_pushes_nothing() -> None:
     lent = _Lent()
-    assert quorum.run_lent([(["a"], lent.start("g"))], copies=1).copies == 1
+    assert quorum.run_lent([(["a"], ["1"])], lent.start, copies=1).copies == 1
     assert lent.log == []
