@@ -135,6 +135,32 @@ def rate_of(results: list[dict[str, Any]]) -> float | None:
     return len(ok) / makespan if makespan > 0 else None
 
 
+def first_of_group(w: Workload) -> list[bool]:
+    """Per request of ``w``: no earlier request of its round shares its prefix group (on
+    prefix groups: the question that finds its document nowhere and computes it)."""
+    seen: set[str] = set()
+    out = []
+    for req in w.requests:
+        out.append(req.group not in seen)
+        seen.add(req.group)
+    return out
+
+
+def split_ttft(rounds: list[Workload], results: list[list[dict[str, Any]]]
+               ) -> dict[str, float | None]:
+    """TTFT p50 and p90 of the requests first of their group in their round, and of the
+    rest: where a set-up's tail comes from (cold prefills, or requests that could have
+    loaded or reused their prefix)."""
+    first: list[float] = []
+    rest: list[float] = []
+    for w, rs in zip(rounds, results, strict=True):
+        for is_first, r in zip(first_of_group(w), rs, strict=True):
+            if r["ok"] and r["ttft_s"] is not None:
+                (first if is_first else rest).append(r["ttft_s"])
+    return {f"ttft_{name}_{q}_s": percentile(xs, q) if xs else None
+            for name, xs in (("first", first), ("rest", rest)) for q in (50, 90)}
+
+
 def summarize(rounds: list[Workload], results: list[list[dict[str, Any]]], loaded: float,
               local: float) -> dict[str, Any]:
     """Percentiles over every round's requests pooled; requests/s the median of the
@@ -153,7 +179,7 @@ def summarize(rounds: list[Workload], results: list[list[dict[str, Any]]], loade
             "req_per_s": median(rates) if rates else None,
             "store_tokens": int(loaded), "own_cache_tokens": int(local),
             "prompt_tokens": sum(w.prompt_tokens for w in rounds), "failures": failures[:5],
-            "ttfts": ttft}
+            **split_ttft(rounds, results), "ttfts": ttft}
 
 
 def cold_prompts(count: int, tokens: int, seed: int) -> list[Req]:
@@ -224,7 +250,10 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
             print(f"   {name}: ok {f['ok']}/{f['requests']}, TTFT p50 "
                   f"{f['ttft_p50_s'] or 0:.3f} s p90 {f['ttft_p90_s'] or 0:.3f} s, store "
                   f"tokens {f['store_tokens']}, own cache {f['own_cache_tokens']}, per "
-                  f"instance {f['served_per_instance']}"
+                  f"instance {f['served_per_instance']}; TTFT p50 / p90 of the first "
+                  f"of each group {f['ttft_first_50_s'] or 0:.3f} / "
+                  f"{f['ttft_first_90_s'] or 0:.3f} s, of the rest "
+                  f"{f['ttft_rest_50_s'] or 0:.3f} / {f['ttft_rest_90_s'] or 0:.3f} s"
                   + (f", failures {f['failures']}" if f["failures"] else ""), flush=True)
         if r.conductor is not None:
             out["conductor"] = conductor_figures(r.conductor)
