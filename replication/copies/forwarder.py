@@ -12,8 +12,11 @@ candidate (``replication/copies/quorum.py``, ``run_lent``: a dead target is trie
 per forward). Every push runs in the handler's own thread: every target is sent its
 blocks before any answer is read, so the targets store at the same time, with no
 hand-off to another thread (on two shared cores a pool's hand-offs cost the nodes about
-a fifth of their CPU per replicated 64 KiB block). ``forward`` returns once every push
-it started has settled: the values are borrowed from the put's slots, which commit after.
+a fifth of their CPU per replicated 64 KiB block). Pushes of large blocks may take
+another pool (``large_peers``: a node uses same-host shared memory there, which copies
+1 MiB blocks for less CPU than a socket; it does not pipeline, and need not at that
+size). ``forward`` returns once every push it started has settled: the values are
+borrowed from the put's slots, which commit after.
 ``write_quorum`` is the writer's to check against the copies made (every push runs to
 its end either way).
 """
@@ -31,14 +34,20 @@ from replication.membership import Membership
 from replication.placement.candidates import CandidateCache
 from replication.placement.rendezvous import Member, NodeId, Placement
 
+LARGE_BLOCK_BYTES = 512 << 10
+"""Pushes whose blocks average at least this go through ``large_peers``."""
+
 
 class Forwarder:
     """Implements ``kvstore.core.forwarding.Forwarding``; thread-safe. Inert until ``attach``.
 
     Owns ``peers`` (``close`` closes it)."""
 
-    def __init__(self, peers: PeerPool) -> None:
+    def __init__(self, peers: PeerPool, *, large_peers: PeerPool | None = None) -> None:
+        """``peers``: stream connections (pipelined); ``large_peers``: for pushes of large
+        blocks (``LARGE_BLOCK_BYTES``), typically same-host shared memory; None: ``peers``."""
         self.peers = peers
+        self.large_peers = large_peers
         self._lock = threading.Lock()
         # guarded by _lock:
         self._self_id: NodeId | None = None
@@ -70,7 +79,10 @@ class Forwarder:
             unsubscribe()
 
     def _on_members(self, view: Sequence[Member]) -> None:
-        self.peers.drop_departed()  # a departed peer's clients go with the view that lost it
+        # A departed peer's clients go with the view that lost it.
+        self.peers.drop_departed()
+        if self.large_peers is not None:
+            self.large_peers.drop_departed()
         members = tuple(view)
         addrs = {m.node_id: m.addr for m in members}
         with self._lock:
@@ -108,10 +120,16 @@ class Forwarder:
                               failed=tuple(out.failed))
 
     def _start_push(self, addr: str, blocks: list[BlockCopy]) -> quorum.Finish:
-        return start_copies(self.peers.peer(addr), blocks)
+        pool = self.peers
+        if (self.large_peers is not None
+                and sum(len(b.value) for b in blocks) >= LARGE_BLOCK_BYTES * len(blocks)):
+            pool = self.large_peers
+        return start_copies(pool.peer(addr), blocks)
 
     def close(self) -> None:
         """Pushes under way end with their peer clients (a handler still reads every
         answer it started, each ending within the peer stream's stall timeout)."""
         self.detach()
         self.peers.close()
+        if self.large_peers is not None:
+            self.large_peers.close()
