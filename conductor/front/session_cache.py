@@ -183,12 +183,13 @@ class SessionCache:
         with self._lock:
             old = self._sessions.pop(session, None)
             self._sessions[session] = _Session(keys=kept, used=now)
-            self.counts.turns += 1
             gone = self._hold(kept, old.keys if old is not None else ())
             evicted = self._evict_over_bound()
         if kept:
             self._call(self._retain, list(kept))
         self._release([*gone, *evicted])
+        with self._lock:  # last: a turn counted has its retain's outcomes counted too
+            self.counts.turns += 1
 
     def delete(self, session: str) -> bool:
         """Ends ``session``: its keys no other live session holds are released. False if

@@ -186,3 +186,25 @@ def test_a_bad_ttl_is_refused(bad: float) -> None:
     with pytest.raises(ValueError, match="session TTL"):
         check_session_ttl(bad)
     assert check_session_ttl(0) == 0.0
+
+
+def test_a_turn_is_counted_only_once_its_retain_has_answered(clock: Clock,
+                                                             store: Recorder) -> None:
+    """Whoever reads the counts (a test, a stats scrape) and sees the turn sees what its
+    retain found: the retain answers first, the turn is counted after."""
+    cache = SessionCache(store, ttl_s=60, clock=clock)
+    keys = stored(store, 2)
+    seen: list[tuple[int, int]] = []
+    plain = store.retain
+
+    def retain(ks: Sequence[bytes], retain_s: float) -> list[RetainOutcome]:
+        out = plain(ks, retain_s)
+        snap = cache.snapshot()
+        seen.append((snap["turns"], snap["retained_keys"]))  # while the retain answers
+        return out
+
+    store.retain = retain  # type: ignore[method-assign]
+    cache.end_turn("s", keys)
+    snap = cache.snapshot()
+    assert seen == [(0, 0)]
+    assert (snap["turns"], snap["retained_keys"]) == (1, 2)
