@@ -182,13 +182,10 @@ def summarize(rounds: list[Workload], results: list[list[dict[str, Any]]], loade
             **split_ttft(rounds, results), "ttfts": ttft}
 
 
-def cold_prompts(count: int, tokens: int, seed: int, output: int = 1) -> list[Req]:
-    """``count`` fresh prompts of ``tokens`` token ids sharing nothing, ``output`` tokens
-    each, all arriving at once."""
-    w = pure_miss(requests=count, prompt_tokens=tokens, output=output, interval_s=0.0,
-                  seed=seed)
-    return [Req(arrival_s=0.0, tokens=r.tokens, output=output, group=r.group)
-            for r in w.requests]
+def cold_prompts(count: int, tokens: int, seed: int) -> list[Req]:
+    """``count`` fresh prompts of ``tokens`` token ids sharing nothing, 1 output token."""
+    w = pure_miss(requests=count, prompt_tokens=tokens, output=1, interval_s=0.0, seed=seed)
+    return [Req(arrival_s=0.0, tokens=r.tokens, output=1, group=r.group) for r in w.requests]
 
 
 def prefill_rate(urls: list[str], model: str, *, seed: int, tokens: int = 1024,
@@ -211,35 +208,10 @@ def prefill_rate(urls: list[str], model: str, *, seed: int, tokens: int = 1024,
     return tokens / median(times) if times else 0.0
 
 
-def service_time(urls: list[str], model: str, *, seed: int, tokens: int, output: int,
-                 depth: int = 4, rounds: int = 3) -> float:
-    """Seconds of an instance one fresh cold prompt of ``tokens`` costs, ``output`` tokens
-    decoded: every one of ``urls`` is sent ``depth`` such requests at once, and the
-    makespan (first sent to last done) over ``depth`` is the service time (the median of
-    ``rounds``). A queue ``depth`` deep lets vLLM batch the decoding of several requests,
-    as it does under a steady load.
-
-    Arrivals are paced by this, not by the prefill rate alone: on a machine whose prefill
-    is fast, decoding the outputs (one step per token, each a whole pass over the model)
-    is a large part of a request, and pacing by prefill alone put the instances past their
-    capacity, where every percentile grows with the length of the round."""
-    per_round = depth * len(urls)
-    prompts = cold_prompts(rounds * per_round, tokens, seed=seed, output=output)
-    times = []
-    for k in range(rounds):
-        # request i goes to urls[i % len(urls)]: depth requests to each instance
-        got = asyncio.run(replay(prompts[k * per_round:(k + 1) * per_round], urls, model))
-        if all(g["ok"] for g in got):
-            times.append((max(g["done"] for g in got) - min(g["sent"] for g in got)) / depth)
-    if not times:
-        raise SystemExit("could not measure a request's service time: every try failed")
-    return median(times)
-
-
 class Plan:
-    """The workloads of a run, built once the first set-up has measured its instances:
-    arrival intervals not given on the command line follow from a request's service time
-    with every instance busy (``--load``, ``--miss-load``)."""
+    """The workloads of a run, built once the first set-up has measured the prefill rates:
+    arrival intervals not given on the command line follow from the rate with every
+    instance busy (``--load``)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -247,8 +219,6 @@ class Plan:
         """One idle instance's cold prefill, tokens/s (the model's compute)."""
         self.busy_rate: float | None = None
         """Each instance's cold prefill with every instance prefilling at once, tokens/s."""
-        self.service_s: dict[str, float] = {}
-        """Per paced workload, one cold request's service time (``service_time``)."""
         self.workloads: list[list[Workload]] | None = None
         """Per workload, one per round (each round its own prompts: no round finds
         another's prefixes)."""
@@ -259,15 +229,8 @@ class Plan:
             self.busy_rate = prefill_rate(urls, model, seed=778)
             print(f"   prefill {self.rate:.0f} tokens/s on one idle instance, "
                   f"{self.busy_rate:.0f} each with all {len(urls)} busy (a cold 1,024-token "
-                  f"prompt)", flush=True)
-            self.service_s = {
-                name: service_time(urls, model, seed=779 + i, tokens=tokens,
-                                   output=self.args.group_output)
-                for i, (name, tokens) in enumerate(paced_shapes(self.args).items())}
-            for name, t in self.service_s.items():
-                print(f"   {name}: a cold request takes {t:.3f} s of an instance, decoding "
-                      f"included (arrivals follow this)", flush=True)
-            per_round = [build_workloads(self.args, self.service_s, seed=k)
+                  f"prompt; arrivals follow the second)", flush=True)
+            per_round = [build_workloads(self.args, self.busy_rate, seed=k)
                          for k in range(self.args.rounds)]
             self.workloads = [list(ws) for ws in zip(*per_round, strict=True)]
             for ws in self.workloads:
@@ -380,11 +343,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                     help="every instance's vLLM token budget per step (default: vLLM's)")
     ap.add_argument("--load", type=float, default=0.8,
-                    help="prefix-groups arrivals: this fraction of what the 2 instances serve "
-                         "with no cache at all (a cold request's service time, its outputs "
-                         "decoded, measured with 4 queued on each instance)")
+                    help="prefix-groups arrivals: this fraction of what the 2 instances "
+                         "prefill with no cache at all (the prefill rate measured with both "
+                         "busy at once)")
     ap.add_argument("--miss-load", type=float, default=0.5,
-                    help="miss arrivals: this fraction of what the 2 instances serve")
+                    help="miss arrivals: this fraction of the 2 instances' prefill rate")
     ap.add_argument("--rounds", type=int, default=3,
                     help="each workload this many times with fresh prompts; percentiles over "
                          "all rounds' requests, requests/s the median of the rounds'")
@@ -415,27 +378,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def interval_at(load: float, service_s: float, instances: int = 2) -> float:
-    """Seconds between arrivals that keep ``instances`` busy ``load`` of the time when each
-    request takes ``service_s`` of one instance (with nothing cached)."""
-    if load <= 0 or service_s <= 0:
-        raise SystemExit(f"load and service time must be positive, got {load}, {service_s}")
-    return service_s / (instances * load)
+def interval_at(load: float, prompt_tokens: int, rate: float, instances: int = 2) -> float:
+    """Seconds between arrivals that keep ``instances`` prefilling ``prompt_tokens`` each at
+    ``rate`` tokens/s (each instance's rate while all are busy) busy ``load`` of the time
+    (with nothing cached)."""
+    if load <= 0 or rate <= 0:
+        raise SystemExit(f"load and prefill rate must be positive, got {load}, {rate}")
+    return prompt_tokens / rate / (instances * load)
 
 
-def paced_shapes(args: argparse.Namespace) -> dict[str, int]:
-    """Prompt tokens of a request of each workload paced by ``--load`` or ``--miss-load``
-    (whose interval is not given on the command line)."""
-    out = {}
-    if "prefix-groups" in args.workload_names and args.group_interval is None:
-        out["prefix-groups"] = args.doc_tokens + args.question_tokens
-    if "miss" in args.workload_names and args.miss_interval is None:
-        out["miss"] = args.miss_tokens
-    return out
-
-
-def build_workloads(args: argparse.Namespace, service_s: dict[str, float], seed: int = 0
-                    ) -> list[Workload]:
+def build_workloads(args: argparse.Namespace, rate: float, seed: int = 0) -> list[Workload]:
     out = []
     for name in args.workload_names:
         if name == "prefix-groups":
@@ -443,8 +395,9 @@ def build_workloads(args: argparse.Namespace, service_s: dict[str, float], seed:
                                      doc_tokens=args.doc_tokens,
                                      question_tokens=args.question_tokens,
                                      output=args.group_output, interval_s=args.group_interval
-                                     or interval_at(args.load, service_s["prefix-groups"]),
-                                     seed=seed))
+                                     or interval_at(args.load,
+                                                    args.doc_tokens + args.question_tokens,
+                                                    rate), seed=seed))
         elif name == "conversation":
             out.append(conversation(args.trace, requests=args.requests,
                                     token_scale=args.token_scale, max_prompt=args.max_prompt,
@@ -452,7 +405,7 @@ def build_workloads(args: argparse.Namespace, service_s: dict[str, float], seed:
         else:
             out.append(pure_miss(requests=args.miss_requests, prompt_tokens=args.miss_tokens,
                                  output=args.group_output, interval_s=args.miss_interval
-                                 or interval_at(args.miss_load, service_s["miss"]),
+                                 or interval_at(args.miss_load, args.miss_tokens, rate),
                                  seed=seed))
     return out
 
@@ -493,14 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             node.stop()
     report(args, settings, [ws[0] for ws in plan.workloads or []], by_setup, unavailable,
-           plan.rate, plan.busy_rate, plan.service_s, bpt)
+           plan.rate, plan.busy_rate, bpt)
     return 0
 
 
 def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
            by_setup: dict[str, dict[str, Any]], unavailable: dict[str, str],
-           rate: float | None, busy_rate: float | None, service_s: dict[str, float],
-           bpt: int) -> None:
+           rate: float | None, busy_rate: float | None, bpt: int) -> None:
     base = BASELINE if BASELINE in by_setup else next(iter(by_setup), None)
     lines = [settings, ""]
     if rate:
@@ -509,10 +461,8 @@ def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
                      f"{1e6 / rate:.0f} us, i.e. {rate * bpt / 1e6:.1f} MB of KV per second of "
                      f"prefill")
     if busy_rate:
-        lines.append(f"prefill with both instances busy at once: {busy_rate:.0f} tokens/s each")
-    for name, t in service_s.items():
-        lines.append(f"{name}: a cold request takes {t:.3f} s of an instance, its outputs "
-                     f"decoded (4 sent to each instance at once; arrivals are paced by this)")
+        lines.append(f"prefill with both instances busy at once: {busy_rate:.0f} tokens/s each "
+                     f"(arrivals are paced by this)")
     by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     for w in workloads:
         by_workload[w.name] = {s: v[w.name] for s, v in by_setup.items()}
@@ -532,7 +482,7 @@ def report(args: argparse.Namespace, settings: str, workloads: list[Workload],
 
     write_json(stem.with_suffix(".json"), {
         "settings": settings, "baseline": base, "prefill_tokens_per_s": rate,
-        "prefill_tokens_per_s_all_busy": busy_rate, "service_s": service_s,
+        "prefill_tokens_per_s_all_busy": busy_rate,
         "kv_bytes_per_token": bpt,
         "results": {s: {**strip(v["conversation"]), "conductor": v.get("conductor", {})}
                     for s, v in by_setup.items() if "conversation" in v},
