@@ -18,10 +18,11 @@ LMCache's connector, vLLM's CPU offloading); a set-up that cannot start here is 
 with the reason. Each set-up starts its two servers once and replays every workload on
 them (no workload shares a prefix with another).
 
-Per set-up and workload: TTFT p50/p90 (streamed, at the client), end-to-end p50/p90,
-requests/s (requests / makespan), prompt tokens loaded from the store (the instances'
-``vllm:external_prefix_cache_hits``) and from their own prefix caches, and the ratios to
-``rr-no-kvstore`` (baseline / set-up: above 1 is faster). Writes
+Per set-up and workload: TTFT p50/p90 (streamed, at the client; also split between the
+requests first of their prefix group in their round, which compute it, and the rest),
+end-to-end p50/p90, requests/s (requests / makespan), prompt tokens loaded from the store
+(the instances' ``vllm:external_prefix_cache_hits``) and from their own prefix caches, and
+the ratios to ``rr-no-kvstore`` (baseline / set-up: above 1 is faster). Writes
 ``benchmarks/results/vllm_serving.{md,json,png}``. Runs with the main environment's Python
 (matplotlib); the vLLM servers run with ``--vllm-python`` (default: the cached vLLM
 environment).
