@@ -147,6 +147,10 @@ class ColocatedRouter:
     computing: ComputingPrefixes
     block_tokens: int
 
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:  # 0 would count every stored block as no token at all
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+
     def choose(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
                mean_prompt_tokens: float, now: float,
                prefer: InstanceId | None = None, prefer_within_s: float = 0.0

@@ -185,9 +185,11 @@ class VllmFront:
         """Colocated mode: the blocks the front sent to each instance (resized at start to
         the instance's KV capacity)."""
         self._computing = ComputingPrefixes()
-        self._router = ColocatedRouter(instances=self.colocated, local=self._local,
-                                       computing=self._computing,
-                                       block_tokens=config.block_tokens)
+        self._router: ColocatedRouter | None = None
+        """Built once the block size is known (``set_block_tokens``): from the config, or
+        learnt from the instances at ``start``."""
+        if config.block_tokens:
+            self.set_block_tokens(config.block_tokens)
         self._prompt_tokens_seen = 0
         self._requests_seen = 0
 
@@ -210,7 +212,8 @@ class VllmFront:
         got = await learn(self.instances(), namespace=self.config.namespace,
                           block_tokens=self.config.block_tokens)
         self.model, self.max_model_len = got.model, got.max_model_len
-        self.namespace, self.block_tokens = got.namespace, got.block_tokens
+        self.namespace = got.namespace
+        self.set_block_tokens(got.block_tokens)
         self.shards = got.shards
         self.instances_tokenize = got.instances_tokenize
         first = self.instances()[0]
@@ -238,6 +241,13 @@ class VllmFront:
                 blocks = kv // self.block_tokens if kv else LOCAL_CACHE_BLOCKS
                 self._local[iid] = LocalPrefixCache(blocks)
         await self.poll_loads()
+
+    def set_block_tokens(self, block_tokens: int) -> None:
+        """Tokens per block (configured, or learnt from the instances), and the colocated
+        router that counts stored blocks in tokens by it."""
+        self.block_tokens = block_tokens
+        self._router = ColocatedRouter(instances=self.colocated, local=self._local,
+                                       computing=self._computing, block_tokens=block_tokens)
 
     def stored_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys the store holds the blocks ``keys`` under: every shard's (engines on
@@ -568,6 +578,8 @@ class VllmFront:
                          ) -> ColocatedChoice:
         """Where a colocated request runs (``conductor.front.colocated_routing``): the
         lowest estimated TTFT; ``prefer`` (a session's instance) when it meets the SLO."""
+        if self._router is None:
+            raise RuntimeError("the front has not learnt the block size yet (start it)")
         return self._router.choose(
             keys, stored, prompt_tokens, mean_prompt_tokens=self._mean_prompt(),
             now=time.monotonic() if now is None else now, prefer=prefer,

@@ -191,3 +191,8 @@ def test_a_tie_goes_to_the_instance_with_fewer_requests_in_flight_then_the_first
                             local=r.local, computing=ComputingPrefixes(), block_tokens=BT)
     assert apart.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000,
                         now=10.0).instance == A
+
+
+def test_a_router_needs_a_block_size() -> None:
+    with pytest.raises(ValueError, match="block_tokens"):
+        ColocatedRouter(instances={}, local={}, computing=ComputingPrefixes(), block_tokens=0)

@@ -253,3 +253,17 @@ def test_a_stored_prefix_goes_around_an_instance_busy_with_a_cold_prefill() -> N
     # 0.5 s into A's prefill: 0.8 s + 24 tokens are left there, less than B's recompute.
     c = f.choose_colocated(doc, stored=0, prompt_tokens=1240, now=50.5)
     assert (c.est_s, c.instance) == (pytest.approx(0.824), A)
+
+
+def test_a_front_that_learns_its_block_size_counts_stored_blocks_by_it() -> None:
+    """``--block-tokens`` left to the instances (0): the router is built once the size is
+    learnt, so a stored prefix counts its tokens (it counted none, and every hit was
+    estimated, and learnt, as a whole prompt of compute)."""
+    cfg = FrontConfig(namespace="ns", block_tokens=0, slo=Slo(ttft_s=5, tbt_s=1))
+    f = VllmFront(config=cfg, store=StoreView(None), colocated=(A, B))
+    ks = keys(320)
+    with pytest.raises(RuntimeError, match="block size"):
+        f.choose_colocated(ks, stored=8, prompt_tokens=330)
+    f.set_block_tokens(BT)  # what start() does with what it learnt
+    c = f.choose_colocated(ks, stored=8, prompt_tokens=330)
+    assert (c.instance, c.cached_tokens, c.est_s) == (A, 256, pytest.approx(0.074))
