@@ -90,7 +90,9 @@ def _get_all(c: Any, keys: list[bytes], bufs: list[bytearray]) -> float:
 
 
 TRANSPORTS = ("tcp", "auto")
-TARGETS = {"cluster r=1": (0.8, 0.8), "cluster r=2 w=2": (0.4, 0.8)}  # (put, get) vs one node
+# (put, get) against one node: issue 27's (replicas=1 both 0.9; replicas=2 put 0.45, the
+# ceiling of two copies on two shared cores being 0.5), and issue 13's 0.8 for a replicated get.
+TARGETS = {"cluster r=1": (0.9, 0.9), "cluster r=2 w=2": (0.45, 0.8)}
 
 
 def throughput(cluster: LocalCluster, sizes: Sequence[int], total: int, rounds: int, *,
