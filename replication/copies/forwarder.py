@@ -41,7 +41,7 @@ LARGE_BLOCK_BYTES = 512 << 10
 class Forwarder:
     """Implements ``kvstore.core.forwarding.Forwarding``; thread-safe. Inert until ``attach``.
 
-    Owns ``peers`` (``close`` closes it)."""
+    Owns ``peers`` and ``large_peers`` (``close`` closes them)."""
 
     def __init__(self, peers: PeerPool, *, large_peers: PeerPool | None = None) -> None:
         """``peers``: stream connections (pipelined); ``large_peers``: for pushes of large

@@ -8,10 +8,9 @@ owner). Two ways to run them:
 
 * ``run`` (``Replicate``: the master reads blocks it holds): every push runs on ``pool``;
   ``run`` answers when every group has ``write_quorum - 1`` copies or no candidate left.
-  Bounded, so that no caller can tie up
-  the node: it waits at most ``wait_s`` and returns at once when its ``Cancel`` is set
-  (the node stopping); the targets not started then, and the pushes still sending, are
-  reported failed with the reason.
+  Bounded, so that no caller can tie up the node: it waits at most ``wait_s`` and returns
+  at once when its ``Cancel`` is set (the node stopping); the targets not started then,
+  and the pushes still sending, are reported failed with the reason.
 * ``run_lent`` (a replicated put's forwards: the caller lends the bytes and must not
   reuse them before every push it started has settled): every push runs in the caller's
   thread, in two halves. First each push is *started* (its blocks sent, on a stream
