@@ -72,6 +72,8 @@ WORKLOADS = ("prefix-groups", "conversation", "miss")
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 SERVED = "vllm:request_success_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+"""Requests the engine took back from running (KV cache full) to recompute later."""
 
 
 def default_vllm_python() -> str:
@@ -251,7 +253,8 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
             print(f"   {name}: ok {f['ok']}/{f['requests']}, TTFT p50 "
                   f"{f['ttft_p50_s'] or 0:.3f} s p90 {f['ttft_p90_s'] or 0:.3f} s, store "
                   f"tokens {f['store_tokens']}, own cache {f['own_cache_tokens']}, per "
-                  f"instance {f['served_per_instance']}; TTFT p50 / p90 of the first "
+                  f"instance {f['served_per_instance']} (preempted "
+                  f"{f['preemptions_per_instance']}); TTFT p50 / p90 of the first "
                   f"of each group {f['ttft_first_50_s'] or 0:.3f} / "
                   f"{f['ttft_first_90_s'] or 0:.3f} s, of the rest "
                   f"{f['ttft_rest_50_s'] or 0:.3f} / {f['ttft_rest_90_s'] or 0:.3f} s"
@@ -264,13 +267,14 @@ def run_setup(name: str, spec: ServerSpec, plan: Plan, logdir: Path) -> dict[str
 
 def replay_workload(r: Running, rounds: list[Workload], model: str) -> dict[str, Any]:
     """Each round replayed after the previous one has finished."""
-    names = (EXTERNAL_HITS, LOCAL_HITS, SERVED)
+    names = (EXTERNAL_HITS, LOCAL_HITS, SERVED, PREEMPTIONS)
     before = instance_counters(r.instances, names)
     results = [asyncio.run(replay(w.requests, r.urls, model)) for w in rounds]
     after = instance_counters(r.instances, names)
     delta = {n: [a[n] - b[n] for a, b in zip(after, before, strict=True)] for n in names}
     out = summarize(rounds, results, sum(delta[EXTERNAL_HITS]), sum(delta[LOCAL_HITS]))
     out["served_per_instance"] = [int(x) for x in delta[SERVED]]
+    out["preemptions_per_instance"] = [int(x) for x in delta[PREEMPTIONS]]
     return out
 
 

@@ -9,12 +9,15 @@ It can wait until the prefix is saved and load it on whichever instance is free 
 
 An instance's estimate is the better of:
 
-* **now**: its queue plus the prefill of what neither its own prefix cache (what the front
-  sent there) nor the store holds now;
+* **now**: the later of its queue and the time until its KV cache has room for the
+  request (``conductor.front.kv_room``: the front's requests in flight there hold their
+  blocks until they end), plus the prefill of what neither its own prefix cache (what the
+  front sent there) nor the store holds now;
 * **after a save** (only when another instance is computing a longer prefix of the
-  request, ``ComputingPrefixes``): the later of its queue and that computation's expected
-  first token, plus the prefill of what is left after the prefix. The front then holds the
-  request until the prefix is durable in the store before sending it (``await_blocks``).
+  request, ``ComputingPrefixes``): the latest of its queue, its room and that
+  computation's expected first token, plus the prefill of what is left after the prefix.
+  The front then holds the request until the prefix is durable in the store before sending
+  it (``await_blocks``).
 
 Both are estimates from the same calibrated cost model, so they compare fairly; the load
 itself is left out of both, as it was of the store's blocks before (it is small and the
@@ -122,6 +125,11 @@ class RoutedInstance(Protocol):
 
     def queue_s(self, *, mean_prompt_tokens: float, now: float) -> float: ...
 
+    def kv_wait_s(self, keys: Sequence[bytes], *, prompt_tokens: int, out_tokens: int,
+                  now: float) -> float:
+        """Seconds until its KV cache has room for the request (``KvRoom.wait_s``)."""
+        ...
+
     def cost(self) -> CostModel:
         """Its calibrated speed."""
         ...
@@ -152,16 +160,19 @@ class ColocatedRouter:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
 
     def choose(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
-               mean_prompt_tokens: float, now: float,
+               mean_prompt_tokens: float, now: float, out_tokens: int = 0,
                prefer: InstanceId | None = None, prefer_within_s: float = 0.0
                ) -> ColocatedChoice:
         """The instance with the lowest estimate; ties (``TIE_S``) go to the fewest requests in
         flight, then the first. ``prefer`` (a session's instance) wins when its estimate is at
-        most ``prefer_within_s``."""
+        most ``prefer_within_s``. ``out_tokens``: what the request may generate (its blocks
+        count in the room it needs)."""
         elsewhere = self.computing.longest(keys)
         options: list[tuple[ColocatedChoice, int]] = []
         for iid, inst in self.instances.items():
-            queue = inst.queue_s(mean_prompt_tokens=mean_prompt_tokens, now=now)
+            queue = max(inst.queue_s(mean_prompt_tokens=mean_prompt_tokens, now=now),
+                        inst.kv_wait_s(keys, prompt_tokens=prompt_tokens,
+                                       out_tokens=out_tokens, now=now))
             cost = inst.cost()
             cached = self.cached_tokens(iid, keys, stored, prompt_tokens)
             option = ColocatedChoice(

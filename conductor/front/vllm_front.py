@@ -61,6 +61,7 @@ from conductor.front.colocated_routing import (
 from conductor.front.disaggregated_plan import KnownPool
 from conductor.front.disaggregated_plan import VllmConductor as VllmConductor  # re-exported
 from conductor.front.front_metrics import FrontMetrics, reason_label
+from conductor.front.kv_room import KvRoom
 from conductor.front.openai_api import (
     DEFAULT_MAX_TOKENS,
     BadRequest,
@@ -240,6 +241,8 @@ class VllmFront:
                 kv = shapes[inst.url].kv_tokens
                 blocks = kv // self.block_tokens if kv else LOCAL_CACHE_BLOCKS
                 self._local[iid] = LocalPrefixCache(blocks)
+                inst.kv_room = (KvRoom(capacity_tokens=kv, block_tokens=self.block_tokens)
+                                if kv else None)
         await self.poll_loads()
 
     def set_block_tokens(self, block_tokens: int) -> None:
@@ -535,7 +538,8 @@ class VllmFront:
                                                 job.session)
         now = time.monotonic()
         prefer = self.sessions.instance(session, now) if session is not None else None
-        choice = self.choose_colocated(keys, stored, len(tokens), prefer=prefer, now=now)
+        choice = self.choose_colocated(keys, stored, len(tokens), prefer=prefer, now=now,
+                                       out_tokens=job.out_tokens)
         if self.config.rejection != "none" and choice.est_s > self.config.slo.ttft_s:
             return self._reject(
                 route, f"TTFT {choice.est_s:.2f} s > SLO {self.config.slo.ttft_s:.2f} s")
@@ -555,7 +559,8 @@ class VllmFront:
         return await self._forward(inst, job, lambda: None,
                                    prefill_tokens=len(tokens) - choice.cached_tokens,
                                    cached_tokens=choice.cached_tokens, ready=ready,
-                                   computing_until=now + choice.est_s if computes else None)
+                                   computing_until=now + choice.est_s if computes else None,
+                                   first_by=now + choice.est_s)
 
     async def _await_saved(self, job: _Job, blocks: int, est_s: float) -> None:
         """Holds ``job`` until its first ``blocks`` blocks, which another instance is
@@ -574,27 +579,30 @@ class VllmFront:
         job.body = with_stored(job.body, blocks)
 
     def choose_colocated(self, keys: Sequence[bytes], stored: int, prompt_tokens: int, *,
-                         prefer: InstanceId | None = None, now: float | None = None
-                         ) -> ColocatedChoice:
+                         prefer: InstanceId | None = None, now: float | None = None,
+                         out_tokens: int = 0) -> ColocatedChoice:
         """Where a colocated request runs (``conductor.front.colocated_routing``): the
         lowest estimated TTFT; ``prefer`` (a session's instance) when it meets the SLO."""
         if self._router is None:
             raise RuntimeError("the front has not learnt the block size yet (start it)")
         return self._router.choose(
             keys, stored, prompt_tokens, mean_prompt_tokens=self._mean_prompt(),
-            now=time.monotonic() if now is None else now, prefer=prefer,
-            prefer_within_s=self.config.slo.ttft_s)
+            now=time.monotonic() if now is None else now, out_tokens=out_tokens,
+            prefer=prefer, prefer_within_s=self.config.slo.ttft_s)
 
     async def _forward(self, inst: VllmInstance, job: _Job, request_done: Callable[[], None],
                        prefill_tokens: int = 0, cached_tokens: int = 0,
                        ready: Callable[[], Awaitable[None]] | None = None,
-                       computing_until: float | None = None) -> Reply:
+                       computing_until: float | None = None,
+                       first_by: float | None = None) -> Reply:
         """Sends the client's request to ``inst`` (once ``ready()`` is done, counted in the
         instance's queue meanwhile); calls ``request_done`` exactly once when the request
         is over (answered, failed, or cancelled by the client), and then ends its session's
         turn (``_turn_over``). ``computing_until``: the request computes blocks of its
         prompt, expected done then; other requests may wait for their save
-        (``ComputingPrefixes``) until it is over."""
+        (``ComputingPrefixes``) until it is over. ``first_by``: its first token's expected
+        time; its blocks count in the instance's KV room until it is over
+        (``VllmInstance.start_prefill``)."""
         computing = (self._computing.add(InstanceId(inst.id), job.keys, computing_until)
                      if computing_until is not None else None)
 
@@ -604,7 +612,8 @@ class VllmFront:
             request_done()
             self._turn_over(job)
 
-        pending = inst.start_prefill(prefill_tokens, cached=cached_tokens)
+        pending = inst.start_prefill(prefill_tokens, cached=cached_tokens, keys=job.keys,
+                                     out_tokens=job.out_tokens, first_by=first_by)
         if ready is not None:
             try:
                 await ready()
@@ -694,6 +703,10 @@ class VllmFront:
                                   "load": None if i.load is None else {
                                       "running": i.load.running, "waiting": i.load.waiting,
                                       "kv_usage": i.load.kv_usage},
+                                  "kv_room": None if i.kv_room is None else {
+                                      "capacity_blocks": i.kv_room.capacity_blocks,
+                                      "held_blocks": i.kv_room.held_blocks(),
+                                      "requests": len(i.kv_room)},
                                   "calibration": i.calibration.snapshot()}
                           for i in self.instances()},
         }

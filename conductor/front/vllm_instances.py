@@ -39,12 +39,13 @@ import itertools
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from conductor.front.kv_room import KvRoom, ResidentId
 from conductor.scheduling.costs import PolyCostModel
 from kvstore.integrations.vllm.describe import DESCRIBE_PARAM, REPLY_KEY
 
@@ -204,17 +205,26 @@ class PendingPrefill:
     """Prompt tokens it reuses (the instance's prefix cache or the store)."""
     seq: int = 0
     """Its place in the instance's order of pending prefills."""
+    out_tokens: int = 0
+    """Output tokens it may generate (all its answers)."""
+    resident: ResidentId | None = None
+    """Its blocks in the instance's ``kv_room`` until it ends (None: not counted there)."""
     released: bool = False
     ended: bool = False
 
     def release(self, *, seconds: float | None) -> None:
         """Takes the tokens out of the instance's queue (only the first call does);
         ``seconds``: the prefill's time to first token, observed into the calibration
-        (None: it ended without one, or its time is not a prefill's)."""
+        (None: it ended without one, or its time is not a prefill's). A first token also
+        tells when its blocks are expected back: after its decode."""
         if self.released:
             return
         self.released = True
         self.instance.dequeue(self)
+        room = self.instance.kv_room
+        if seconds is not None and room is not None and self.resident is not None:
+            room.expect_end(self.resident, self.instance.clock() + self.instance.decode_s(
+                self.out_tokens))
         if seconds is not None and self.cached <= self.tokens:
             self.instance.calibration.observe_prefill(computed_tokens=self.ahead + self.tokens,
                                                       seconds=seconds)
@@ -227,6 +237,8 @@ class PendingPrefill:
         self.ended = True
         self.release(seconds=None)
         self.instance.in_flight -= 1
+        if self.instance.kv_room is not None and self.resident is not None:
+            self.instance.kv_room.remove(self.resident)
 
 
 class UpstreamError(Exception):
@@ -254,6 +266,9 @@ class VllmInstance:
         self.shape: InstanceShape | None = None
         self.in_flight = 0
         """Requests the front has sent here and not seen finish."""
+        self.kv_room: KvRoom | None = None
+        """Its KV cache's room for the front's requests (``conductor.front.kv_room``), once
+        the front knows its capacity and block size (None: never waits for room)."""
         self._ours_at_reading = 0
         """``pending_prefills`` when ``load`` was read (the fewer of before and after)."""
         self._pending: dict[int, PendingPrefill] = {}
@@ -361,13 +376,21 @@ class VllmInstance:
             external_hits=int(metric_sum(m, "vllm:external_prefix_cache_hits_total")))
         return self.load
 
-    def start_prefill(self, tokens: int, *, cached: int = 0) -> PendingPrefill:
+    def start_prefill(self, tokens: int, *, cached: int = 0, keys: Sequence[bytes] = (),
+                      out_tokens: int = 0, first_by: float | None = None) -> PendingPrefill:
         """Counts a request in ``in_flight`` until the returned handle ``end``s, and its
         prefill of ``tokens`` computed tokens (after ``cached`` reused ones) in this
-        instance's queue until the handle is released."""
+        instance's queue until the handle is released. With ``first_by`` (its first
+        token's expected time) and a ``kv_room``, its blocks (``keys``, its prompt's full
+        blocks, and ``out_tokens``) count there until it ends, expected after its decode."""
         pending = PendingPrefill(instance=self, tokens=max(0, tokens),
                                  ahead=self.pending_prefill_tokens, cached=max(0, cached),
-                                 seq=next(self._seq))
+                                 seq=next(self._seq), out_tokens=max(0, out_tokens))
+        if first_by is not None and self.kv_room is not None:
+            pending.resident = self.kv_room.add(
+                keys, prompt_tokens=pending.tokens + pending.cached,
+                out_tokens=pending.out_tokens,
+                ends_at=first_by + self.decode_s(pending.out_tokens))
         if not self._pending:
             self._head_since = self.clock()
         self._pending[pending.seq] = pending
@@ -385,6 +408,20 @@ class VllmInstance:
     def cost(self) -> PolyCostModel:
         """The calibrated speed (``Calibration.cost``)."""
         return self.calibration.cost()
+
+    def decode_s(self, out_tokens: int) -> float:
+        """The calibrated time to generate ``out_tokens`` after the first."""
+        return max(0, out_tokens - 1) * (self.calibration.decode_step_s.value
+                                          or DEFAULT_DECODE_STEP_S)
+
+    def kv_wait_s(self, keys: Sequence[bytes], *, prompt_tokens: int, out_tokens: int,
+                  now: float) -> float:
+        """Seconds until the KV cache has room for a request of ``keys`` (``KvRoom``); 0
+        without a ``kv_room``."""
+        if self.kv_room is None:
+            return 0.0
+        return self.kv_room.wait_s(keys, prompt_tokens=prompt_tokens, out_tokens=out_tokens,
+                                   now=now)
 
     def queue_s(self, *, mean_prompt_tokens: float, now: float | None = None) -> float:
         """Seconds of prefill work ahead of a new request at ``now`` (default: ``clock``):

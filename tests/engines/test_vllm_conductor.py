@@ -23,6 +23,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from conductor.front.vllm_instances import parse_metrics
 from conductor.front.vllm_procs import Proc, start_conductor, start_vllm, wait_ready
 from kvstore import Client, block_keys
 
@@ -212,6 +213,21 @@ def test_colocated_tokens_equal_and_store_prefix_reused(colocated: Proc,
     assert ids == want
     assert front_metric(colocated, "conductor_prefix_tokens_found_total") >= \
         len(tokens) // BLOCK * BLOCK
+    # The front counts each instance's KV cache (vLLM's own figure) and, every request
+    # over, holds none of it (a stream's end is counted just after its last chunk).
+    deadline = time.monotonic() + 30
+    while True:
+        instances = httpx.get(colocated.url + "/health", timeout=10).json()["instances"]
+        if not any((i["kv_room"] or {}).get("requests") for i in instances.values()):
+            break
+        assert time.monotonic() < deadline, instances
+        time.sleep(0.05)  # another process's background work: no barrier reaches it
+    for url, seen in instances.items():
+        shape = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+        (labels, _), = shape["vllm:cache_config_info"]
+        kv_tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        assert seen["kv_room"] == {"capacity_blocks": kv_tokens // BLOCK, "held_blocks": 0,
+                                   "requests": 0}
 
 
 def _session_cache(front: Proc) -> dict[str, Any]:

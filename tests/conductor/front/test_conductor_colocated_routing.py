@@ -3,6 +3,8 @@ waiting for in the store instead of computing it again or queueing behind it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from conductor.front.colocated_routing import (
@@ -10,6 +12,7 @@ from conductor.front.colocated_routing import (
     ColocatedRouter,
     ComputingPrefixes,
 )
+from conductor.front.kv_room import KvRoom
 from conductor.scheduling.costs import PolyCostModel
 from conductor.scheduling.state import LocalPrefixCache
 from conductor.scheduling.types import InstanceId
@@ -22,12 +25,21 @@ COST = PolyCostModel(kv_bytes_per_token=1, p_token=0.001, net_bytes_per_s=1.0, d
 
 
 class Instance:
-    def __init__(self, queue_s: float = 0.0, in_flight: int = 0) -> None:
+    def __init__(self, queue_s: float = 0.0, in_flight: int = 0,
+                 room: KvRoom | None = None) -> None:
         self.queue = queue_s
         self.in_flight = in_flight
+        self.room = room
 
     def queue_s(self, *, mean_prompt_tokens: float, now: float) -> float:
         return self.queue
+
+    def kv_wait_s(self, keys: Sequence[bytes], *, prompt_tokens: int, out_tokens: int,
+                  now: float) -> float:
+        if self.room is None:
+            return 0.0
+        return self.room.wait_s(keys, prompt_tokens=prompt_tokens, out_tokens=out_tokens,
+                                now=now)
 
     def cost(self) -> PolyCostModel:
         return COST
@@ -191,6 +203,33 @@ def test_a_tie_goes_to_the_instance_with_fewer_requests_in_flight_then_the_first
                             local=r.local, computing=ComputingPrefixes(), block_tokens=BT)
     assert apart.choose(doc, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000,
                         now=10.0).instance == A
+
+
+def test_a_request_goes_where_the_kv_cache_has_room_for_it_not_only_an_empty_queue() -> None:
+    """Each instance's cache holds 2,200 tokens; neither has a prefill queued. A is decoding
+    a question of document X (expected over at 10.6), B one of Y (over at 10.3). A question
+    of a third document, stored, fits on neither: it goes to B, whose request ends first,
+    and is estimated from then. A question of X fits on A beside X's blocks: A, at once."""
+    x, y, z = keys(1216, seed=1), keys(1216, seed=2), keys(1216, seed=3)
+    rooms = {A: KvRoom(capacity_tokens=2200, block_tokens=BT),
+             B: KvRoom(capacity_tokens=2200, block_tokens=BT)}
+    rooms[A].add(x, prompt_tokens=1240, out_tokens=16, ends_at=10.6)
+    rooms[B].add(y, prompt_tokens=1240, out_tokens=16, ends_at=10.3)
+    r = ColocatedRouter(instances={A: Instance(room=rooms[A]), B: Instance(room=rooms[B])},
+                        local={i: LocalPrefixCache(4096) for i in (A, B)},
+                        computing=ComputingPrefixes(), block_tokens=BT)
+    got = r.choose(z, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000, now=10.0,
+                   out_tokens=16)
+    assert (got.instance, got.est_s) == (B, pytest.approx(0.3 + 0.024))
+    got = r.choose(x, stored=38, prompt_tokens=1240, mean_prompt_tokens=1000, now=10.0,
+                   out_tokens=16)
+    assert (got.instance, got.est_s) == (A, pytest.approx(0.024))
+    # Sent to B, it holds its blocks there until 10.9: the next document's question now
+    # has room soonest on A (X's question over at 10.6).
+    rooms[B].add(z, prompt_tokens=1240, out_tokens=16, ends_at=10.9)
+    got = r.choose(keys(1216, seed=4), stored=38, prompt_tokens=1240,
+                   mean_prompt_tokens=1000, now=10.0, out_tokens=16)
+    assert (got.instance, got.est_s) == (A, pytest.approx(0.6 + 0.024))
 
 
 def test_a_router_needs_a_block_size() -> None:

@@ -191,3 +191,33 @@ def test_a_request_leaves_in_flight_once_and_frees_its_prefill_if_it_had_no_firs
     a.end()  # the second call changes nothing
     b.end()  # ended before any first token: its prefill leaves the queue too
     assert inst.in_flight == 0 and inst.pending_prefill_tokens == 0
+
+
+def test_a_request_holds_its_blocks_in_the_kv_room_from_sending_until_it_ends() -> None:
+    """Expected over at its first token's estimate plus its decode (15 steps of 20 ms); at
+    its first token, from then; out of the room when it ends. Without ``first_by`` or a
+    room nothing is counted."""
+    from conductor.front.kv_room import KvRoom
+    from kvstore import block_keys
+
+    clock = Clock(100.0)
+    inst = instance(clock)
+    inst.calibration.decode_step_s.add(0.02)
+    doc = block_keys(list(range(1216)), 32, "ns")  # 38 blocks
+    other = block_keys(list(range(5000, 6216)), 32, "ns")
+    assert inst.kv_wait_s(other, prompt_tokens=1240, out_tokens=16, now=100.0) == 0.0
+    inst.kv_room = KvRoom(capacity_tokens=2200, block_tokens=32)
+    untracked = inst.start_prefill(1240, keys=doc, out_tokens=16)  # no first_by
+    assert inst.kv_room.held_blocks() == 0
+    untracked.end()
+    a = inst.start_prefill(1240, keys=doc, out_tokens=16, first_by=100.5)
+    assert inst.kv_room.held_blocks() == 40  # 38 + the last 24 tokens and 16 out: 2
+    wait = inst.kv_wait_s(other, prompt_tokens=1240, out_tokens=16, now=100.0)
+    assert wait == pytest.approx(0.5 + 15 * 0.02)
+    clock.t = 100.2
+    a.release(seconds=0.2)  # first token sooner than estimated
+    assert inst.kv_wait_s(other, prompt_tokens=1240, out_tokens=16,
+                          now=100.2) == pytest.approx(15 * 0.02)
+    a.end()
+    assert inst.kv_room.held_blocks() == 0 and len(inst.kv_room) == 0
+    assert inst.kv_wait_s(other, prompt_tokens=1240, out_tokens=16, now=100.2) == 0.0
