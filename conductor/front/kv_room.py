@@ -25,7 +25,7 @@ Single owner (the front's event loop): no locks.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -45,7 +45,8 @@ class KvRoom:
     """The KV cache of one instance, ``capacity_tokens`` tokens in blocks of
     ``block_tokens`` (see the module docstring)."""
 
-    __slots__ = ("_ids", "_residents", "block_tokens", "capacity_blocks")
+    __slots__ = ("_extra_total", "_ids", "_refs", "_residents", "block_tokens",
+                 "capacity_blocks")
 
     def __init__(self, *, capacity_tokens: int, block_tokens: int) -> None:
         if capacity_tokens < 1 or block_tokens < 1:
@@ -54,6 +55,12 @@ class KvRoom:
         self.block_tokens = block_tokens
         self.capacity_blocks = capacity_tokens // block_tokens
         self._residents: dict[ResidentId, _Resident] = {}
+        # Invariant: _refs counts, per block key, the residents holding it (keys at 0 are
+        # absent), and _extra_total is the sum of the residents' extra_blocks: so the
+        # blocks held are len(_refs) + _extra_total, kept as residents come and go (a
+        # choice asks every instance, and a busy one holds hundreds of requests).
+        self._refs: dict[bytes, int] = {}
+        self._extra_total = 0
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -64,9 +71,14 @@ class KvRoom:
         """A request in flight: ``keys`` its prompt's full blocks, expected over at
         ``ends_at``."""
         rid = ResidentId(next(self._ids))
-        self._residents[rid] = _Resident(
+        resident = _Resident(
             blocks=frozenset(keys), extra_blocks=self._extra(keys, prompt_tokens, out_tokens),
             ends_at=ends_at)
+        self._residents[rid] = resident
+        refs = self._refs
+        for k in resident.blocks:
+            refs[k] = refs.get(k, 0) + 1
+        self._extra_total += resident.extra_blocks
         return rid
 
     def expect_end(self, rid: ResidentId, ends_at: float) -> None:
@@ -77,10 +89,20 @@ class KvRoom:
 
     def remove(self, rid: ResidentId) -> None:
         """``rid`` is over; unknown ids (already removed): nothing."""
-        self._residents.pop(rid, None)
+        resident = self._residents.pop(rid, None)
+        if resident is None:
+            return
+        refs = self._refs
+        for k in resident.blocks:
+            n = refs[k] - 1
+            if n:
+                refs[k] = n
+            else:
+                del refs[k]
+        self._extra_total -= resident.extra_blocks
 
     def held_blocks(self) -> int:
-        return self._held(self._residents.values())
+        return len(self._refs) + self._extra_total
 
     def wait_s(self, keys: Sequence[bytes], *, prompt_tokens: int, out_tokens: int,
                now: float) -> float:
@@ -88,22 +110,27 @@ class KvRoom:
         ``prompt_tokens`` and ``out_tokens`` fits beside the requests in flight."""
         mine = frozenset(keys)
         extra = self._extra(keys, prompt_tokens, out_tokens)
-        if len(mine) + extra > self.capacity_blocks:
+        cap = self.capacity_blocks
+        if len(mine) + extra > cap:
             return 0.0
-        left = sorted(self._residents.values(), key=lambda r: r.ends_at)
-        freed_by = now
-        while left:
-            shared = frozenset().union(*(r.blocks for r in left))
-            if self._held(left) + len(mine - shared) + extra <= self.capacity_blocks:
-                break
-            freed_by = left.pop(0).ends_at
-        return max(0.0, freed_by - now)
+        refs = self._refs
+        distinct, extra_held = len(refs), self._extra_total
+        missing = sum(1 for k in mine if k not in refs)  # blocks it would add
+        if distinct + extra_held + missing + extra <= cap:
+            return 0.0
+        gone: dict[bytes, int] = {}  # references the residents ended so far held
+        for resident in sorted(self._residents.values(), key=lambda r: r.ends_at):
+            extra_held -= resident.extra_blocks
+            for k in resident.blocks:
+                n = gone[k] = gone.get(k, 0) + 1
+                if n == refs[k]:  # its last holder ended
+                    distinct -= 1
+                    if k in mine:
+                        missing += 1
+            if distinct + extra_held + missing + extra <= cap:
+                return max(0.0, resident.ends_at - now)
+        raise AssertionError("a request that fits an empty cache fits once all have ended")
 
     def _extra(self, keys: Sequence[bytes], prompt_tokens: int, out_tokens: int) -> int:
         rest = max(0, prompt_tokens - len(keys) * self.block_tokens) + max(0, out_tokens)
         return -(-rest // self.block_tokens)
-
-    @staticmethod
-    def _held(residents: Iterable[_Resident]) -> int:
-        rs = list(residents)
-        return len(frozenset().union(*(r.blocks for r in rs))) + sum(r.extra_blocks for r in rs)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor.front.kv_room import KvRoom
 from kvstore import block_keys
@@ -75,3 +77,51 @@ def test_a_request_larger_than_the_cache_never_waits_here() -> None:
 def test_a_room_needs_a_capacity_and_a_block_size(capacity: int, block: int) -> None:
     with pytest.raises(ValueError, match="both must be >= 1"):
         KvRoom(capacity_tokens=capacity, block_tokens=block)
+
+
+def _reference_wait(residents: list[tuple[frozenset[bytes], int, float]], keys: Sequence[bytes],
+                    extra: int, capacity: int, now: float) -> float:
+    """The rule by brute force: residents end in expected order (ties in arrival order)
+    until the request's blocks fit beside the rest."""
+    if len(set(keys)) + extra > capacity:
+        return 0.0
+    left = sorted(residents, key=lambda r: r[2])
+    freed_by = now
+    while True:
+        held = set().union(*(r[0] for r in left)) if left else set()
+        if len(held) + sum(r[1] for r in left) + len(set(keys) - held) + extra <= capacity:
+            return max(0.0, freed_by - now)
+        freed_by = left.pop(0)[2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(residents=st.lists(st.tuples(st.sets(st.integers(0, 40), max_size=25),
+                                    st.integers(0, 6), st.integers(0, 20)), max_size=8),
+       mine=st.sets(st.integers(0, 40), max_size=30), out=st.integers(0, 100),
+       capacity_blocks=st.integers(1, 80), ended=st.sets(st.integers(0, 7)))
+def test_the_wait_is_the_brute_force_rule_whatever_the_residents(
+        residents: list[tuple[set[int], int, int]], mine: set[int], out: int,
+        capacity_blocks: int, ended: set[int]) -> None:
+    """Residents sharing blocks in any pattern, some already over: the room's incremental
+    counts give the brute-force answer, and its held blocks are the distinct blocks plus
+    the extras."""
+    def key(i: int) -> bytes:
+        return i.to_bytes(16, "big")
+
+    r = room(capacity_tokens=capacity_blocks * BT)
+    ids, kept = [], []
+    for blocks, extra, end in residents:
+        ks = [key(i) for i in sorted(blocks)]
+        ids.append(r.add(ks, prompt_tokens=len(ks) * BT + extra * BT, out_tokens=0,
+                         ends_at=float(end)))
+        kept.append((frozenset(ks), extra, float(end)))
+    for i in sorted(ended):
+        if i < len(ids):
+            r.remove(ids[i])
+            kept[i] = (frozenset(), 0, -1.0)
+    live = [k for k in kept if k[2] >= 0]
+    assert r.held_blocks() == (len(set().union(*(k[0] for k in live))) if live else 0) + \
+        sum(k[1] for k in live)
+    ks = [key(i) for i in sorted(mine)]
+    want = _reference_wait(live, ks, -(-out // BT), capacity_blocks, now=3.0)
+    assert r.wait_s(ks, prompt_tokens=len(ks) * BT, out_tokens=out, now=3.0) == want
