@@ -345,26 +345,25 @@ class NodeServer:
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)
         self.known_members = KnownMembers(members)
-        self.peers = PeerPool(timeout=peer_timeout, token=peer_token,
-                              tls=tls.peer() if tls else None, members=self.known_members)
+        # Every peer pool: the same member rule, stall timeout, token and TLS.
+        peer_pool = functools.partial(PeerPool, timeout=peer_timeout, token=peer_token,
+                                      tls=tls.peer() if tls else None,
+                                      members=self.known_members)
+        self.peers = peer_pool()
         # Half the handler threads at most wait on replication; each at most two peer
         # timeouts (a push and one fallback).
         self.replicator = Replicator(node, self.peers, self_addr=self.addresses.grpc,
                                      max_calls=max(1, grpc_workers // 2),
                                      wait_s=2 * peer_timeout)
         # Inert until a cluster role attaches its membership (replicated puts on the channel).
-        # Its own peer clients (the same member rule and stall timeout), so forwards never
-        # queue behind Replicate or repair pushes for a connection. Small blocks go over
-        # stream connections even to a peer on this host: only they pipeline a forward to
-        # several targets (``kvstore/remote/pipelined.py``), which at 64 KiB costs the nodes
-        # less CPU than shared memory's reserve-fill-commit, one target at a time; large
-        # blocks to a peer on this host through its shared memory, whose copies cost less
-        # than the socket's at 1 MiB (benchmarks/RESULTS.md, "Cluster").
-        self.forwarder = Forwarder(
-            PeerPool(transport="tcp", timeout=peer_timeout, token=peer_token,
-                     tls=tls.peer() if tls else None, members=self.known_members),
-            large_peers=PeerPool(timeout=peer_timeout, token=peer_token,
-                                 tls=tls.peer() if tls else None, members=self.known_members))
+        # Its own peer clients, so forwards never queue behind Replicate or repair pushes
+        # for a connection. Small blocks go over stream connections even to a peer on this
+        # host: only they pipeline a forward to several targets
+        # (``kvstore/remote/pipelined.py``), which at 64 KiB costs the nodes less CPU than
+        # shared memory's reserve-fill-commit, one target at a time; large blocks to a peer
+        # on this host through its shared memory, whose copies cost less than the socket's
+        # at 1 MiB (benchmarks/RESULTS.md, "Cluster").
+        self.forwarder = Forwarder(peer_pool(transport="tcp"), large_peers=peer_pool())
         self.channel.forwarder = self.forwarder
         self.servicer = KVStoreServicer(node, self._open_channel, self.replicator, auth)
         self._grpc.add_generic_rpc_handlers((decoding_handlers(self.servicer,

@@ -239,10 +239,10 @@ class VllmFront:
         else:
             for iid, inst in self.colocated.items():
                 kv = shapes[inst.url].kv_tokens
-                blocks = kv // self.block_tokens if kv else LOCAL_CACHE_BLOCKS
-                self._local[iid] = LocalPrefixCache(blocks)
                 inst.kv_room = (KvRoom(capacity_tokens=kv, block_tokens=self.block_tokens)
                                 if kv else None)
+                self._local[iid] = LocalPrefixCache(
+                    inst.kv_room.capacity_blocks if inst.kv_room else LOCAL_CACHE_BLOCKS)
         await self.poll_loads()
 
     def set_block_tokens(self, block_tokens: int) -> None:

@@ -176,13 +176,17 @@ class Calibration:
         if tokens >= 1:
             self.decode_step_s.add(seconds / tokens)
 
+    def decode_step(self) -> float:
+        """Seconds per generated token (the default until a decode is observed)."""
+        return self.decode_step_s.value or DEFAULT_DECODE_STEP_S
+
     def cost(self) -> PolyCostModel:
         return PolyCostModel(
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
             p_fixed=self.prefill_fixed_s.value or 0.0,
             p_token=self.prefill_s_per_token.value or DEFAULT_PREFILL_S_PER_TOKEN,
             net_bytes_per_s=NET_BYTES_PER_S,
-            d_fixed=self.decode_step_s.value or DEFAULT_DECODE_STEP_S)
+            d_fixed=self.decode_step())
 
     def snapshot(self) -> dict[str, Any]:
         return {"prefill_s_per_token": self.prefill_s_per_token.value,
@@ -411,8 +415,7 @@ class VllmInstance:
 
     def decode_s(self, out_tokens: int) -> float:
         """The calibrated time to generate ``out_tokens`` after the first."""
-        return max(0, out_tokens - 1) * (self.calibration.decode_step_s.value
-                                          or DEFAULT_DECODE_STEP_S)
+        return max(0, out_tokens - 1) * self.calibration.decode_step()
 
     def kv_wait_s(self, keys: Sequence[bytes], *, prompt_tokens: int, out_tokens: int,
                   now: float) -> float:

@@ -48,6 +48,7 @@ class Forwarder:
         blocks (``LARGE_BLOCK_BYTES``), typically same-host shared memory; None: ``peers``."""
         self.peers = peers
         self.large_peers = large_peers
+        self._pools = (peers,) if large_peers is None else (peers, large_peers)
         self._lock = threading.Lock()
         # guarded by _lock:
         self._self_id: NodeId | None = None
@@ -79,10 +80,8 @@ class Forwarder:
             unsubscribe()
 
     def _on_members(self, view: Sequence[Member]) -> None:
-        # A departed peer's clients go with the view that lost it.
-        self.peers.drop_departed()
-        if self.large_peers is not None:
-            self.large_peers.drop_departed()
+        for pool in self._pools:  # a departed peer's clients go with the view that lost it
+            pool.drop_departed()
         members = tuple(view)
         addrs = {m.node_id: m.addr for m in members}
         with self._lock:
@@ -130,6 +129,5 @@ class Forwarder:
         """Pushes under way end with their peer clients (a handler still reads every
         answer it started, each ending within the peer stream's stall timeout)."""
         self.detach()
-        self.peers.close()
-        if self.large_peers is not None:
-            self.large_peers.close()
+        for pool in self._pools:
+            pool.close()
