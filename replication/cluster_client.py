@@ -62,8 +62,16 @@ from kvstore.core.errors import FailedPrecondition, InvalidArgument, KVStoreErro
 from kvstore.core.keys import BlockKey, leading_run
 from kvstore.core.prefetch import DEFAULT_PREFETCH_TIER, PrefetchOutcome, check_prefetch
 from kvstore.core.retention import RetainOutcome, check_retain, merged_outcome
+from kvstore.remote.channel_client import as_writable
 from kvstore.remote.node_client import NodeClient, PutBatch, SingleKeyCalls, all_stored
-from kvstore.remote.pipelined import PendingPut, finish_all, start_puts
+from kvstore.remote.pipelined import (
+    PendingGet,
+    PendingPut,
+    PendingShmPut,
+    finish_all,
+    start_get,
+    start_puts,
+)
 from replication.copies.peers import PeerPool
 from replication.membership import Membership, StaticMembership
 from replication.membership.etcd import EtcdMembership
@@ -318,7 +326,8 @@ class ClusterClient(SingleKeyCalls):
                     return
                 record(idx, flags)
 
-            def finish_group(master: NodeId, idx: list[int], sent: PendingPut) -> None:
+            def finish_group(master: NodeId, idx: list[int], sent: PendingPut | PendingShmPut
+                             ) -> None:
                 try:
                     flags, copies, failed = sent.finish()
                 except FailedPrecondition:  # not an etcd member: the two-trip path
@@ -339,6 +348,8 @@ class ClusterClient(SingleKeyCalls):
                               ) if self.pipeline else {}
             # Replicated puts wait on their masters' forwards (no GIL): those overlap.
             try:
+                for p in sent.values():  # same-host puts: every RESERVE is sent, now fill
+                    p.advance()
                 self._parallel([partial(put_group, m, idx) for m, idx in groups.items()
                                 if m not in sent],
                                serial=self.replicas == 1 and self._all_mapped(view, groups))
@@ -384,9 +395,14 @@ class ClusterClient(SingleKeyCalls):
     # ---- reads ---------------------------------------------------------------------------
 
     def _rounds(self, keys: list[BlockKey], call: Callable[[NodeClient, list[int]], list[Any]],
-                found: Callable[[Any], bool], *, record_reads: bool = False) -> list[Any]:
+                found: Callable[[Any], bool], *, record_reads: bool = False,
+                start: Callable[[NodeClient, list[int]], PendingGet | None] | None = None
+                ) -> list[Any]:
         """Asks each key of its read candidates in turn; per key the first ``found`` answer
-        (or the last answer seen, a miss)."""
+        (or the last answer seen, a miss). ``start``: sends a node its keys' request without
+        reading the answer, or None where that node's call does not pipeline; every node
+        started is sent its request before any answer is read (``kvstore.remote.pipelined``),
+        and a started call whose stream broke is made again the ordinary way."""
         view = self._current()
         results: list[Any] = [None] * len(keys)
         bad = self._suspects_now()
@@ -401,9 +417,12 @@ class ClusterClient(SingleKeyCalls):
                 groups.setdefault(cands[i][pos[i]], []).append(i)
             failed: set[NodeId] = set()
 
-            def ask(node: NodeId, idx: list[int], failed: set[NodeId] = failed) -> None:
+            def ask(node: NodeId, idx: list[int], failed: set[NodeId] = failed,
+                    sent: PendingGet | None = None) -> None:
                 try:
-                    answers = call(self._client(view, node), idx)
+                    answers = sent.finish() if sent is not None else None
+                    if answers is None:
+                        answers = call(self._client(view, node), idx)
                 except Unavailable as exc:
                     self._suspect(node)
                     failed.add(node)
@@ -413,8 +432,18 @@ class ClusterClient(SingleKeyCalls):
                     results[i] = a
                     answered[i] = True
 
-            self._parallel([partial(ask, n, idx) for n, idx in groups.items()],
-                           serial=self._all_mapped(view, groups))
+            started: dict[NodeId, PendingGet] = {}
+            if start is not None and self.pipeline:
+                for n, idx in groups.items():
+                    pending_get = start(self._client(view, n), idx)
+                    if pending_get is not None:
+                        started[n] = pending_get
+            try:
+                self._parallel([partial(ask, n, idx) for n, idx in groups.items()
+                                if n not in started],
+                               serial=self._all_mapped(view, groups))
+            finally:  # every started answer is read, whatever the other nodes did
+                finish_all([partial(ask, n, groups[n], sent=p) for n, p in started.items()])
             nxt = []
             for node, idx in groups.items():
                 for i in idx:
@@ -433,15 +462,18 @@ class ClusterClient(SingleKeyCalls):
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         ks = [check_key(k) for k in keys]
         return self._rounds(ks, lambda c, idx: c.get_batch([ks[i] for i in idx]),
-                            lambda r: r is not None, record_reads=True)
+                            lambda r: r is not None, record_reads=True,
+                            start=lambda c, idx: start_get(c, [ks[i] for i in idx], None))
 
     def get_batch_into(self, keys: Sequence[bytes], bufs: Sequence[object]) -> list[int | None]:
         ks = [check_key(k) for k in keys]
         if len(bufs) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(bufs)} buffers")
+        outs = [as_writable(b) for b in bufs]
         return self._rounds(
-            ks, lambda c, idx: c.get_batch_into([ks[i] for i in idx], [bufs[i] for i in idx]),
-            lambda r: r is not None, record_reads=True)
+            ks, lambda c, idx: c.get_batch_into([ks[i] for i in idx], [outs[i] for i in idx]),
+            lambda r: r is not None, record_reads=True,
+            start=lambda c, idx: start_get(c, [ks[i] for i in idx], [outs[i] for i in idx]))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         ks = [check_key(k) for k in keys]

@@ -281,8 +281,23 @@ class ChannelConnection:
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                  ) -> list[bytes | int | None]:
-        started = time.monotonic()
-        _, meta = self._call(Op.LEASE, len(keys), wire.pack_keys(keys))
+        return self.lease_reply(keys, outs, self.send_lease(keys))
+
+    def send_lease(self, keys: Sequence[bytes]) -> float:
+        """The first half of a same-host get (``Mode.SHM``): asks for read leases on
+        ``keys`` without reading the answer, which ``lease_reply`` (with the same keys and
+        the time returned) reads next on this connection. Between the two, other nodes'
+        requests may be sent: the cluster client pipelines a batch this way."""
+        started = time.monotonic()  # before the node can grant: bounds every lease's age
+        self._send(Op.LEASE, len(keys), wire.pack_keys(keys))
+        return started
+
+    def lease_reply(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
+                    started: float) -> list[bytes | int | None]:
+        """The second half of ``send_lease``: copies the leased values out of the region
+        (into ``outs[i]``: returns nbytes; else new bytes), releases the leases and fetches
+        by stream what the region does not hold."""
+        _, meta = self._response()
         region = self.session.region
         assert region is not None
         results: list[bytes | int | None] = []
@@ -368,13 +383,8 @@ class ChannelConnection:
         for lo, hi in shm_parts([len(v) for v in values],
                                 self.session.region_bytes // SHM_PUT_REGION_SHARE):
             part = meta[lo * size:hi * size]  # PUT items are of one size
-            rids, slots = self._reserve_and_fill(keys[lo:hi], values[lo:hi], part)
-            if not rids:
-                out += [False] * (hi - lo)
-                continue
-            _, committed = self._call(Op.COMMIT, len(rids), wire.pack_ids(rids))
-            done = iter(committed)
-            out += [False if offset is None else bool(next(done)) for offset in slots]
+            self._send(Op.RESERVE, hi - lo, part)
+            out += self.commit_reply(self.fill_and_commit(keys[lo:hi], values[lo:hi]))
         return out
 
     def _take_new_staging(self, reply: bytes) -> None:
@@ -395,7 +405,13 @@ class ChannelConnection:
         """Reserves room for the values and copies them there (the staging area, or the
         mapped region); the reservation ids, and each value's offset (None: the key was
         already stored)."""
-        _, reply = self._call(Op.RESERVE, len(keys), meta)
+        self._send(Op.RESERVE, len(keys), meta)
+        return self._fill_reserved(keys, values)
+
+    def _fill_reserved(self, keys: Sequence[bytes], values: Sequence[memoryview]
+                       ) -> tuple[list[int], list[int | None]]:
+        """``_reserve_and_fill`` once its RESERVE is sent: reads the answer and fills."""
+        _, reply = self._response()
         self._take_new_staging(reply)
         target = self._staging if self._staging is not None else self.session.region
         assert target is not None
@@ -469,6 +485,41 @@ class ChannelConnection:
         meta = wire.pack_rput_items(keys, sizes, parents, pin, copies, write_quorum, retain_s)
         _, reply = self._call(Op.RPUT, len(keys), meta, values)
         return wire.unpack_repl_reply(reply, len(keys))
+
+    # ---- pipelined same-host puts: reserve on every node, then fill, then commit ---------
+
+    def send_reserve(self, keys: Sequence[bytes], values: Sequence[memoryview],
+                     parents: Sequence[bytes | None], pin: bool, retain_s: float = 0.0
+                     ) -> bool:
+        """Sends a same-host put's RESERVE without reading the answer (``fill_and_commit``
+        reads it); False, with nothing sent, where ``put`` would not reserve in one part
+        (a stream connection, a put under ``SHM_PUT_MIN_BYTES``, or one past a region share):
+        the caller makes the ordinary call."""
+        sizes = self._sizes(values)
+        if self.mode is not Mode.SHM or sum(sizes) < SHM_PUT_MIN_BYTES or len(shm_parts(
+                sizes, self.session.region_bytes // SHM_PUT_REGION_SHARE)) != 1:
+            return False
+        self._send(Op.RESERVE, len(keys), wire.pack_put_items(keys, sizes, parents, pin,
+                                                              retain_s))
+        return True
+
+    def fill_and_commit(self, keys: Sequence[bytes], values: Sequence[memoryview]
+                        ) -> list[int | None]:
+        """Reads a sent RESERVE's answer, fills the reserved room and sends the COMMIT
+        (when anything was reserved) without reading its answer; each value's slot (None:
+        the key was already stored), for ``commit_reply``."""
+        rids, slots = self._fill_reserved(keys, values)
+        if rids:
+            self._send(Op.COMMIT, len(rids), wire.pack_ids(rids))
+        return slots
+
+    def commit_reply(self, slots: Sequence[int | None]) -> list[bool]:
+        """Reads the answer to ``fill_and_commit``'s COMMIT: per key, stored by this put."""
+        if all(slot is None for slot in slots):
+            return [False] * len(slots)  # nothing reserved, no COMMIT sent
+        _, committed = self._response()
+        done = iter(committed)
+        return [False if slot is None else bool(next(done)) for slot in slots]
 
     # ---- pipelined puts (stream mode): send now, read the reply later --------------------
 

@@ -9,27 +9,40 @@ with no hand-offs between threads. A master answers only once it holds the part 
 for a replicated put, once ``write_quorum`` copies exist): pipelining changes when the
 client reads, never what an answer means.
 
-Only stream connections pipeline (``transport="tcp"``, or a node on another host): a
-same-host shared-memory put reserves first, a round trip, and a gRPC-only node has no
-channel. ``start_put`` returns None for those, and when the send fails at the transport
-(the node may have restarted): the caller then makes the ordinary call, which reconnects.
+A same-host shared-memory put is three steps on its connection: a RESERVE (a round
+trip), the copy into the reserved room, a COMMIT (a round trip). Pipelined
+(``PendingShmPut``), every node is sent its RESERVE first; then each one's answer is read,
+its room filled and its COMMIT sent (``advance``); then every COMMIT's answer is read
+(``finish``): the nodes reserve and commit at the same time instead of one after another.
+Only a plain put (``copies == 1``) of one frame pipelines so; a replicated same-host put,
+a gRPC-only node, and a send that fails at the transport (the node may have restarted)
+get None from ``start_put``: the caller then makes the ordinary call, which reconnects.
+
+Gets pipeline the other way round: only same-host shared-memory gets do (``start_get``).
+Such a get is a round trip for read leases, then copies out of the node's region; every
+node is asked for its leases before any answer is read, so the nodes grant them at the
+same time and the client waits for one round trip, not one per node. A stream get's
+answer carries the values themselves, which the cluster client reads from each node in
+its own thread as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.core.checks import MAX_BATCH
 from kvstore.core.errors import KVStoreError, Unavailable
+from kvstore.core.keys import BlockKey
 from kvstore.protocol.wire import Mode
 from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
 
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["PendingPut", "finish_all", "start_put", "start_puts"]
+__all__ = ["PendingGet", "PendingPut", "PendingShmPut", "finish_all", "start_get", "start_put",
+           "start_puts"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -40,6 +53,9 @@ class PendingPut:
     conn: ChannelConnection | None
     counts: list[int]  # keys per frame sent, in order
     copies: int  # asked for (1: a plain PUT)
+
+    def advance(self) -> None:
+        """Nothing to do between sending and reading (see ``PendingShmPut.advance``)."""
 
     def finish(self) -> tuple[list[bool], int, list[str]]:
         """Reads every frame's reply: (stored flags, copies holding every key, text of
@@ -76,12 +92,16 @@ class PendingPut:
 
 
 def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quorum: int = 1
-              ) -> PendingPut | None:
+              ) -> PendingPut | PendingShmPut | None:
     """Sends ``batch`` to ``client``'s node (an RPUT asking for ``copies`` copies when
     ``copies > 1``) and returns without reading the reply; None if this node's channel
     does not pipeline or the send failed at the transport (nothing is pending then).
     Errors of the values themselves (larger than the node) are raised before any send."""
-    if not client._uses_channel() or client._mode is not Mode.TCP:
+    if not client._uses_channel():
+        return None
+    if client._mode is Mode.SHM:
+        return _start_shm_put(client, batch) if copies == 1 else None
+    if client._mode is not Mode.TCP:
         return None
     conn = client._checkout()
     ks, views, ps = batch.keys, batch.values, batch.parents
@@ -107,12 +127,100 @@ def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quo
     return PendingPut(client=client, conn=conn, counts=counts, copies=copies)
 
 
+@dataclass(slots=True, kw_only=True)
+class PendingShmPut:
+    """A same-host put whose RESERVE is sent: ``advance`` (fill, send the COMMIT), then
+    ``finish`` (read the COMMIT's answer), each once, in that order."""
+
+    client: NodeClient
+    conn: ChannelConnection | None
+    batch: PutBatch
+    slots: list[int | None] | None = None  # each value's reserved slot, once advanced
+    error: Exception | None = None  # what ``advance`` met, raised by ``finish``
+    broken: bool = False  # the connection was closed: nothing to read, nothing to return
+
+    def advance(self) -> None:
+        """Reads the RESERVE's answer, fills the room and sends the COMMIT. Never raises
+        an error of the node or the transport (``finish`` does): the caller advances every
+        node's put whatever the others met."""
+        conn = self.conn
+        if conn is None or self.slots is not None or self.error is not None:
+            return
+        try:
+            self.slots = conn.fill_and_commit(self.batch.keys, self.batch.values)
+        except KVStoreError as exc:  # the node answered (or the room was aborted): in step
+            self.error = exc
+        except OSError as exc:
+            self._drop()
+            self.error = Unavailable(f"{self.client.addr}: transfer channel failed: {exc}")
+        except Exception as exc:
+            self._drop()
+            self.error = exc
+
+    def _drop(self) -> None:
+        assert self.conn is not None
+        self.conn.close()
+        self.client._invalidate()
+        self.broken = True
+
+    def finish(self) -> tuple[list[bool], int, list[str]]:
+        """Reads the COMMIT's answer: (stored flags, 1 copy, no failed forwards), as
+        ``PendingPut.finish``; what ``advance`` met is raised here."""
+        self.advance()
+        conn, self.conn = self.conn, None
+        if conn is None:
+            raise RuntimeError("PendingShmPut.finish called twice")
+        if self.error is not None:
+            if not self.broken:
+                self.client._checkin(conn)
+            raise self.error
+        assert self.slots is not None
+        try:
+            flags = conn.commit_reply(self.slots)
+        except KVStoreError:
+            self.client._checkin(conn)  # the node answered: the stream is in step
+            raise
+        except OSError as exc:
+            conn.close()
+            self.client._invalidate()
+            raise Unavailable(f"{self.client.addr}: transfer channel failed: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self.client._checkin(conn)
+        return flags, 1, []
+
+
+def _start_shm_put(client: NodeClient, batch: PutBatch) -> PendingShmPut | None:
+    """``start_put`` over shared memory: the RESERVE sent, or None (see there)."""
+    if len(batch.keys) > MAX_BATCH:
+        return None
+    conn = client._checkout()
+    try:
+        sent = conn.send_reserve(batch.keys, batch.values, batch.parents, batch.pin,
+                                 batch.retain_s)
+    except KVStoreError:
+        client._checkin(conn)  # refused before anything was sent
+        raise
+    except OSError:
+        conn.close()
+        client._invalidate()
+        return None
+    except BaseException:
+        conn.close()
+        raise
+    if not sent:
+        client._checkin(conn)
+        return None
+    return PendingShmPut(client=client, conn=conn, batch=batch)
+
+
 def start_puts(parts: dict[K, tuple[NodeClient, PutBatch]], *, copies: int = 1,
-               write_quorum: int = 1) -> dict[K, PendingPut]:
+               write_quorum: int = 1) -> dict[K, PendingPut | PendingShmPut]:
     """``start_put`` of every part, each to its own node, before any reply is read; the
     parts that did not start (see ``start_put``, or any error the node's client raised) are
     left out, for the caller's ordinary call, which meets the same error and handles it."""
-    sent: dict[K, PendingPut] = {}
+    sent: dict[K, PendingPut | PendingShmPut] = {}
     for name, (client, batch) in parts.items():
         try:
             p = start_put(client, batch, copies=copies, write_quorum=write_quorum)
@@ -134,3 +242,65 @@ def finish_all(calls: list[Callable[[], object]]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+@dataclass(slots=True, kw_only=True)
+class PendingGet:
+    """A same-host get sent to one node whose answer is still to be read (``finish``,
+    once)."""
+
+    client: NodeClient
+    conn: ChannelConnection | None
+    keys: Sequence[BlockKey]
+    outs: Sequence[memoryview] | None
+    started: float  # before the node could grant a lease (``ChannelConnection.send_lease``)
+
+    def finish(self) -> list[bytes | int | None] | None:
+        """Reads the answer and copies the values out (per key as ``NodeClient.
+        get_batch_into``, or the bytes for ``outs=None``); None if the stream broke (the
+        connection is dropped, nothing was copied that counts): the caller then makes the
+        ordinary call, which reconnects, as it would for a node that restarted. An error
+        the node answered with is raised."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            raise RuntimeError("PendingGet.finish called twice")
+        try:
+            results = conn.lease_reply(self.keys, self.outs, self.started)
+        except KVStoreError:
+            self.client._checkin(conn)  # the node answered (leases released): in step
+            raise
+        except OSError:
+            conn.close()
+            self.client._invalidate()
+            return None
+        except BaseException:
+            conn.close()  # the stream's state is unknown
+            raise
+        self.client._checkin(conn)
+        return results
+
+
+def start_get(client: NodeClient, keys: Sequence[BlockKey],
+              outs: Sequence[memoryview] | None) -> PendingGet | None:
+    """Asks ``client``'s node for read leases on ``keys`` and returns without reading the
+    answer; None where this get does not pipeline (not a same-host shared-memory channel,
+    more than one frame's keys, or the send failed at the transport): the caller then makes
+    the ordinary call. ``outs``: a writable buffer per key, or None for new bytes."""
+    if len(keys) > MAX_BATCH:
+        return None
+    try:
+        if not client._uses_channel() or client._mode is not Mode.SHM:
+            return None
+        conn = client._checkout()
+    except KVStoreError:
+        return None  # the ordinary call meets the same error and handles it
+    try:
+        started = conn.send_lease(keys)
+    except OSError:
+        conn.close()
+        client._invalidate()
+        return None
+    except BaseException:
+        conn.close()
+        raise
+    return PendingGet(client=client, conn=conn, keys=keys, outs=outs, started=started)

@@ -1,9 +1,11 @@
-"""Pipelined puts on a real 3-node cluster (etcd + node processes): a batch that spans
-several masters reaches every one of them before the client reads any reply."""
+"""Pipelined puts and gets on a real 3-node cluster (etcd + node processes): a batch that
+spans several masters reaches every one of them before the client reads any reply, over
+streams and over the nodes' shared memory."""
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 
@@ -11,9 +13,10 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.core.checks import check_key
+from kvstore.core.errors import BufferTooSmall, Unavailable
 from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
-from kvstore.remote.pipelined import start_put
+from kvstore.remote.pipelined import PendingShmPut, start_get, start_put
 from replication.local_cluster import LocalCluster
 
 NODE_ARGS = ["--dram-bytes", "64MiB", "--no-prefault", "--replicas", "2"]
@@ -103,3 +106,132 @@ def test_a_pipelined_put_answers_what_the_node_stored(cluster: LocalCluster) -> 
             again.finish()
         assert n.get_batch(KEYS[:3]) == [b"a", b"b", b"c"]
         assert [n.remove(k) for k in KEYS[:3]] == [True] * 3
+
+
+# ---- same host: gets and puts through the nodes' shared memory ---------------------------
+
+BIG = 24 << 10  # three values pass SHM_PUT_MIN_BYTES: a put reserves, fills and commits
+
+
+def _shm_client(cluster: LocalCluster, i: int) -> NodeClient:
+    n = NodeClient(cluster.nodes[i].addr, transport="shm")
+    assert n.put_batch([b"\xee" * 16], [b"x"]) == [True] and n.maps_node_memory
+    return n
+
+
+@pytest.mark.slow
+def test_a_same_host_batch_asks_every_node_before_reading_any_answer(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exact order of a batch spanning three nodes: every RESERVE sent, then every
+    node's room filled and COMMIT sent, then every COMMIT answered; a get likewise sends
+    every LEASE before it reads any answer. The values read back equal."""
+    keys = [b"\x5a" + k[1:] for k in KEYS]
+    values = [os.urandom(BIG) for _ in keys]
+    events: list[tuple[str, str]] = []
+
+    def recorded(name: str) -> object:
+        original = getattr(ChannelConnection, name)
+
+        def call(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
+            events.append((name, conn.session.unix_path))
+            return original(conn, *args, **kwargs)
+        return call
+
+    for name in ("send_reserve", "fill_and_commit", "commit_reply", "send_lease",
+                 "lease_reply"):
+        monkeypatch.setattr(ChannelConnection, name, recorded(name))
+    with Client(etcd=cluster.etcd, replicas=1, transport="auto") as c:
+        c.put_batch([b"\xef" * 16], [b"x"])  # resolves every node's channel (shared memory)
+        c.put_batch([b"\xef" * 15 + bytes([i]) for i in range(1, 40)], [b"x"] * 39)
+        assert all(c._client(c._current(), n).maps_node_memory for n in c._current().by_id)
+        events.clear()
+        assert c.put_batch(keys, values) == [True] * len(keys)
+        steps = [name for name, _ in events]
+        assert steps == ["send_reserve"] * 3 + ["fill_and_commit"] * 3 + ["commit_reply"] * 3
+        assert len({node for _, node in events}) == 3  # the batch spans every node
+        events.clear()
+        bufs = [bytearray(BIG) for _ in keys]
+        assert c.get_batch_into(keys, bufs) == [BIG] * len(keys)
+        assert [bytes(b) for b in bufs] == values
+        assert [name for name, _ in events] == ["send_lease"] * 3 + ["lease_reply"] * 3
+        events.clear()
+        assert c.get_batch([*keys, b"\x5b" * 16]) == [*values, None]
+        # the miss is asked of its next candidate too, in a round of its own
+        assert [name for name, _ in events] == (["send_lease"] * 3 + ["lease_reply"] * 3
+                                                + ["send_lease", "lease_reply"])
+        for k in keys:
+            assert c.remove(k)
+
+
+def test_a_pipelined_same_host_put_answers_what_the_node_stored(cluster: LocalCluster) -> None:
+    keys = [b"\x5c" + k[1:] for k in KEYS[:3]]
+    values = [os.urandom(BIG) for _ in keys]
+    with _shm_client(cluster, 2) as n:
+        batch = PutBatch.check(keys, values, parents=None, pin=False, retain_s=None)
+        first = start_put(n, batch)
+        assert isinstance(first, PendingShmPut)
+        first.advance()
+        assert first.finish() == ([True] * 3, 1, [])
+        again = start_put(n, batch)
+        assert again is not None
+        assert again.finish() == ([False] * 3, 1, [])  # stored already: nothing reserved
+        with pytest.raises(RuntimeError):
+            again.finish()
+        small = PutBatch.check(keys, [b"a", b"b", b"c"], parents=None, pin=False,
+                               retain_s=None)
+        assert start_put(n, small) is None  # under SHM_PUT_MIN_BYTES: the ordinary call
+        assert n.get_batch(keys) == values
+        assert [n.remove(k) for k in keys] == [True] * 3
+
+
+def test_a_same_host_put_whose_stream_breaks_is_unavailable_and_the_client_reconnects(
+        cluster: LocalCluster) -> None:
+    keys = [b"\x5d" + k[1:] for k in KEYS[:3]]
+    values = [os.urandom(BIG) for _ in keys]
+    with _shm_client(cluster, 0) as n:
+        pending = start_put(n, PutBatch.check(keys, values, parents=None, pin=False,
+                                              retain_s=None))
+        assert isinstance(pending, PendingShmPut) and pending.conn is not None
+        pending.conn.sock.shutdown(socket.SHUT_RDWR)
+        pending.advance()  # never raises: the error waits for finish
+        with pytest.raises(Unavailable, match="transfer channel failed"):
+            pending.finish()
+        assert n.put_batch(keys, values) == [True] * 3  # the room was never committed
+        assert n.get_batch(keys) == values
+        assert [n.remove(k) for k in keys] == [True] * 3
+
+
+def test_a_pipelined_same_host_get_answers_as_the_ordinary_call(cluster: LocalCluster) -> None:
+    keys = [b"\x5e" + k[1:] for k in KEYS[:3]]
+    values = [os.urandom(BIG) for _ in keys]
+    with _shm_client(cluster, 1) as n:
+        assert n.put_batch(keys, values) == [True] * 3
+        asked = [*keys, b"\x5f" * 16]
+        pending = start_get(n, asked, None)
+        assert pending is not None
+        assert pending.finish() == [*values, None]
+        bufs = [memoryview(bytearray(BIG)) for _ in asked]
+        pending = start_get(n, asked, bufs)
+        assert pending is not None
+        assert pending.finish() == [BIG] * 3 + [None]
+        assert [bytes(b) for b in bufs[:3]] == values
+        small = [memoryview(bytearray(BIG - 1)) for _ in asked]
+        pending = start_get(n, asked, small)
+        assert pending is not None
+        with pytest.raises(BufferTooSmall):
+            pending.finish()
+        # the leases were released and the stream is in step: the next call answers
+        assert n.get_batch(keys) == values
+        broken = start_get(n, keys, None)
+        assert broken is not None and broken.conn is not None
+        broken.conn.sock.shutdown(socket.SHUT_RDWR)
+        assert broken.finish() is None  # the caller makes the ordinary call
+        assert n.get_batch(keys) == values
+        assert [n.remove(k) for k in keys] == [True] * 3
+
+
+def test_start_get_does_not_pipeline_a_stream_client(cluster: LocalCluster) -> None:
+    with NodeClient(cluster.nodes[0].addr, transport="tcp") as n:
+        assert start_get(n, KEYS[:2], None) is None
+    with NodeClient(cluster.nodes[0].addr, transport="grpc") as n:
+        assert start_get(n, KEYS[:2], None) is None
