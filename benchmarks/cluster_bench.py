@@ -46,6 +46,7 @@ from benchmarks.stats import (
     write_json,
 )
 from kvstore.client import Client
+from kvstore.core.sizes import parse_size
 from replication.cluster_client import ClusterClient
 from replication.local_cluster import LocalCluster
 
@@ -254,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="which parts to run, comma-separated (default all three)")
     p.add_argument("--transports", default=",".join(TRANSPORTS),
                    help="throughput's transports, comma-separated (tcp, auto)")
+    p.add_argument("--sizes", default="64KiB,1MiB",
+                   help="throughput's block sizes, comma-separated (default 64KiB,1MiB)")
     p.add_argument("--unpipelined", action="store_true",
                    help="throughput also runs the cluster clients with pipeline=False (a "
                         "thread per master): the same rounds, before and after pipelining")
@@ -265,7 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not transports or set(transports) - set(TRANSPORTS):
         p.error(f"--transports: choose from {', '.join(TRANSPORTS)}; got {args.transports!r}")
     quick = args.quick
-    sizes = [64 << 10, 1 << 20]
+    try:
+        sizes = [parse_size(x) for x in args.sizes.split(",") if x]
+    except ValueError as exc:
+        p.error(f"--sizes: {exc}")
+    if not sizes or min(sizes) <= 0:
+        p.error(f"--sizes: give sizes above 0; got {args.sizes!r}")
     total = (16 << 20) if quick else (128 << 20)
     rounds = 1 if quick else args.rounds
     blocks = 500 if quick else args.repair_blocks

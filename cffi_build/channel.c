@@ -21,7 +21,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#define KVC_API_VERSION 1
+#define KVC_API_VERSION 2
 #define KVC_HEADER 16
 #define KVC_MISS UINT64_MAX
 #define KVC_CHUNK (1u << 30) /* most bytes one recv is asked for */
@@ -329,6 +329,9 @@ int64_t kvc_call(int fd, unsigned op, uint32_t count, const char *meta, uint64_t
     return (int64_t)f->meta_len;
 }
 
+int64_t kvc_get_reply(int fd, uint32_t n, char *const *outs, const uint64_t *caps,
+                      uint64_t *lengths, struct kvc_frame *f, uint64_t max_value);
+
 /* A GET of n keys (keys: n x 16 bytes): sends it, checks the reply (count n, n x u64
  * lengths, written to lengths[] in host order), then receives each hit whose outs[i] is
  * set and holds caps[i] bytes or more straight into it, in key order. Returns n when
@@ -344,6 +347,14 @@ int64_t kvc_get(int fd, const char *keys, uint32_t n, char *const *outs, const u
     int64_t sent = kvc_send_frame(fd, 1 /* GET */, n, keys, (uint64_t)n * 16, iov, 2);
     if (sent < 0)
         return sent;
+    return kvc_get_reply(fd, n, outs, caps, lengths, f, max_value);
+}
+
+/* The reply half of kvc_get, for a GET of n keys already sent (a pipelined get sends
+ * several nodes their GETs before it reads any reply). The same checks and returns. */
+int64_t kvc_get_reply(int fd, uint32_t n, char *const *outs, const uint64_t *caps,
+                      uint64_t *lengths, struct kvc_frame *f, uint64_t max_value)
+{
     int rc = reply_header(fd, f, (uint64_t)n * 8);
     if (rc)
         return rc;

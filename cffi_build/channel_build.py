@@ -25,7 +25,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 
 # What kvstore/protocol/native_channel.py expects of a build (kvc_api_version()).
-API_VERSION = 1
+API_VERSION = 2
 CDEF = """
 struct iovec { void *iov_base; size_t iov_len; ...; };
 struct kvc_reader { char *buf; uint64_t cap; uint64_t start; uint64_t end; };
@@ -47,6 +47,8 @@ int64_t kvc_call(int fd, unsigned op, uint32_t count, const char *meta, uint64_t
 int64_t kvc_get(int fd, const char *keys, uint32_t n, char *const *outs,
                 const uint64_t *caps, uint64_t *lengths, struct kvc_frame *f,
                 uint64_t max_value);
+int64_t kvc_get_reply(int fd, uint32_t n, char *const *outs, const uint64_t *caps,
+                      uint64_t *lengths, struct kvc_frame *f, uint64_t max_value);
 int kvc_recv_exact(int fd, char *buf, uint64_t n);
 """
 MODULE = "kvstore.protocol._channel"

@@ -37,7 +37,7 @@ log = logging.getLogger("kvstore.channel")
 
 ENV = "KVSTORE_NATIVE_CHANNEL"
 """``0``: the pure-Python path everywhere; anything else (or unset): native when built."""
-API_VERSION = 1  # cffi_build/channel_build.py API_VERSION
+API_VERSION = 2  # cffi_build/channel_build.py API_VERSION
 _META_ROOM = 64 << 10  # a reply's metadata up to this lands in the stream's own buffer
 
 _module: ModuleType | None = None
@@ -293,10 +293,22 @@ class ClientStream(_Base):
         self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
     ) -> list[bytes | int | None]:
         """A GET: values into ``outs[i]`` (returns nbytes) or as new bytes."""
-        ffi, n = self._ffi, len(keys)
         meta = wire.pack_keys(keys)
-        if len(meta) != 16 * n:
+        if len(meta) != 16 * len(keys):
             raise ProtocolError("keys must be 16 bytes each")
+        return self._get_reply(len(keys), outs, meta)
+
+    def get_reply(
+        self, n: int, outs: Sequence[memoryview | None] | None
+    ) -> list[bytes | int | None]:
+        """The reply to a GET of ``n`` keys already sent (``send_frame``): as ``get``."""
+        return self._get_reply(n, outs, None)
+
+    def _get_reply(
+        self, n: int, outs: Sequence[memoryview | None] | None, meta: bytes | None
+    ) -> list[bytes | int | None]:
+        """Sends the GET of ``meta`` (its keys) first, in the same C call, unless None."""
+        ffi = self._ffi
         if n <= _SMALL:
             c_outs, caps, lengths = self._outs, self._caps, self._lengths
         else:
@@ -317,7 +329,12 @@ class ClientStream(_Base):
                 caps[i] = len(buf)
         f = self._frame
         try:
-            rc = self._lib.kvc_get(self.fd, meta, n, c_outs, caps, lengths, f, wire.MAX_REPLY_BYTES)
+            if meta is None:
+                rc = self._lib.kvc_get_reply(self.fd, n, c_outs, caps, lengths, f,
+                                             wire.MAX_REPLY_BYTES)
+            else:
+                rc = self._lib.kvc_get(self.fd, meta, n, c_outs, caps, lengths, f,
+                                       wire.MAX_REPLY_BYTES)
         finally:
             self._release(keep)
         if rc < 0:

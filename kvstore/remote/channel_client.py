@@ -252,8 +252,33 @@ class ChannelConnection:
     def _get_stream(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                     ) -> list[bytes | int | None]:
         if self._native is not None:
-            return self._native.get(keys, outs)
-        count, meta = self._call(Op.GET, len(keys), wire.pack_keys(keys))
+            return self._native.get(keys, outs)  # request and reply in one C call
+        self._send(Op.GET, len(keys), wire.pack_keys(keys))
+        return self._get_stream_reply(keys, outs)
+
+    def send_get(self, keys: Sequence[bytes]) -> float:
+        """The first half of a get: sends the request for ``keys`` (a GET, or over shared
+        memory a LEASE) without reading the answer, which ``get_reply`` (with the same keys
+        and the time returned) reads next on this connection. Between the two, other
+        nodes' requests may be sent: the cluster client pipelines a batch this way."""
+        started = time.monotonic()  # before the node can grant a lease: bounds its age
+        self._send(Op.LEASE if self.mode is Mode.SHM else Op.GET, len(keys),
+                   wire.pack_keys(keys))
+        return started
+
+    def get_reply(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
+                  started: float) -> list[bytes | int | None]:
+        """The second half of ``send_get``: per key as ``get``."""
+        if self.mode is Mode.SHM:
+            return self._lease_reply(keys, outs, started)
+        return self._get_stream_reply(keys, outs)
+
+    def _get_stream_reply(self, keys: Sequence[bytes],
+                          outs: Sequence[memoryview | None] | None) -> list[bytes | int | None]:
+        """Reads the answer to a GET of ``keys`` sent on this stream."""
+        if self._native is not None:
+            return self._native.get_reply(len(keys), outs)
+        count, meta = self._response()
         if count != len(keys) or len(meta) != 8 * count:
             raise wire.ProtocolError("the reply does not answer the request")
         lengths = wire.unpack_ids(meta, count)
@@ -281,22 +306,13 @@ class ChannelConnection:
 
     def _get_shm(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None
                  ) -> list[bytes | int | None]:
-        return self.lease_reply(keys, outs, self.send_lease(keys))
+        return self._lease_reply(keys, outs, self.send_get(keys))
 
-    def send_lease(self, keys: Sequence[bytes]) -> float:
-        """The first half of a same-host get (``Mode.SHM``): asks for read leases on
-        ``keys`` without reading the answer, which ``lease_reply`` (with the same keys and
-        the time returned) reads next on this connection. Between the two, other nodes'
-        requests may be sent: the cluster client pipelines a batch this way."""
-        started = time.monotonic()  # before the node can grant: bounds every lease's age
-        self._send(Op.LEASE, len(keys), wire.pack_keys(keys))
-        return started
-
-    def lease_reply(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
-                    started: float) -> list[bytes | int | None]:
-        """The second half of ``send_lease``: copies the leased values out of the region
-        (into ``outs[i]``: returns nbytes; else new bytes), releases the leases and fetches
-        by stream what the region does not hold."""
+    def _lease_reply(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
+                     started: float) -> list[bytes | int | None]:
+        """Reads the answer to a LEASE of ``keys``, copies the leased values out of the
+        region (into ``outs[i]``: returns nbytes; else new bytes), releases the leases and
+        fetches by stream what the region does not hold."""
         _, meta = self._response()
         region = self.session.region
         assert region is not None

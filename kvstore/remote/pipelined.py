@@ -18,12 +18,12 @@ Only a plain put (``copies == 1``) of one frame pipelines so; a replicated same-
 a gRPC-only node, and a send that fails at the transport (the node may have restarted)
 get None from ``start_put``: the caller then makes the ordinary call, which reconnects.
 
-Gets pipeline the other way round: only same-host shared-memory gets do (``start_get``).
-Such a get is a round trip for read leases, then copies out of the node's region; every
-node is asked for its leases before any answer is read, so the nodes grant them at the
-same time and the client waits for one round trip, not one per node. A stream get's
-answer carries the values themselves, which the cluster client reads from each node in
-its own thread as before.
+Gets pipeline too (``start_get``): every node is sent its GET (over shared memory, its
+LEASE) before any answer is read, so the nodes look their keys up and answer at the same
+time, and the client reads each answer in turn from one thread, with no hand-offs
+between threads. Over a stream the answer carries the values, and a thread per node
+copies them out of the kernel on every core at once: that wins once a node's part is
+large, so a stream get pipelines only up to ``PIPELINED_STREAM_GET_BYTES`` of buffers.
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ from kvstore.remote.node_client import NodeClient, PutBatch
 
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["PendingGet", "PendingPut", "PendingShmPut", "finish_all", "start_get", "start_put",
-           "start_puts"]
+PIPELINED_STREAM_GET_BYTES = 2 << 20
+"""The most buffer bytes a pipelined stream get asks one node for. Measured with ``kvstore
+bench cluster --transports tcp`` (3 nodes, batches of 32, so about 11 values a node): at
+64 KiB values (0.7 MiB a node) pipelined gets ran 1.1-1.35x the threads' throughput, at
+256 KiB (2.8 MiB) 0.9-1.05x, at 1 MiB (11 MiB) 0.7-0.85x."""
+
+__all__ = ["PIPELINED_STREAM_GET_BYTES", "PendingGet", "PendingPut", "PendingShmPut",
+           "finish_all", "start_get", "start_put", "start_puts"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -253,7 +259,7 @@ class PendingGet:
     conn: ChannelConnection | None
     keys: Sequence[BlockKey]
     outs: Sequence[memoryview] | None
-    started: float  # before the node could grant a lease (``ChannelConnection.send_lease``)
+    started: float  # before the node could grant a lease (``ChannelConnection.send_get``)
 
     def finish(self) -> list[bytes | int | None] | None:
         """Reads the answer and copies the values out (per key as ``NodeClient.
@@ -265,7 +271,7 @@ class PendingGet:
         if conn is None:
             raise RuntimeError("PendingGet.finish called twice")
         try:
-            results = conn.lease_reply(self.keys, self.outs, self.started)
+            results = conn.get_reply(self.keys, self.outs, self.started)
         except KVStoreError:
             self.client._checkin(conn)  # the node answered (leases released): in step
             raise
@@ -282,20 +288,24 @@ class PendingGet:
 
 def start_get(client: NodeClient, keys: Sequence[BlockKey],
               outs: Sequence[memoryview] | None) -> PendingGet | None:
-    """Asks ``client``'s node for read leases on ``keys`` and returns without reading the
-    answer; None where this get does not pipeline (not a same-host shared-memory channel,
-    more than one frame's keys, or the send failed at the transport): the caller then makes
-    the ordinary call. ``outs``: a writable buffer per key, or None for new bytes."""
+    """Sends ``client``'s node a get of ``keys`` and returns without reading the answer;
+    None where this get does not pipeline (a gRPC-only node, more than one frame's keys, a
+    stream get whose buffers are not given or exceed ``PIPELINED_STREAM_GET_BYTES``, or the
+    send failed at the transport): the caller then makes the ordinary call. ``outs``: a
+    writable buffer per key, or None for new bytes."""
     if len(keys) > MAX_BATCH:
         return None
     try:
-        if not client._uses_channel() or client._mode is not Mode.SHM:
+        if not client._uses_channel():
+            return None
+        if client._mode is Mode.TCP and (
+                outs is None or sum(len(o) for o in outs) > PIPELINED_STREAM_GET_BYTES):
             return None
         conn = client._checkout()
     except KVStoreError:
         return None  # the ordinary call meets the same error and handles it
     try:
-        started = conn.send_lease(keys)
+        started = conn.send_get(keys)
     except OSError:
         conn.close()
         client._invalidate()

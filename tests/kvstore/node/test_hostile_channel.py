@@ -327,24 +327,24 @@ def test_a_client_whose_lease_expired_mid_copy_reports_a_miss_not_other_bytes(
     with Client(node.addr, transport="grpc") as c:
         assert c.put(key, value)
     without = _used(node) - MiB  # once the block and its last lease are gone
-    real_call = ChannelConnection._call
+    real_reply = ChannelConnection._lease_reply
     stalled: list[Op] = []
 
-    def stalled_call(self: ChannelConnection, op: Op, count: int, meta: bytes,
-                     values: object = ()) -> tuple[int, bytes]:
-        got = real_call(self, op, count, meta, values)  # type: ignore[arg-type]
-        if op is Op.LEASE and key in meta and not stalled:
-            stalled.append(op)
-            # The engine stalls here, between the lease and its copy: the node expires the
-            # lease, the block goes, and another block takes its place in the region.
+    def stalled_reply(self: ChannelConnection, keys: list[bytes], outs: object,
+                      started: float) -> list[bytes | int | None]:
+        if key in keys and not stalled:
+            stalled.append(Op.LEASE)
+            # The LEASE is sent and granted; the engine stalls here, before its copy: the
+            # node expires the lease, the block goes, and another block takes its place in
+            # the region (the expiry shows the node granted it: ``_used`` drops).
             with Client(node.addr, transport="grpc") as c:
                 assert c.remove(key)
                 wait_until(lambda: _used(node) == without, timeout=30,
                            what="the stalled lease to expire")
                 assert c.put(successor, other)
-        return got
+        return real_reply(self, keys, outs, started)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ChannelConnection, "_call", stalled_call)
+    monkeypatch.setattr(ChannelConnection, "_lease_reply", stalled_reply)
     with Client(node.addr, transport="shm") as c:
         assert c.get(key) is None  # a miss: never the successor's bytes
         assert stalled == [Op.LEASE]
@@ -379,17 +379,16 @@ def test_a_writer_that_resumes_after_its_reservation_expired_changes_no_other_bl
     key, successor = b"W" * 16, b"V" * 16
     late, theirs = b"\x5a" * size, b"\xa5" * size
     base = _used(node)
-    real_call = ChannelConnection._call
+    real_take = ChannelConnection._take_new_staging
     reserved: list[int] = []
 
-    def stalled_call(self: ChannelConnection, op: Op, count: int, meta: bytes,
-                     values: object = ()) -> tuple[int, bytes]:
-        got = real_call(self, op, count, meta, values)  # type: ignore[arg-type]
-        if op is Op.RESERVE and key in meta and not reserved:
+    def stalled_take(self: ChannelConnection, reply: bytes) -> None:
+        real_take(self, reply)  # the RESERVE's answer, read before the copy
+        if not reserved:  # this client's one put: the late writer's RESERVE
             # Its space in the region (a staged reply names it after the staging slot).
-            staged = len(got[1]) == getattr(wire, "RESERVE_STAGED_ITEM", wire.RESERVE_ITEM).size
-            reserved.append(wire.RESERVE_STAGED_ITEM.unpack(got[1])[2] if staged
-                            else wire.RESERVE_ITEM.unpack(got[1])[1])
+            staged = len(reply) == getattr(wire, "RESERVE_STAGED_ITEM", wire.RESERVE_ITEM).size
+            reserved.append(wire.RESERVE_STAGED_ITEM.unpack(reply)[2] if staged
+                            else wire.RESERVE_ITEM.unpack(reply)[1])
             # The writer is paused here, between its reservation and its copy: the node
             # expires the reservation, and another block takes exactly its space.
             wait_until(lambda: _used(node) == base, timeout=30,
@@ -397,9 +396,9 @@ def test_a_writer_that_resumes_after_its_reservation_expired_changes_no_other_bl
             with Client(node.addr, transport="grpc") as c:
                 assert c.put(successor, theirs)
             assert _region_offset(node, successor) == reserved[0]
-        return got  # the writer resumes: it copies its bytes, then commits
+        # the writer resumes: it copies its bytes, then commits
 
-    monkeypatch.setattr(ChannelConnection, "_call", stalled_call)
+    monkeypatch.setattr(ChannelConnection, "_take_new_staging", stalled_take)
     with Client(node.addr, transport="shm") as c, pytest.raises(InvalidArgument):
         c.put(key, late)  # its commit fails: nothing of it was stored
     monkeypatch.undo()

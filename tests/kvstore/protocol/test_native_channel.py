@@ -302,16 +302,25 @@ CANARY = b"\xee" * 64
 
 
 def _client_get(
-    pair: tuple[socket.socket, socket.socket], reply: bytes, n: int, caps: list[int | None]
+    pair: tuple[socket.socket, socket.socket], reply: bytes, n: int, caps: list[int | None],
+    split: bool = False,
 ) -> tuple[list | BaseException, list[bytearray]]:
+    """A GET of ``n`` keys answered by ``reply``: in one call, or (``split``) sent first
+    and its reply read by ``get_reply``, as a pipelined get does."""
     a, b = pair
     t = _feed(a, reply)
     stream = native_channel.client_stream(b)
     assert stream is not None
     bufs = [bytearray(c or 0) + CANARY for c in caps]
     outs = [None if c is None else memoryview(buf)[:c] for c, buf in zip(caps, bufs, strict=True)]
+    keys = [bytes([i]) * 16 for i in range(n)]
     try:
-        got: list | BaseException = stream.get([bytes([i]) * 16 for i in range(n)], outs)
+        got: list | BaseException
+        if split:
+            stream.send_frame(Op.GET, n, b"".join(keys))
+            got = stream.get_reply(n, outs)
+        else:
+            got = stream.get(keys, outs)
     except (ProtocolError, ConnectionError, KVStoreError) as exc:
         got = exc
     b.close()
@@ -337,6 +346,7 @@ lengths_st = st.lists(
     caps=st.lists(st.one_of(st.none(), st.integers(0, 300)), min_size=5, max_size=5),
     cut=st.one_of(st.none(), st.integers(0, 2000)),
     seed=st.integers(0, 255),
+    split=st.booleans(),
 )
 def test_a_get_never_writes_past_its_buffers_nor_serves_a_wrong_byte(
     lengths: list[int],
@@ -346,7 +356,9 @@ def test_a_get_never_writes_past_its_buffers_nor_serves_a_wrong_byte(
     caps: list[int | None],
     cut: int | None,
     seed: int,
+    split: bool,
 ) -> None:
+    """Whole (``get``) or its reply alone (``get_reply``, after the request was sent)."""
     n = len(lengths)
     caps = caps[:n]
     values = [
@@ -365,7 +377,7 @@ def test_a_get_never_writes_past_its_buffers_nor_serves_a_wrong_byte(
         reply = reply[:cut]
     a, b = socket.socketpair()
     with a, b:
-        got, bufs = _client_get((a, b), reply, n, caps)
+        got, bufs = _client_get((a, b), reply, n, caps, split)
     for cap, buf in zip(caps, bufs, strict=True):
         assert buf[(cap or 0) :] == CANARY  # nothing past the buffer given
     if isinstance(got, BaseException):

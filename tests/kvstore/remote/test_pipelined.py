@@ -14,9 +14,15 @@ import pytest
 from kvstore.client import Client
 from kvstore.core.checks import check_key
 from kvstore.core.errors import BufferTooSmall, Unavailable
+from kvstore.protocol import native_channel
 from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
-from kvstore.remote.pipelined import PendingShmPut, start_get, start_put
+from kvstore.remote.pipelined import (
+    PIPELINED_STREAM_GET_BYTES,
+    PendingShmPut,
+    start_get,
+    start_put,
+)
 from replication.local_cluster import LocalCluster
 
 NODE_ARGS = ["--dram-bytes", "64MiB", "--no-prefault", "--replicas", "2"]
@@ -113,9 +119,10 @@ def test_a_pipelined_put_answers_what_the_node_stored(cluster: LocalCluster) -> 
 BIG = 24 << 10  # three values pass SHM_PUT_MIN_BYTES: a put reserves, fills and commits
 
 
-def _shm_client(cluster: LocalCluster, i: int) -> NodeClient:
-    n = NodeClient(cluster.nodes[i].addr, transport="shm")
-    assert n.put_batch([b"\xee" * 16], [b"x"]) == [True] and n.maps_node_memory
+def _shm_client(cluster: LocalCluster, i: int, transport: str = "shm") -> NodeClient:
+    n = NodeClient(cluster.nodes[i].addr, transport=transport)
+    n.put_batch([b"\xee" * 16], [b"x"])  # connects: the channel is negotiated
+    assert n.maps_node_memory == (transport == "shm")
     return n
 
 
@@ -137,8 +144,8 @@ def test_a_same_host_batch_asks_every_node_before_reading_any_answer(
             return original(conn, *args, **kwargs)
         return call
 
-    for name in ("send_reserve", "fill_and_commit", "commit_reply", "send_lease",
-                 "lease_reply"):
+    for name in ("send_reserve", "fill_and_commit", "commit_reply", "send_get",
+                 "get_reply"):
         monkeypatch.setattr(ChannelConnection, name, recorded(name))
     with Client(etcd=cluster.etcd, replicas=1, transport="auto") as c:
         c.put_batch([b"\xef" * 16], [b"x"])  # resolves every node's channel (shared memory)
@@ -153,12 +160,40 @@ def test_a_same_host_batch_asks_every_node_before_reading_any_answer(
         bufs = [bytearray(BIG) for _ in keys]
         assert c.get_batch_into(keys, bufs) == [BIG] * len(keys)
         assert [bytes(b) for b in bufs] == values
-        assert [name for name, _ in events] == ["send_lease"] * 3 + ["lease_reply"] * 3
+        assert [name for name, _ in events] == ["send_get"] * 3 + ["get_reply"] * 3
         events.clear()
         assert c.get_batch([*keys, b"\x5b" * 16]) == [*values, None]
         # the miss is asked of its next candidate too, in a round of its own
-        assert [name for name, _ in events] == (["send_lease"] * 3 + ["lease_reply"] * 3
-                                                + ["send_lease", "lease_reply"])
+        assert [name for name, _ in events] == (["send_get"] * 3 + ["get_reply"] * 3
+                                                + ["send_get", "get_reply"])
+        for k in keys:
+            assert c.remove(k)
+
+
+def test_a_stream_get_asks_every_node_before_reading_any_answer(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP: every node is sent its GET, then every answer is read, in one thread."""
+    keys = [b"\x5b" + k[1:] for k in KEYS]
+    values = [os.urandom(BIG) for _ in keys]
+    events: list[tuple[str, int]] = []
+
+    def recorded(name: str) -> object:
+        original = getattr(ChannelConnection, name)
+
+        def call(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
+            events.append((name, conn.session.tcp_port))
+            return original(conn, *args, **kwargs)
+        return call
+
+    for name in ("send_get", "get_reply"):
+        monkeypatch.setattr(ChannelConnection, name, recorded(name))
+    with Client(etcd=cluster.etcd, replicas=1, transport="tcp") as c:
+        assert c.put_batch(keys, values) == [True] * len(keys)
+        bufs = [bytearray(BIG) for _ in keys]
+        assert c.get_batch_into(keys, bufs) == [BIG] * len(keys)
+        assert [bytes(b) for b in bufs] == values
+        assert [name for name, _ in events] == ["send_get"] * 3 + ["get_reply"] * 3
+        assert len({port for _, port in events}) == 3
         for k in keys:
             assert c.remove(k)
 
@@ -201,15 +236,25 @@ def test_a_same_host_put_whose_stream_breaks_is_unavailable_and_the_client_recon
         assert [n.remove(k) for k in keys] == [True] * 3
 
 
-def test_a_pipelined_same_host_get_answers_as_the_ordinary_call(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize(("transport", "path"), [("shm", "python"), ("tcp", "native"),
+                                               ("tcp", "python")])
+def test_a_pipelined_get_answers_as_the_ordinary_call(
+        cluster: LocalCluster, transport: str, path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over shared memory and over a stream (the native helper's ``get_reply`` and the
+    pure-Python path): hits, a miss, a buffer too small, a stream that broke."""
+    monkeypatch.setenv(native_channel.ENV, "1" if path == "native" else "0")
     keys = [b"\x5e" + k[1:] for k in KEYS[:3]]
     values = [os.urandom(BIG) for _ in keys]
-    with _shm_client(cluster, 1) as n:
+    with _shm_client(cluster, 1, transport) as n:
         assert n.put_batch(keys, values) == [True] * 3
         asked = [*keys, b"\x5f" * 16]
         pending = start_get(n, asked, None)
-        assert pending is not None
-        assert pending.finish() == [*values, None]
+        if transport == "tcp":  # the answer's size unknown: a thread per node copies it
+            assert pending is None
+        else:
+            assert pending is not None
+            assert pending.finish() == [*values, None]
         bufs = [memoryview(bytearray(BIG)) for _ in asked]
         pending = start_get(n, asked, bufs)
         assert pending is not None
@@ -222,7 +267,7 @@ def test_a_pipelined_same_host_get_answers_as_the_ordinary_call(cluster: LocalCl
             pending.finish()
         # the leases were released and the stream is in step: the next call answers
         assert n.get_batch(keys) == values
-        broken = start_get(n, keys, None)
+        broken = start_get(n, keys, bufs[:3])
         assert broken is not None and broken.conn is not None
         broken.conn.sock.shutdown(socket.SHUT_RDWR)
         assert broken.finish() is None  # the caller makes the ordinary call
@@ -230,8 +275,13 @@ def test_a_pipelined_same_host_get_answers_as_the_ordinary_call(cluster: LocalCl
         assert [n.remove(k) for k in keys] == [True] * 3
 
 
-def test_start_get_does_not_pipeline_a_stream_client(cluster: LocalCluster) -> None:
-    with NodeClient(cluster.nodes[0].addr, transport="tcp") as n:
-        assert start_get(n, KEYS[:2], None) is None
+def test_start_get_does_not_pipeline_a_grpc_client_nor_a_large_stream_get(
+        cluster: LocalCluster) -> None:
     with NodeClient(cluster.nodes[0].addr, transport="grpc") as n:
         assert start_get(n, KEYS[:2], None) is None
+    with NodeClient(cluster.nodes[0].addr, transport="tcp") as n:
+        half = PIPELINED_STREAM_GET_BYTES // 2
+        fits = start_get(n, KEYS[:2], [memoryview(bytearray(half)) for _ in range(2)])
+        assert fits is not None
+        assert fits.finish() == n.get_batch_into(KEYS[:2], [bytearray(half)] * 2)
+        assert start_get(n, KEYS[:2], [memoryview(bytearray(half + 1))] * 2) is None
