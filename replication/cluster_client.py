@@ -124,6 +124,10 @@ class _View:
     def candidates(self, key: BlockKey) -> tuple[list[NodeId], list[NodeId]]:
         return self.cache.get(key, self.replicas)
 
+    def candidates_many(self, keys: Sequence[BlockKey]
+                        ) -> list[tuple[list[NodeId], list[NodeId]]]:
+        return self.cache.get_many(keys, self.replicas)
+
 
 class ClusterClient(SingleKeyCalls):
     """A client of a whole cluster; thread-safe; use as a context manager."""
@@ -248,6 +252,11 @@ class ClusterClient(SingleKeyCalls):
 
     def _read_candidates(self, view: _View, key: BlockKey, bad: set[NodeId]) -> list[NodeId]:
         owners, rest = view.candidates(key)
+        return self._read_order(view, key, owners, rest, bad)
+
+    def _read_order(self, view: _View, key: BlockKey, owners: list[NodeId],
+                    rest: list[NodeId], bad: set[NodeId]) -> list[NodeId]:
+        """The nodes a read of ``key`` asks, in turn, given its (owners, rest)."""
         fanned = self._fanned.get(key) if self._fanned else None  # a racy read is harmless
         if fanned:
             live = [n for n in fanned if n in view.by_id and n not in owners]
@@ -272,7 +281,7 @@ class ClusterClient(SingleKeyCalls):
             raise Unavailable(f"write quorum {self.write_quorum} needs {self.write_quorum} live "
                               f"nodes; {live} live")
         stored = [False] * len(ks)
-        cands = [self._write_candidates(view, k) for k in ks]
+        cands = [owners + rest for owners, rest in view.candidates_many(ks)]
         down: set[NodeId] = set()  # nodes that failed as master during this call
         errors: list[str] = []
         pending = list(range(len(ks)))
@@ -406,7 +415,8 @@ class ClusterClient(SingleKeyCalls):
         view = self._current()
         results: list[Any] = [None] * len(keys)
         bad = self._suspects_now()
-        cands = [self._read_candidates(view, k, bad) for k in keys]
+        cands = [self._read_order(view, k, owners, rest, bad)
+                 for k, (owners, rest) in zip(keys, view.candidates_many(keys), strict=True)]
         pos = [0] * len(keys)
         answered = [False] * len(keys)
         errors: list[str] = []

@@ -32,7 +32,7 @@ from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
 from kvstore.node.semantics import Node
 from kvstore.remote.node_client import PutBatch
-from kvstore.remote.pipelined import PendingPut, finish_all, start_put
+from kvstore.remote.pipelined import PendingPut, PendingShmPut, finish_all, start_put
 from replication.copies import quorum
 from replication.copies.peers import PeerFor, PeerPool
 
@@ -57,13 +57,15 @@ def send_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> int:
 
 def start_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> quorum.Finish:
     """``send_copies`` in two halves: sends every batch (on a stream connection, without
-    waiting for its answer; a peer reached through shared memory or gRPC is called whole
-    here) and returns what reads the answers. Once this returns, ``blocks``' values are no
-    longer read. Raises, with every batch already sent answered and read, if a send fails."""
+    waiting for its answer; through a same-host peer's shared memory, its room reserved
+    with the others' sends and filled once all are sent; a peer reached through gRPC, or a
+    replicated same-host put, is called whole here) and returns what reads the answers.
+    Once this returns, ``blocks``' values are no longer read. Raises, with every batch
+    already sent answered and read, if a send fails."""
     groups: dict[tuple[str, bool, float], list[BlockCopy]] = {}
     for b in blocks:
         groups.setdefault((b.owner or "", b.pin, b.retain_s), []).append(b)
-    pending: list[PendingPut] = []
+    pending: list[PendingPut | PendingShmPut] = []
     try:
         for (owner, pin, keep), group in sorted(groups.items()):
             client = peer(owner or None)
@@ -75,6 +77,8 @@ def start_copies(peer: PeerFor, blocks: Sequence[BlockCopy]) -> quorum.Finish:
                 client.put_checked(batch)
             else:
                 pending.append(sent)
+        for p in pending:  # a same-host peer's room filled now: no value is read later
+            p.advance()
     except BaseException:
         with contextlib.suppress(Exception):  # their answers read; the send's error wins
             finish_all([p.finish for p in pending])

@@ -10,8 +10,8 @@ view they started with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar, cast
 
 from replication.placement.rendezvous import NodeId, Placement
 
@@ -51,6 +51,20 @@ class CandidateCache(Generic[T]):
                 memo.clear()
             hit = memo[(key, replicas)] = self._shape(*self.placement.candidates(key, replicas))
         return hit
+
+    def get_many(self, keys: Sequence[bytes], replicas: int) -> list[T]:
+        """``[get(k, replicas) for k in keys]``; the keys not memoised are ranked in one
+        ``Placement.candidates_many`` call."""
+        memo = self._memo
+        out: list[T | None] = [memo.get((k, replicas)) for k in keys]
+        missing = [i for i, hit in enumerate(out) if hit is None]
+        if missing:
+            if len(memo) + len(missing) > self._max_keys:
+                memo.clear()
+            ranked = self.placement.candidates_many([keys[i] for i in missing], replicas)
+            for i, (owners, rest) in zip(missing, ranked, strict=True):
+                out[i] = memo[(keys[i], replicas)] = self._shape(owners, rest)
+        return cast("list[T]", out)
 
     def __len__(self) -> int:
         return len(self._memo)

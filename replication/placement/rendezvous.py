@@ -73,6 +73,9 @@ _TWO_POW_M53 = 2.0**-53
 
 # Below this many nodes the per-key scalar loop beats a numpy round trip.
 _NUMPY_MIN_NODES = 48
+# Keys from which ``candidates_many`` scores them all at once: numpy's fixed cost (some
+# 20 us a call) against about 3 us a key one by one, with 3 nodes.
+_NUMPY_MIN_KEYS = 8
 # Keys per block of the vectorised paths (bounds the temporaries to ~chunk * nodes).
 _CHUNK_CELLS = 1 << 18
 
@@ -281,8 +284,26 @@ class Placement:
 
     def candidates(self, key: bytes, replicas: int) -> tuple[list[NodeId], list[NodeId]]:
         """``(owners(key, replicas), the other nodes in ranking order)`` from one ranking."""
+        return self._candidates(self._ranking(key), self._check_replicas(replicas))
+
+    def candidates_many(self, keys: Sequence[bytes], replicas: int
+                        ) -> list[tuple[list[NodeId], list[NodeId]]]:
+        """``[candidates(k, replicas) for k in keys]``; from ``_NUMPY_MIN_KEYS`` keys on,
+        the scores of every key and node at once (a batch's fresh keys rank in a fraction of
+        the time one by one takes)."""
         r = self._check_replicas(replicas)
-        ranking = self._ranking(key)
+        if len(keys) < _NUMPY_MIN_KEYS or not self._ids:
+            return [self._candidates(self._ranking(k), r) for k in keys]
+        step = max(1, _CHUNK_CELLS // len(self._ids))
+        out: list[tuple[list[NodeId], list[NodeId]]] = []
+        for a in range(0, len(keys), step):
+            s = self.score_matrix(keys[a:a + step])
+            # stable: ties by node id, as ``_ranking``
+            for ranking in np.argsort(-s, axis=1, kind="stable").tolist():
+                out.append(self._candidates(ranking, r))
+        return out
+
+    def _candidates(self, ranking: list[int], r: int) -> tuple[list[NodeId], list[NodeId]]:
         picks = self._select(ranking, r) if r else []
         taken = set(picks)
         return ([self._ids[i] for i in picks],

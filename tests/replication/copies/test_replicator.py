@@ -16,7 +16,7 @@ from kvstore.core.forwarding import BlockCopy
 from kvstore.core.keys import BlockKey
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.remote.node_client import NodeClient, ReplicateOutcome
-from kvstore.remote.pipelined import PendingPut
+from kvstore.remote.pipelined import PendingPut, PendingShmPut
 from replication.cluster_client import ClusterClient
 from replication.copies.replicator import start_copies
 from replication.placement.rendezvous import Member, NodeId, Placement
@@ -260,5 +260,38 @@ def test_start_copies_reads_the_answers_already_due_before_a_failed_send_raises(
             assert steps == ["client for None", "client for tenant", "answer read"]
             assert client.exists([_key(1), _key(2)]) == [True, False]
             assert client.get(_key(1)) == _value(1)
+    finally:
+        node.stop()
+
+
+def test_start_copies_to_a_same_host_peer_reads_no_value_once_it_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a peer's shared memory the copy is reserved, then filled before
+    ``start_copies`` returns; only the COMMITs' answers are read later. The source's
+    buffers, overwritten in between (a lease ended, the space reused), change nothing."""
+    advanced: list[int] = []
+    advance = PendingShmPut.advance
+
+    def logged_advance(self: PendingShmPut) -> None:
+        advanced.append(len(self.batch.keys))
+        advance(self)
+
+    monkeypatch.setattr(PendingShmPut, "advance", logged_advance)
+    node = start_node(tmp_path, dram="32MiB")
+    try:
+        with NodeClient(node.addr, transport="shm") as client:
+            client.exists([_key(0)])  # connects: the channel is negotiated
+            assert client.maps_node_memory
+            sources = [bytearray(_value(i, 48 << 10)) for i in (1, 2)]
+            blocks = [BlockCopy(key=BlockKey(_key(i)), place=BlockKey(_key(i)), parent=None,
+                                pin=False, retain_s=0.0, owner=None, value=memoryview(src))
+                      for i, src in zip((1, 2), sources, strict=True)]
+            finish = start_copies(lambda owner: client, blocks)
+            assert advanced == [2]  # one batch, filled before the return
+            for src in sources:
+                src[:] = bytes(len(src))
+            finish()
+            assert client.get_batch([_key(1), _key(2)]) == [_value(1, 48 << 10),
+                                                            _value(2, 48 << 10)]
     finally:
         node.stop()

@@ -3,6 +3,8 @@ the forwarder share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from replication.cluster_client import ClusterClient
@@ -44,6 +46,32 @@ def test_an_entry_is_computed_once_until_the_bound_clears_the_cache() -> None:
     cache.get(KEYS[3], 2)  # at the bound: starts afresh with this one
     assert len(cache) == 1 and len(shaped) == 4
     assert cache.get(KEYS[0], 2) == first[0] and len(shaped) == 5  # recomputed, same answer
+
+
+def test_get_many_ranks_only_what_is_not_memoised_in_one_call() -> None:
+    asked: list[list[bytes]] = []
+
+    class Counted(Placement):
+        def candidates_many(self, keys: Sequence[bytes], replicas: int
+                            ) -> list[tuple[list[NodeId], list[NodeId]]]:
+            asked.append(list(keys))
+            return super().candidates_many(keys, replicas)
+
+    cache = CandidateCache(Counted(MEMBERS), _pair)
+    cache.get(KEYS[2], 2)
+    got = cache.get_many(KEYS, 2)
+    assert got == [Placement(MEMBERS).candidates(k, 2) for k in KEYS]
+    assert asked == [KEYS[:2] + KEYS[3:]]  # one call, the memoised key left out
+    assert cache.get_many(KEYS, 2) == got and len(asked) == 1  # all memoised now
+    assert cache.get_many([], 2) == [] and len(asked) == 1
+
+
+def test_get_many_past_the_bound_starts_afresh() -> None:
+    cache = CandidateCache(Placement(MEMBERS), _pair, max_keys=4)
+    cache.get_many(KEYS[:3], 1)
+    assert len(cache) == 3
+    cache.get_many(KEYS[3:5], 1)  # 3 + 2 > 4: cleared first, then these two
+    assert len(cache) == 2
 
 
 def test_max_keys_must_be_positive() -> None:

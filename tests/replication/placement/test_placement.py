@@ -154,6 +154,19 @@ def test_owners_shape(n: int, zones: int, replicas: int, weights: list[float],
         assert owners[0] == p.master(key) == rank[0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), zones=st.integers(1, 4), replicas=st.integers(1, 15),
+       weights=st.lists(_weights, min_size=12, max_size=12),
+       keys=st.lists(st.binary(min_size=0, max_size=24), min_size=0, max_size=40))
+def test_candidates_many_is_candidates_of_each_key(n: int, zones: int, replicas: int,
+                                                   weights: list[float],
+                                                   keys: list[bytes]) -> None:
+    """Below and above the count where the scores of a batch are taken at once; keys of
+    any length (a key not of 16 bytes is scored one by one inside the batch)."""
+    p = Placement(_members(n, zones, weights))
+    assert p.candidates_many(keys, replicas) == [p.candidates(k, replicas) for k in keys]
+
+
 @pytest.mark.parametrize(("n", "zones"), [(60, 1), (60, 5), (300, 1), (300, 7)])
 def test_vectorised_paths_match_scalar(n: int, zones: int) -> None:
     """Large placements take numpy paths (single key, argpartition): same answers."""
@@ -168,6 +181,7 @@ def test_vectorised_paths_match_scalar(n: int, zones: int) -> None:
         assert p.scores(key) == pytest.approx(want, rel=1e-15, abs=0)
     for r in (1, 3, zones + 2):
         assert p.owners_many(keys, r) == [p.owners(k, r) for k in keys]
+        assert p.candidates_many(keys, r) == [p.candidates(k, r) for k in keys]
     assert p.masters_many(keys) == [p.rank(k)[0] for k in keys]
 
 
