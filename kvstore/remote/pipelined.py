@@ -40,6 +40,7 @@ from kvstore.remote.channel_client import ChannelConnection
 from kvstore.remote.node_client import NodeClient, PutBatch
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 PIPELINED_STREAM_GET_BYTES = 2 << 20
 """The most buffer bytes a pipelined stream get asks one node for. Measured with ``kvstore
@@ -109,17 +110,36 @@ def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quo
         return _start_shm_put(client, batch) if copies == 1 else None
     if client._mode is not Mode.TCP:
         return None
-    conn = client._checkout()
     ks, views, ps = batch.keys, batch.values, batch.parents
-    counts: list[int] = []
-    try:
+
+    def send(conn: ChannelConnection) -> list[int]:
         conn.check_sizes(views)  # refuses a value before any frame is on the wire
         replicated = (copies, write_quorum) if copies > 1 else None
+        counts: list[int] = []
         for lo in range(0, len(ks), MAX_BATCH):
             hi = lo + MAX_BATCH
             conn.send_put(ks[lo:hi], views[lo:hi], ps[lo:hi], batch.pin, batch.retain_s,
                           replicated=replicated)
             counts.append(len(ks[lo:hi]))
+        return counts
+
+    sent = _sent(client, send)
+    if sent is None:
+        return None
+    conn, counts = sent
+    return PendingPut(client=client, conn=conn, counts=counts, copies=copies)
+
+
+def _sent(client: NodeClient, send: Callable[[ChannelConnection], T]
+          ) -> tuple[ChannelConnection, T] | None:
+    """Runs ``send`` on a connection checked out of ``client``: the connection and what
+    ``send`` returned, or None when the send failed at the transport (the connection is
+    dropped and the client negotiates afresh; nothing is pending). An error of the request
+    itself (a ``KVStoreError``, raised before anything is on the wire) returns the
+    connection to the pool and propagates."""
+    conn = client._checkout()
+    try:
+        return conn, send(conn)
     except KVStoreError:
         client._checkin(conn)  # nothing was sent
         raise
@@ -128,9 +148,8 @@ def start_put(client: NodeClient, batch: PutBatch, *, copies: int = 1, write_quo
         client._invalidate()
         return None
     except BaseException:
-        conn.close()
+        conn.close()  # the stream's state is unknown
         raise
-    return PendingPut(client=client, conn=conn, counts=counts, copies=copies)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -201,21 +220,12 @@ def _start_shm_put(client: NodeClient, batch: PutBatch) -> PendingShmPut | None:
     """``start_put`` over shared memory: the RESERVE sent, or None (see there)."""
     if len(batch.keys) > MAX_BATCH:
         return None
-    conn = client._checkout()
-    try:
-        sent = conn.send_reserve(batch.keys, batch.values, batch.parents, batch.pin,
-                                 batch.retain_s)
-    except KVStoreError:
-        client._checkin(conn)  # refused before anything was sent
-        raise
-    except OSError:
-        conn.close()
-        client._invalidate()
+    sent = _sent(client, lambda conn: conn.send_reserve(
+        batch.keys, batch.values, batch.parents, batch.pin, batch.retain_s))
+    if sent is None:
         return None
-    except BaseException:
-        conn.close()
-        raise
-    if not sent:
+    conn, reserving = sent
+    if not reserving:  # not a put that reserves in one part: nothing was sent
         client._checkin(conn)
         return None
     return PendingShmPut(client=client, conn=conn, batch=batch)
@@ -301,16 +311,10 @@ def start_get(client: NodeClient, keys: Sequence[BlockKey],
         if client._mode is Mode.TCP and (
                 outs is None or sum(len(o) for o in outs) > PIPELINED_STREAM_GET_BYTES):
             return None
-        conn = client._checkout()
+        sent = _sent(client, lambda conn: conn.send_get(keys))
     except KVStoreError:
         return None  # the ordinary call meets the same error and handles it
-    try:
-        started = conn.send_get(keys)
-    except OSError:
-        conn.close()
-        client._invalidate()
+    if sent is None:
         return None
-    except BaseException:
-        conn.close()
-        raise
+    conn, started = sent
     return PendingGet(client=client, conn=conn, keys=keys, outs=outs, started=started)

@@ -5,7 +5,6 @@ streams and over the nodes' shared memory."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 
@@ -219,15 +218,31 @@ def test_a_pipelined_same_host_put_answers_what_the_node_stored(cluster: LocalCl
         assert [n.remove(k) for k in keys] == [True] * 3
 
 
+def _break_after_reading(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The next ``ChannelConnection.<method>`` reads its answer, then the stream resets
+    (ConnectionResetError), as a connection that breaks just then; later calls are real."""
+    real = getattr(ChannelConnection, method)
+    armed = [True]
+
+    def read_then_reset(conn: ChannelConnection, *args: object) -> object:
+        answer = real(conn, *args)
+        if armed:
+            armed.clear()
+            raise ConnectionResetError("the stream broke")
+        return answer
+
+    monkeypatch.setattr(ChannelConnection, method, read_then_reset)
+
+
 def test_a_same_host_put_whose_stream_breaks_is_unavailable_and_the_client_reconnects(
-        cluster: LocalCluster) -> None:
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = [b"\x5d" + k[1:] for k in KEYS[:3]]
     values = [os.urandom(BIG) for _ in keys]
     with _shm_client(cluster, 0) as n:
         pending = start_put(n, PutBatch.check(keys, values, parents=None, pin=False,
                                               retain_s=None))
-        assert isinstance(pending, PendingShmPut) and pending.conn is not None
-        pending.conn.sock.shutdown(socket.SHUT_RDWR)
+        assert isinstance(pending, PendingShmPut)
+        _break_after_reading(monkeypatch, "_response")  # the RESERVE's answer, then a reset
         pending.advance()  # never raises: the error waits for finish
         with pytest.raises(Unavailable, match="transfer channel failed"):
             pending.finish()
@@ -268,8 +283,8 @@ def test_a_pipelined_get_answers_as_the_ordinary_call(
         # the leases were released and the stream is in step: the next call answers
         assert n.get_batch(keys) == values
         broken = start_get(n, keys, bufs[:3])
-        assert broken is not None and broken.conn is not None
-        broken.conn.sock.shutdown(socket.SHUT_RDWR)
+        assert broken is not None
+        _break_after_reading(monkeypatch, "get_reply")
         assert broken.finish() is None  # the caller makes the ordinary call
         assert n.get_batch(keys) == values
         assert [n.remove(k) for k in keys] == [True] * 3
