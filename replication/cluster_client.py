@@ -443,12 +443,12 @@ class ClusterClient(SingleKeyCalls):
                     answered[i] = True
 
             started: dict[NodeId, PendingGet] = {}
-            if start is not None and self.pipeline:
-                for n, idx in groups.items():
-                    pending_get = start(self._client(view, n), idx)
-                    if pending_get is not None:
-                        started[n] = pending_get
             try:
+                if start is not None and self.pipeline:
+                    for n, idx in groups.items():
+                        pending_get = start(self._client(view, n), idx)
+                        if pending_get is not None:
+                            started[n] = pending_get
                 self._parallel([partial(ask, n, idx) for n, idx in groups.items()
                                 if n not in started],
                                serial=self._all_mapped(view, groups))

@@ -262,8 +262,8 @@ def finish_all(calls: list[Callable[[], object]]) -> None:
 
 @dataclass(slots=True, kw_only=True)
 class PendingGet:
-    """A same-host get sent to one node whose answer is still to be read (``finish``,
-    once)."""
+    """A get sent to one node (a GET, or over shared memory a LEASE) whose answer is
+    still to be read (``finish``, once)."""
 
     client: NodeClient
     conn: ChannelConnection | None
