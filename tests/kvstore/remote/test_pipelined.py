@@ -125,6 +125,24 @@ def _shm_client(cluster: LocalCluster, i: int, transport: str = "shm") -> NodeCl
     return n
 
 
+def _record_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple[str, int]]:
+    """Each call of the ``ChannelConnection`` methods ``names``, in order: (its name, its
+    session, standing for the node), the real method run."""
+    events: list[tuple[str, int]] = []
+
+    def recorded(name: str) -> object:
+        original = getattr(ChannelConnection, name)
+
+        def call(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
+            events.append((name, id(conn.session)))
+            return original(conn, *args, **kwargs)
+        return call
+
+    for name in names:
+        monkeypatch.setattr(ChannelConnection, name, recorded(name))
+    return events
+
+
 @pytest.mark.slow
 def test_a_same_host_batch_asks_every_node_before_reading_any_answer(
         cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,19 +151,8 @@ def test_a_same_host_batch_asks_every_node_before_reading_any_answer(
     every LEASE before it reads any answer. The values read back equal."""
     keys = [b"\x5a" + k[1:] for k in KEYS]
     values = [os.urandom(BIG) for _ in keys]
-    events: list[tuple[str, str]] = []
-
-    def recorded(name: str) -> object:
-        original = getattr(ChannelConnection, name)
-
-        def call(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
-            events.append((name, conn.session.unix_path))
-            return original(conn, *args, **kwargs)
-        return call
-
-    for name in ("send_reserve", "fill_and_commit", "commit_reply", "send_get",
-                 "get_reply"):
-        monkeypatch.setattr(ChannelConnection, name, recorded(name))
+    events = _record_calls(monkeypatch, "send_reserve", "fill_and_commit", "commit_reply",
+                           "send_get", "get_reply")
     with Client(etcd=cluster.etcd, replicas=1, transport="auto") as c:
         c.put_batch([b"\xef" * 16], [b"x"])  # resolves every node's channel (shared memory)
         c.put_batch([b"\xef" * 15 + bytes([i]) for i in range(1, 40)], [b"x"] * 39)
@@ -174,25 +181,14 @@ def test_a_stream_get_asks_every_node_before_reading_any_answer(
     """Over TCP: every node is sent its GET, then every answer is read, in one thread."""
     keys = [b"\x5b" + k[1:] for k in KEYS]
     values = [os.urandom(BIG) for _ in keys]
-    events: list[tuple[str, int]] = []
-
-    def recorded(name: str) -> object:
-        original = getattr(ChannelConnection, name)
-
-        def call(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
-            events.append((name, conn.session.tcp_port))
-            return original(conn, *args, **kwargs)
-        return call
-
-    for name in ("send_get", "get_reply"):
-        monkeypatch.setattr(ChannelConnection, name, recorded(name))
+    events = _record_calls(monkeypatch, "send_get", "get_reply")
     with Client(etcd=cluster.etcd, replicas=1, transport="tcp") as c:
         assert c.put_batch(keys, values) == [True] * len(keys)
         bufs = [bytearray(BIG) for _ in keys]
         assert c.get_batch_into(keys, bufs) == [BIG] * len(keys)
         assert [bytes(b) for b in bufs] == values
         assert [name for name, _ in events] == ["send_get"] * 3 + ["get_reply"] * 3
-        assert len({port for _, port in events}) == 3
+        assert len({node for _, node in events}) == 3
         for k in keys:
             assert c.remove(k)
 
