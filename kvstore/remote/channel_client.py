@@ -205,8 +205,11 @@ class ChannelConnection:
         else:
             self.sock.sendall(head)
 
-    def _response(self) -> tuple[int, bytes]:
-        if self._staging is None:
+    def _response(self, *, staging_fd: bool = False) -> tuple[int, bytes]:
+        """The next reply's (count, meta); an error reply raised. ``staging_fd``: the reply
+        to a RESERVE, the only one a new staging area's memfd rides along with (the others
+        skip the ancillary-data receive)."""
+        if self._staging is None or not staging_fd:
             wire.recv_exact_into(self.sock, self._header)
             head: bytes | memoryview = self._header
         else:
@@ -427,7 +430,7 @@ class ChannelConnection:
     def _fill_reserved(self, keys: Sequence[bytes], values: Sequence[memoryview]
                        ) -> tuple[list[int], list[int | None]]:
         """``_reserve_and_fill`` once its RESERVE is sent: reads the answer and fills."""
-        _, reply = self._response()
+        _, reply = self._response(staging_fd=True)
         self._take_new_staging(reply)
         target = self._staging if self._staging is not None else self.session.region
         assert target is not None

@@ -220,8 +220,8 @@ def _break_after_reading(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     real = getattr(ChannelConnection, method)
     armed = [True]
 
-    def read_then_reset(conn: ChannelConnection, *args: object) -> object:
-        answer = real(conn, *args)
+    def read_then_reset(conn: ChannelConnection, *args: object, **kwargs: object) -> object:
+        answer = real(conn, *args, **kwargs)
         if armed:
             armed.clear()
             raise ConnectionResetError("the stream broke")
