@@ -326,9 +326,6 @@ class NodeServer:
         self._tls = tls
         self._host_id = host_id()
         unix_name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}" if enable_shm else None
-        self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
-                                     ssl_context=tls.ssl_context() if tls else None,
-                                     metrics=metrics, stall_s=read_lease_timeout)
         self.request_budget = RequestBudget(
             max_request_bytes or default_request_bytes(node.settings.dram_bytes))
         node.add_stat_source(self.request_budget.stats)
@@ -337,10 +334,24 @@ class NodeServer:
                                  options=_server_options(self.request_budget.limit),
                                  interceptors=[RequestInterceptor(metrics)])
         where = f"{_bracket(host)}:{port}"
-        bound = (self._grpc.add_secure_port(where, tls.grpc_credentials()) if tls
-                 else self._grpc.add_insecure_port(where))
-        if bound == 0:
-            raise OSError(f"cannot listen on {listen}")
+
+        def bind_grpc() -> int:
+            bound = (self._grpc.add_secure_port(where, tls.grpc_credentials()) if tls
+                     else self._grpc.add_insecure_port(where))
+            if bound == 0:
+                raise OSError(f"cannot listen on {listen}")
+            return bound
+
+        # The port given first: a port left to the kernel (0) and bound before it could be
+        # handed that very port, which is free until it is bound (a test, a demo or
+        # ``kvstore cluster up`` picks a free port, then starts the node on it).
+        grpc_first = int(port) != 0 or not data_port
+        bound = bind_grpc() if grpc_first else 0
+        self.channel = ChannelServer(node, host=host, port=data_port, unix_name=unix_name,
+                                     ssl_context=tls.ssl_context() if tls else None,
+                                     metrics=metrics, stall_s=read_lease_timeout)
+        if not grpc_first:
+            bound = bind_grpc()
         self.addresses = ServerAddresses(grpc=f"{_bracket(host)}:{bound}",
                                          channel=self.channel.tcp_address,
                                          unix_path=self.channel.unix_path)

@@ -416,3 +416,41 @@ def test_an_unreachable_node_keeps_the_transport_cause() -> None:
         c.exists([bytes(16)])
     assert isinstance(info.value.__cause__, grpc.RpcError)
     assert info.value.__cause__.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("grpc_port", "data_port"), [("given", 0), (0, "given")])
+def test_the_port_given_is_bound_before_the_one_left_to_the_kernel(
+        monkeypatch: pytest.MonkeyPatch, grpc_port: int | str, data_port: int | str) -> None:
+    """A port picked free beforehand stays free only until it is bound: the node binds it
+    before it asks the kernel for any port, which could otherwise be that very one (a test
+    saw the channel's port 0 handed the gRPC port it was about to bind)."""
+    import kvstore.server as server_module
+
+    given = free_port()
+    real = server_module.ChannelServer
+    seen: list[bool] = []
+
+    def channel_server(*args: object, **kwargs: object) -> object:
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", given))
+            seen.append(False)  # still free: not bound yet
+        except OSError:
+            seen.append(True)
+        finally:
+            probe.close()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "ChannelServer", channel_server)
+    node = Node(NodeSettings(dram_bytes=8 * MiB, prefault=False))
+    server = NodeServer(node, listen=f"127.0.0.1:{given if grpc_port == 'given' else 0}",
+                        data_port=given if data_port == "given" else 0, grpc_workers=2)
+    try:
+        # The gRPC port, when given, is bound before the channel's; a channel port given
+        # is bound by the channel itself, before the gRPC port left to the kernel.
+        assert seen == [grpc_port == "given"]
+        bound = server.addresses.grpc.rpartition(":")[2]
+        assert (int(bound) == given) == (grpc_port == "given")
+    finally:
+        server.stop(grace=0.5)
+        node.close()
