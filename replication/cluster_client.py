@@ -245,11 +245,6 @@ class ClusterClient(SingleKeyCalls):
 
     # ---- placement -----------------------------------------------------------------------
 
-    def _write_candidates(self, view: _View, key: BlockKey) -> list[NodeId]:
-        """Owners, then every other node in ranking order (fallbacks)."""
-        owners, rest = view.candidates(key)
-        return owners + rest
-
     def _read_candidates(self, view: _View, key: BlockKey, bad: set[NodeId]) -> list[NodeId]:
         owners, rest = view.candidates(key)
         return self._read_order(view, key, owners, rest, bad)
@@ -281,6 +276,7 @@ class ClusterClient(SingleKeyCalls):
             raise Unavailable(f"write quorum {self.write_quorum} needs {self.write_quorum} live "
                               f"nodes; {live} live")
         stored = [False] * len(ks)
+        # Owners, then every other node in ranking order (fallbacks).
         cands = [owners + rest for owners, rest in view.candidates_many(ks)]
         down: set[NodeId] = set()  # nodes that failed as master during this call
         errors: list[str] = []

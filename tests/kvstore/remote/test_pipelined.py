@@ -77,7 +77,7 @@ def test_every_master_holds_its_part_before_any_reply_is_read(
                 transport="tcp") as c:
         view = c._current()
         for k in keys:
-            master = view.by_id[c._write_candidates(view, check_key(k))[0]].addr
+            master = view.by_id[view.candidates(check_key(k))[0][0]].addr
             parts.setdefault(master, []).append(k)
         assert len(parts) == 3  # the batch spans every master
         assert c.put_batch(keys, values) == [True] * len(keys)
