@@ -78,7 +78,7 @@ struct kvb_table {
     struct kvb_heap heaps[KVB_LEVELS];
 };
 
-int kvb_api_version(void) { return 4; }
+int kvb_api_version(void) { return 5; }
 
 static uint64_t kvb_hash(const uint8_t *key) {
     uint64_t a, b;

@@ -26,7 +26,7 @@ _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 
 # What tiers/native_index.py expects of a build (kvb_api_version()).
-API_VERSION = 4
+API_VERSION = 5
 CDEF = """
 #define KVB_NONE 4294967295
 #define KVB_EBAD -2
@@ -91,6 +91,8 @@ int64_t kvb_insert(struct kvb_table *t, const uint8_t *key, const uint8_t *paren
                    int flags, uint32_t children, uint64_t last_access);
 struct kvb_map;
 struct kvb_map *kvb_map_open(void);
+struct kvb_map *kvb_map_open_units(int shift);
+int kvb_map_compact(const struct kvb_map *m);
 void kvb_map_close(struct kvb_map *m);
 uint64_t kvb_map_count(const struct kvb_map *m);
 uint64_t kvb_map_bytes(const struct kvb_map *m);

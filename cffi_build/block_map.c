@@ -8,10 +8,21 @@
 
 /* ---- the allocator's live table: extent offset -> length ---------------------------- */
 
-/* A bucket is two words: offset + 2 (probe_table.c keeps 0 and 1), and the length. */
+/* Two bucket layouts.
+ * Wide (kvb_map_open): two words, offset + 2 (probe_table.c keeps 0 and 1) and the length.
+ * Compact (kvb_map_open_units): one word, (offset >> shift) + 1 in the high half and
+ * length >> shift in the low half, for an allocator whose offsets and lengths are all
+ * multiples of 2**shift and whose region holds fewer than 2**32 - 1 such units: half the
+ * memory a live extent costs (8 bytes a bucket, issue #24). The word is >= 2**32, so never
+ * one of probe_table.c's marks. A compact map refuses (KVB_EBAD) what it cannot hold
+ * exactly, and answers "absent" for an offset no live extent can have. */
 struct kvb_map {
     struct kvp_table t;
+    int compact;
+    unsigned shift;
 };
+
+#define KVB_UNITS_MAX 0xFFFFFFFEull  /* compact: offset >> shift below it (+1 fits 32 bits) */
 
 static uint64_t mix64(uint64_t x) {
     x ^= x >> 33;
@@ -34,21 +45,78 @@ static int map_bucket_match(const uint64_t *bucket, const void *query, const voi
 
 static const struct kvp_ops map_ops = {map_bucket_hash, map_bucket_match};
 
-static uint64_t *map_find(const struct kvb_map *m, int64_t offset) {
-    uint64_t k = (uint64_t)offset + 2;
-    return kvp_find(&m->t, mix64(k), &k, &map_ops, NULL);
+/* Compact: the hash and the query are of the high half, (offset >> shift) + 1. */
+static uint64_t unit_bucket_hash(const uint64_t *bucket, const void *ctx) {
+    (void)ctx;
+    return mix64(bucket[0] >> 32);
 }
 
-struct kvb_map *kvb_map_open(void) {
+static int unit_bucket_match(const uint64_t *bucket, const void *query, const void *ctx) {
+    (void)ctx;
+    return bucket[0] >> 32 == *(const uint64_t *)query;
+}
+
+static const struct kvp_ops unit_ops = {unit_bucket_hash, unit_bucket_match};
+
+static const struct kvp_ops *ops_of(const struct kvb_map *m) {
+    return m->compact ? &unit_ops : &map_ops;
+}
+
+/* The word a query for ``offset`` matches (wide: offset + 2; compact: its unit + 1), or 0
+ * when a compact map can hold no extent at ``offset`` (misaligned or past its units). */
+static uint64_t query_of(const struct kvb_map *m, int64_t offset) {
+    if (!m->compact)
+        return (uint64_t)offset + 2;
+    uint64_t o = (uint64_t)offset;
+    if (o & ((1ull << m->shift) - 1) || o >> m->shift >= KVB_UNITS_MAX)
+        return 0;
+    return (o >> m->shift) + 1;
+}
+
+static uint64_t *map_find(const struct kvb_map *m, int64_t offset) {
+    uint64_t k = query_of(m, offset);
+    if (k == 0)
+        return NULL;
+    return kvp_find(&m->t, mix64(k), &k, ops_of(m), NULL);
+}
+
+static int64_t value_of(const struct kvb_map *m, const uint64_t *bucket) {
+    if (!m->compact)
+        return (int64_t)bucket[1];
+    return (int64_t)((bucket[0] & 0xFFFFFFFFull) << m->shift);
+}
+
+static int64_t offset_of(const struct kvb_map *m, const uint64_t *bucket) {
+    if (!m->compact)
+        return (int64_t)(bucket[0] - 2);
+    return (int64_t)(((bucket[0] >> 32) - 1) << m->shift);
+}
+
+static struct kvb_map *map_open(int compact, unsigned shift) {
     struct kvb_map *m = calloc(1, sizeof *m);
     if (m == NULL)
         return NULL;
-    if (kvp_init(&m->t, 2) != 0) {
+    m->compact = compact;
+    m->shift = shift;
+    if (kvp_init(&m->t, compact ? 1 : 2) != 0) {
         free(m);
         return NULL;
     }
     return m;
 }
+
+struct kvb_map *kvb_map_open(void) { return map_open(0, 0); }
+
+/* A compact map for offsets and lengths that are multiples of 2**shift (shift <= 32); NULL
+ * for a bad shift or no memory. */
+struct kvb_map *kvb_map_open_units(int shift) {
+    if (shift < 0 || shift > 32)
+        return NULL;
+    return map_open(1, (unsigned)shift);
+}
+
+/* 1 if the map is compact, 0 if wide. */
+int kvb_map_compact(const struct kvb_map *m) { return m->compact; }
 
 void kvb_map_close(struct kvb_map *m) {
     if (m == NULL)
@@ -74,22 +142,40 @@ int64_t kvb_map_get(const struct kvb_map *m, int64_t offset) {
     if (offset < 0)
         return -1;
     const uint64_t *p = map_find(m, offset);
-    return p != NULL ? (int64_t)p[1] : -1;
+    return p != NULL ? value_of(m, p) : -1;
 }
 
-/* Sets ``offset`` -> ``value`` (value >= 0); 0, KVB_EBAD or KVB_ENOMEM. */
+/* Sets ``offset`` -> ``value`` (value >= 0; a compact map also needs both multiples of its
+ * unit, offset within its units and value below 2**32 units); 0, KVB_EBAD or KVB_ENOMEM. */
 int kvb_map_set(struct kvb_map *m, int64_t offset, int64_t value) {
     if (offset < 0 || value < 0)
         return KVB_EBAD;
-    if (kvp_reserve(&m->t, &map_ops, NULL, 1ull << 60) != 0)
+    uint64_t k = query_of(m, offset);
+    if (k == 0)
+        return KVB_EBAD;
+    uint64_t word1 = (uint64_t)value;
+    if (m->compact) {
+        if (word1 & ((1ull << m->shift) - 1) || word1 >> m->shift > 0xFFFFFFFFull)
+            return KVB_EBAD;
+        word1 >>= m->shift;
+    }
+    if (kvp_reserve(&m->t, ops_of(m), NULL, 1ull << 60) != 0)
         return KVB_ENOMEM;
     uint64_t *p = map_find(m, offset);
     if (p != NULL) {
-        p[1] = (uint64_t)value;
+        if (m->compact)
+            p[0] = k << 32 | word1;
+        else
+            p[1] = word1;
         return 0;
     }
-    uint64_t bucket[2] = {(uint64_t)offset + 2, (uint64_t)value};
-    kvp_insert(&m->t, mix64(bucket[0]), bucket);
+    if (m->compact) {
+        uint64_t bucket[1] = {k << 32 | word1};
+        kvp_insert(&m->t, mix64(k), bucket);
+    } else {
+        uint64_t bucket[2] = {k, word1};
+        kvp_insert(&m->t, mix64(k), bucket);
+    }
     return 0;
 }
 
@@ -100,8 +186,8 @@ int64_t kvb_map_del(struct kvb_map *m, int64_t offset) {
     uint64_t *p = map_find(m, offset);
     if (p == NULL)
         return -1;
-    int64_t value = (int64_t)p[1];
-    kvp_remove(&m->t, p, &map_ops, NULL);
+    int64_t value = value_of(m, p);
+    kvp_remove(&m->t, p, ops_of(m), NULL);
     return value;
 }
 
@@ -116,8 +202,8 @@ uint64_t kvb_map_items(const struct kvb_map *m, uint64_t *from, int64_t *offsets
         uint64_t want = cap - n < 256 ? cap - n : 256;
         uint64_t k = kvp_items(&m->t, from, got, want);
         for (uint64_t i = 0; i < k; i++) {
-            offsets[n] = (int64_t)(got[i][0] - 2);
-            values[n++] = (int64_t)got[i][1];
+            offsets[n] = offset_of(m, got[i]);
+            values[n++] = value_of(m, got[i]);
         }
         if (k < want)
             break;

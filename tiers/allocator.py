@@ -79,7 +79,8 @@ class ExtentAllocator:
         self._bins: list[set[int]] = [set() for _ in range(max(1, self._capacity.bit_length()))]
         self._nonempty = 0  # bit k set iff bins[k] is non-empty: finds a bin without a scan
         # offset -> length of every live allocation: the proof that a free is legitimate.
-        self._live: LiveTable = make_live_table(index)
+        self._live: LiveTable = make_live_table(index, alignment=alignment,
+                                                capacity=self._capacity)
         # One int object per distinct extent length: the lengths of live extents (here and
         # in their owners' records) share it instead of holding one int each (bounded).
         self._lengths: dict[int, int] = {}

@@ -22,8 +22,10 @@ The figures per block are measured, not derived:
   the same benchmark with ``--index native``: 186 bytes per block in RSS at 1 million
   blocks, 165 at 10 million. Its 120-byte record per block is fixed; its key table (8
   bytes a bucket), heap (4 bytes a place) and the allocator's live table (16 bytes a
-  bucket) double as they fill, so the figure steps between about 160 and 190 with the
-  count; the budget takes the top of that range.
+  bucket; 8 where the tier's region holds fewer than 2**32 - 2 alignment units, which
+  took 17 bytes a block off at 1 million) double as they fill, so the figure steps
+  between about 145 and 190 with the count and the tier; the budget takes the top of
+  that range, the wide live table's.
 
 Neither counts a durable tier's location records (``tiers.ssd``: one Python object per
 SSD block in both indexes), which the benchmark's metadata-only tier has none of.

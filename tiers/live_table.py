@@ -14,6 +14,8 @@ from typing import Any, Protocol
 from tiers.index_kind import MODULE, resolve
 
 _BATCH = 4096
+_MAX_SHIFT = 32  # cffi_build/block_map.c: kvb_map_open_units
+_MAX_UNITS = (1 << 32) - 2  # a compact table's offsets, in units, stay below it
 
 
 class LiveTable(Protocol):
@@ -40,18 +42,35 @@ class PyLiveTable(dict[int, int]):
 
 
 class NativeLiveTable:
-    """``LiveTable`` over a ``kvb_map`` (offsets and lengths >= 0)."""
+    """``LiveTable`` over a ``kvb_map`` (offsets and lengths >= 0).
 
-    def __init__(self) -> None:
+    Given its allocator's ``alignment`` and ``capacity``, the table is *compact* when the
+    region holds fewer than ``2**32 - 1`` alignment units: a live extent then costs one
+    8-byte bucket (both numbers in units) instead of two words (issue #24), and the table
+    refuses an offset or length that is not a multiple of the alignment, which no
+    allocation of that allocator has. Without them (or past that size) it is wide and
+    takes any offsets and lengths >= 0."""
+
+    def __init__(self, *, alignment: int = 1, capacity: int | None = None) -> None:
         mod: Any = importlib.import_module(MODULE)
         self._ffi, self._lib = mod.ffi, mod.lib
+        shift = alignment.bit_length() - 1
+        self._unit = alignment if (
+            capacity is not None and alignment > 0 and alignment == 1 << shift
+            and shift <= _MAX_SHIFT and capacity >> shift < _MAX_UNITS) else None
         self._new()
 
+    @property
+    def compact(self) -> bool:
+        return bool(self._lib.kvb_map_compact(self._m))
+
     def _new(self) -> None:
-        m = self._lib.kvb_map_open()
+        lib = self._lib
+        unit = self._unit
+        m = lib.kvb_map_open() if unit is None else lib.kvb_map_open_units(unit.bit_length() - 1)
         if m == self._ffi.NULL:
             raise MemoryError("native index: no memory for an empty live table")
-        self._m = self._ffi.gc(m, self._lib.kvb_map_close)
+        self._m = self._ffi.gc(m, lib.kvb_map_close)
 
     def __len__(self) -> int:
         return int(self._lib.kvb_map_count(self._m))
@@ -61,7 +80,10 @@ class NativeLiveTable:
         if rc == self._lib.KVB_ENOMEM:
             raise MemoryError("native index: no memory for the live table")
         if rc < 0:
-            raise ValueError(f"live extent ({offset}, {length}): both must be >= 0")
+            unit = self._unit
+            raise ValueError(f"live extent ({offset}, {length}): both must be >= 0"
+                             + ("" if unit is None else
+                                f", multiples of {unit} and within the region"))
 
     def __delitem__(self, offset: int) -> None:
         if self._lib.kvb_map_del(self._m, offset) < 0:
@@ -98,6 +120,10 @@ class NativeLiveTable:
         return int(self._lib.kvb_map_released(self._m))
 
 
-def make_live_table(kind: str | None = None) -> LiveTable:
-    """The live table of ``kind`` (``tiers.index_kind.resolve``)."""
-    return NativeLiveTable() if resolve(kind) == "native" else PyLiveTable()
+def make_live_table(kind: str | None = None, *, alignment: int = 1,
+                    capacity: int | None = None) -> LiveTable:
+    """The live table of ``kind`` (``tiers.index_kind.resolve``) for an allocator of
+    ``alignment`` over ``capacity`` bytes (the native one is compact where they allow)."""
+    if resolve(kind) == "native":
+        return NativeLiveTable(alignment=alignment, capacity=capacity)
+    return PyLiveTable()

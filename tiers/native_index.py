@@ -38,7 +38,7 @@ from tiers.records import MOVING, PINNED, UNLINKED, BlockEntry
 _module: Any = importlib.import_module("tiers._block_index")  # cffi: untyped
 ffi: Any = _module.ffi
 lib: Any = _module.lib
-API_VERSION = 4  # cffi_build/block_index_build.py API_VERSION
+API_VERSION = 5  # cffi_build/block_index_build.py API_VERSION
 KEY_BYTES = 16
 _NONE = lib.KVB_NONE
 _EBAD = lib.KVB_EBAD
