@@ -224,6 +224,28 @@ def test_key_table_survives_growth_and_deletion_in_any_order() -> None:
     assert t.prefix_length([*kept[:50], BlockKey(b"z" * 16), *kept]) == 50
 
 
+def test_prefix_length_fetched_ahead_in_windows_stops_at_the_first_absent_key() -> None:
+    """``kvb_prefix_length`` looks keys up a window (16) at a time after fetching ahead:
+    its answer is the first absent key's position wherever that falls (inside a window,
+    on a window's edge, past the last), also while the key table is growing (lookups in
+    both its halves)."""
+    t = NativeBlockTable()
+    keys = [BlockKey(i.to_bytes(16, "big")) for i in range(1, 3000)]
+    absent = BlockKey(b"\xff" * 16)
+    growing_seen = False
+    for n, k in enumerate(keys, 1):
+        t[k] = t.new_entry(key=k, parent=None, nbytes=1, level=0)
+        growing_seen |= t.moving_buckets() > 0
+        if n % 97 == 0 or (t.moving_buckets() > 0 and n % 7 == 0):
+            chain = keys[max(0, n - 40):n]
+            for cut in (0, 1, 15, 16, 17, 31, 32, 33, len(chain) - 1, len(chain)):
+                cut = min(cut, len(chain))
+                probe = [*chain[:cut], absent, *chain[cut:]]
+                assert t.prefix_length(probe) == cut
+            assert t.prefix_length(chain) == len(chain)
+    assert growing_seen  # some lookups ran while the table was growing
+
+
 def test_a_handle_nobody_holds_is_dropped_and_one_held_is_kept() -> None:
     t = NativeBlockTable()
     keys = [BlockKey(i.to_bytes(16, "big")) for i in range(5000)]
