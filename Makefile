@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo demo-serving demo-vllm test test-native-index test-all test-engines lint typecheck bench proto docs clean native asan-channel asan-index test-vllm test-vllm033 test-sglang test-lmcache test-mooncake
 
-$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py cffi_build/probe_table.c cffi_build/block_index.c cffi_build/block_map.c cffi_build/block_index_build.py
+$(STAMP): pyproject.toml constraints.txt scripts/install-system-deps.sh cffi_build/uring_io.c cffi_build/uring_ring.c cffi_build/uring_build.py cffi_build/channel.c cffi_build/channel_build.py cffi_build/probe_table.c cffi_build/block_index.c cffi_build/block_paths.c cffi_build/block_map.c cffi_build/block_index_build.py
 	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

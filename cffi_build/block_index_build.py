@@ -1,5 +1,6 @@
 """cffi (API mode) build of ``tiers._block_index``: the tier index in native memory
-(``cffi_build/block_index.c``, and the allocators' live tables in ``block_map.c``, both
+(``cffi_build/block_index.c``, the manager's one-call paths over it in ``block_paths.c``, and
+the allocators' live tables in ``block_map.c``, all over the
 hash tables ``probe_table.c``; issue #24).
 
 Run from the repository root::
@@ -105,7 +106,7 @@ uint64_t kvb_map_items(const struct kvb_map *m, uint64_t *from, int64_t *offsets
                        int64_t *values, uint64_t cap);
 """
 MODULE = "tiers._block_index"
-SOURCES = ["probe_table.c", "block_index.c", "block_map.c"]
+SOURCES = ["probe_table.c", "block_index.c", "block_paths.c", "block_map.c"]
 
 
 def make_builder(asan: bool = False) -> FFI:
