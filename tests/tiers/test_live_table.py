@@ -13,20 +13,19 @@ from tiers.live_table import NativeLiveTable, PyLiveTable
 pytestmark = pytest.mark.skipif(not native_available(), reason="native index not built")
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["set", "del", "get", "fill"]),
-                              st.integers(0, 3000) | st.integers(0, 1 << 62),
-                              st.integers(0, 1 << 40)), max_size=300))
-def test_native_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]]) -> None:
-    """Also while it grows: ``fill`` sets hundreds of offsets at once to reach a growth, so
-    later operations run while the old table is still being drained."""
-    native, ref = NativeLiveTable(), PyLiveTable()
-    next_fill = 1 << 50
-    for op, offset, length in ops:
+def _drive_against_a_dict(native: NativeLiveTable, ops: list[tuple[str, int, int]], *,
+                          unit: int, fill_from: int) -> None:
+    """Runs ``ops`` (offsets and lengths in ``unit``s) on ``native`` and a dict alike and
+    compares every answer; ``fill`` sets hundreds of offsets at once (from ``fill_from``
+    units on) to reach a growth, so later operations run while the old table drains."""
+    ref = PyLiveTable()
+    next_fill = fill_from
+    for op, unit_offset, unit_length in ops:
+        offset, length = unit_offset * unit, unit_length * unit
         if op == "fill":
-            for i in range(offset % 700):
-                native[next_fill + i] = length
-                ref[next_fill + i] = length
+            for i in range(unit_offset % 700):
+                native[(next_fill + i) * unit] = length
+                ref[(next_fill + i) * unit] = length
             next_fill += 700
         elif op == "set":
             native[offset] = length
@@ -39,8 +38,21 @@ def test_native_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]]) ->
                 with pytest.raises(KeyError):
                     del native[offset]
         assert native.get(offset) == ref.get(offset)
+        if unit > 1:
+            assert native.get(offset + 1) is None  # no extent of this allocator starts there
         assert len(native) == len(ref)
     assert sorted(native.items()) == sorted(ref.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "del", "get", "fill"]),
+                              st.integers(0, 3000) | st.integers(0, 1 << 62),
+                              st.integers(0, 1 << 40)), max_size=300))
+def test_native_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]]) -> None:
+    """Also while it grows (see ``_drive_against_a_dict``), and once cleared."""
+    native = NativeLiveTable()
+    assert not native.compact
+    _drive_against_a_dict(native, ops, unit=1, fill_from=1 << 50)
     native.clear()
     assert len(native) == 0 and list(native.items()) == []
 
@@ -68,30 +80,9 @@ def test_a_compact_live_table_answers_as_a_dict(ops: list[tuple[str, int, int]])
     """Offsets and lengths in units of the allocator's alignment, one word a bucket: the
     same answers as the dict for every offset and length an allocator of that alignment
     can hand out, also while the table grows."""
-    native, ref = NativeLiveTable(alignment=UNIT, capacity=UNITS * UNIT), PyLiveTable()
+    native = NativeLiveTable(alignment=UNIT, capacity=UNITS * UNIT)
     assert native.compact
-    next_fill = 1 << 31
-    for op, unit_offset, unit_length in ops:
-        offset, length = unit_offset * UNIT, unit_length * UNIT
-        if op == "fill":
-            for i in range(unit_offset % 700):
-                native[(next_fill + i) * UNIT] = length
-                ref[(next_fill + i) * UNIT] = length
-            next_fill += 700
-        elif op == "set":
-            native[offset] = length
-            ref[offset] = length
-        elif op == "del":
-            if offset in ref:
-                del native[offset]
-                del ref[offset]
-            else:
-                with pytest.raises(KeyError):
-                    del native[offset]
-        assert native.get(offset) == ref.get(offset)
-        assert native.get(offset + 1) is None  # no extent of this allocator starts there
-        assert len(native) == len(ref)
-    assert sorted(native.items()) == sorted(ref.items())
+    _drive_against_a_dict(native, ops, unit=UNIT, fill_from=1 << 31)
 
 
 def test_a_compact_live_table_refuses_what_it_cannot_hold_exactly() -> None:
