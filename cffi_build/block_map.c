@@ -12,7 +12,7 @@
  * Wide (kvb_map_open): two words, offset + 2 (probe_table.c keeps 0 and 1) and the length.
  * Compact (kvb_map_open_units): one word, (offset >> shift) + 1 in the high half and
  * length >> shift in the low half, for an allocator whose offsets and lengths are all
- * multiples of 2**shift and whose region holds fewer than 2**32 - 1 such units: half the
+ * multiples of 2**shift and whose region holds fewer than 2**32 - 2 such units: half the
  * memory a live extent costs (8 bytes a bucket, issue #24). The word is >= 2**32, so never
  * one of probe_table.c's marks. A compact map refuses (KVB_EBAD) what it cannot hold
  * exactly, and answers "absent" for an offset no live extent can have. */

@@ -45,7 +45,7 @@ class NativeLiveTable:
     """``LiveTable`` over a ``kvb_map`` (offsets and lengths >= 0).
 
     Given its allocator's ``alignment`` and ``capacity``, the table is *compact* when the
-    region holds fewer than ``2**32 - 1`` alignment units: a live extent then costs one
+    region holds fewer than ``2**32 - 2`` alignment units: a live extent then costs one
     8-byte bucket (both numbers in units) instead of two words (issue #24), and the table
     refuses an offset or length that is not a multiple of the alignment, which no
     allocation of that allocator has. Without them (or past that size) it is wide and
