@@ -23,10 +23,13 @@ class DramTier(AllocatorBacked):
 
     name = "dram"
 
-    def __init__(self, capacity: int, *, alignment: int = 64, prefault: bool = True) -> None:
+    def __init__(self, capacity: int, *, alignment: int = 64, prefault: bool = True,
+                 index: str | None = None) -> None:
+        """``index``: the allocator's live-table kind (``tiers.index_kind``; None: the
+        environment's)."""
         if capacity <= 0:
             raise ValueError(f"DRAM tier capacity must be positive, got {capacity}")
-        self._allocator = ExtentAllocator(capacity, alignment=alignment)
+        self._allocator = ExtentAllocator(capacity, alignment=alignment, index=index)
         self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, capacity)

@@ -44,12 +44,15 @@ class HbmTier(AllocatorBacked):
 
     name = "hbm"
 
-    def __init__(self, capacity: int, *, device: str | None = None, alignment: int = 256) -> None:
+    def __init__(self, capacity: int, *, device: str | None = None, alignment: int = 256,
+                 index: str | None = None) -> None:
+        """``index``: the allocator's live-table kind (``tiers.index_kind``; None: the
+        environment's)."""
         # The module is kept as an attribute, not a local named ``torch``: that name is
         # the module-level (type-checking only) import the annotations refer to.
         self._torch = _torch()
         self.device = pick_device(device)
-        self._allocator = ExtentAllocator(capacity, alignment=alignment)
+        self._allocator = ExtentAllocator(capacity, alignment=alignment, index=index)
         self._region: torch.Tensor = self._torch.empty(
             self._allocator.capacity, dtype=self._torch.uint8, device=self.device)
 

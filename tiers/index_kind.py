@@ -22,6 +22,15 @@ DEFAULT_INDEX: IndexKind = "python"
 """The index a TierManager runs when neither its caller nor ``KVSTORE_NATIVE_INDEX`` says."""
 
 
+AUTO_NATIVE_BLOCKS = 1_000_000
+"""From this many blocks planned (a node's tiers at full occupancy in its ``--block-bytes``)
+a node runs the native index when nobody named one and it is built: there the Python
+index's full collections pause every request for 0.2 s (1 million blocks) to 2 s (10
+million), and its objects take about 2.7 times the native index's memory
+(``benchmarks/RESULTS.md``, "The tier index at 1, 10 and 50 million blocks"). Below it
+the Python index, cheaper per operation, stays the default."""
+
+
 class IndexUnavailable(TierError):
     """The native index was asked for by name and its extension is not built."""
 
@@ -58,3 +67,14 @@ def resolve(kind: str | None) -> IndexKind:
                                    "(python -m cffi_build.block_index_build)")
         return "python"
     return chosen
+
+
+def for_planned_blocks(blocks: int) -> IndexKind:
+    """The index for a node planned to hold ``blocks`` blocks: what ``KVSTORE_NATIVE_INDEX``
+    asks when set (as ``resolve``), else the native one from ``AUTO_NATIVE_BLOCKS`` on
+    where it is built, else ``DEFAULT_INDEX``."""
+    if requested_kind() is not None:
+        return resolve(None)
+    if blocks >= AUTO_NATIVE_BLOCKS and native_available():
+        return "native"
+    return DEFAULT_INDEX

@@ -55,7 +55,8 @@ from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.index_budget import DEFAULT_BLOCK_BYTES
-from tiers.index_kind import resolve as index_kind
+from tiers.index_kind import DEFAULT_INDEX
+from tiers.index_kind import for_planned_blocks as index_for
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
 from tiers.observer import TierObserver
@@ -169,6 +170,7 @@ class Node:
             watermarks=Watermarks(high=settings.high_watermark, low=settings.low_watermark),
             retention=RetentionBook(clock=clock, wall_clock=wall_clock, max_bytes=int(
                 settings.max_retained_fraction * sum(t.capacity for t in tiers))),
+            index=self._index,
         )
         self._recover()
         self._mover: TierMover | None = None
@@ -185,11 +187,14 @@ class Node:
         self._request_scope = _RequestScope(self)
 
     def _open_tiers(self, s: NodeSettings) -> list[Tier]:
-        budget = index_budget({"hbm": s.hbm_bytes, "dram": s.dram_bytes,
-                               "ssd": s.ssd_bytes if s.ssd_path else 0}, s.block_bytes,
-                              kind=index_kind(None))  # the one its TierManager runs
+        tier_bytes = {"hbm": s.hbm_bytes, "dram": s.dram_bytes,
+                      "ssd": s.ssd_bytes if s.ssd_path else 0}
+        planned = index_budget(tier_bytes, s.block_bytes, kind=DEFAULT_INDEX).total_blocks
+        self._index = index_for(planned)  # what every tier's allocator and the manager run
+        budget = index_budget(tier_bytes, s.block_bytes, kind=self._index)
         # Reported once the node serves (``kvstore serve``): a CLI error before that stays
         # one line.
+        self._info["tier_index"] = self._index
         self._info["index_budget"] = budget.describe()
         self._info["index_budget_bytes"] = budget.nbytes
         self._info["index_budget_blocks"] = budget.total_blocks
@@ -199,12 +204,12 @@ class Node:
             if s.hbm_bytes:
                 from tiers.hbm import HbmTier
 
-                hbm = HbmTier(s.hbm_bytes, device=s.hbm_device)
+                hbm = HbmTier(s.hbm_bytes, device=s.hbm_device, index=self._index)
                 self._info["hbm_device"] = hbm.device
                 log.info("HBM tier: %d bytes on device %s%s", s.hbm_bytes, hbm.device,
                          "" if hbm.on_gpu else " (no GPU: the HBM code path runs on the CPU)")
                 tiers.append(hbm)
-            dram = DramTier(s.dram_bytes, prefault=s.prefault)
+            dram = DramTier(s.dram_bytes, prefault=s.prefault, index=self._index)
             self._info["dram_pinned"] = dram.pinned
             tiers.append(dram)
             if s.ssd_path:
@@ -223,7 +228,8 @@ class Node:
         try:
             with collector_paused():  # its records: what a restart recovers
                 ssd = SsdTier(s.ssd_path or "", s.ssd_bytes, io=s.ssd_io,
-                              allow_index_rebuild=s.allow_index_rebuild)
+                              allow_index_rebuild=s.allow_index_rebuild,
+                              index_kind=self._index)
         except SsdIndexDamagedError as exc:
             log.error("the SSD tier's index is damaged, so its blocks cannot be served: %s",
                       exc)

@@ -48,3 +48,23 @@ def test_unset_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(index_kind, "native_available", lambda: True)
     assert resolve(None) == index_kind.DEFAULT_INDEX
+
+
+@pytest.mark.parametrize(("env", "built", "blocks", "kind"), [
+    (None, True, index_kind.AUTO_NATIVE_BLOCKS - 1, "python"),
+    (None, True, index_kind.AUTO_NATIVE_BLOCKS, "native"),
+    (None, True, 50_000_000, "native"),
+    (None, False, 50_000_000, "python"),  # not built: the Python index, whatever the size
+    ("0", True, 50_000_000, "python"),    # the environment wins both ways
+    ("1", True, 1, "native"),
+    ("1", False, 1, "python"),
+])
+def test_a_node_of_a_million_planned_blocks_or_more_runs_the_native_index(
+        monkeypatch: pytest.MonkeyPatch, env: str | None, built: bool, blocks: int,
+        kind: str) -> None:
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    monkeypatch.setattr(index_kind, "native_available", lambda: built)
+    assert index_kind.for_planned_blocks(blocks) == kind

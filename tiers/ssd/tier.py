@@ -133,7 +133,11 @@ class SsdTier:
         direct: bool = True,
         preallocate: bool = True,
         allow_index_rebuild: bool = False,
+        index_kind: str | None = None,
     ) -> None:
+        """``index_kind``: the kind of the allocator's live table (``tiers.index_kind``;
+        None: the environment's), not to be confused with the tier's own durable index
+        (``index_path``)."""
         if io not in IO_CHOICES:
             raise ValueError(f"io must be one of {IO_CHOICES}, got {io!r}")
         if queue_depth < 1:
@@ -151,13 +155,14 @@ class SsdTier:
         self.rebuild_report: RebuildReport | None = None
         try:
             self._open(capacity, io, index_path, queue_depth, direct, preallocate,
-                       allow_index_rebuild)
+                       allow_index_rebuild, index_kind)
         except BaseException:
             self.close()
             raise
 
     def _open(self, capacity: int, io: str, index_path: str | None, queue_depth: int,
-              direct: bool, preallocate: bool, allow_rebuild: bool) -> None:
+              direct: bool, preallocate: bool, allow_rebuild: bool,
+              index_kind: str | None) -> None:
         self.is_block_device, created = probe_region(self._path, capacity)
         if self.is_block_device and index_path is None:
             raise ValueError("a block device needs an explicit index_path")
@@ -167,7 +172,7 @@ class SsdTier:
         # The region held blocks before if the witness exists, or (a regular file) if the
         # data file did: an index without a format record then lost it.
         in_use = os.path.exists(witness_path) or (not created and not self.is_block_device)
-        self._allocator = _SsdAllocator(capacity, alignment=ALIGNMENT)
+        self._allocator = _SsdAllocator(capacity, alignment=ALIGNMENT, index=index_kind)
         # Validate the index before touching the data file, so a mismatched
         # configuration, or a damaged index nobody allowed to rebuild, changes nothing.
         damage: SsdIndexDamagedError | None = None

@@ -12,10 +12,14 @@ import pytest
 from conftest import REPO, free_port
 
 from kvstore.core.errors import ResourceExhausted
+from kvstore.core.keys import BlockKey
 from kvstore.node import fit
+from kvstore.node.semantics import Node, NodeSettings
 from tiers.index_budget import index_bytes_per_block
+from tiers.index_kind import ENV, native_available
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def _serve(*args: str, cgroup: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -208,3 +212,28 @@ def test_a_bad_block_size_is_a_cli_error() -> None:
     assert out.returncode == 1
     assert "kvstore serve: error: block_bytes must be positive" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not native_available(), reason="native index not built")
+@pytest.mark.parametrize(("block_bytes", "env", "kind"), [
+    (64, None, "native"),        # 64 MiB of 64-byte blocks: 1,048,576 planned
+    (128, None, "python"),       # 524,288 planned
+    (64, "0", "python"),         # the environment wins
+    (128, "1", "native"),
+])
+def test_a_node_planned_for_a_million_blocks_runs_the_native_index(
+        monkeypatch: pytest.MonkeyPatch, block_bytes: int, env: str | None, kind: str) -> None:
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    node = Node(NodeSettings(dram_bytes=64 * MiB, block_bytes=block_bytes, prefault=False))
+    try:
+        info = node.stats()["node"]
+        assert info["tier_index"] == kind
+        assert str(info["index_budget"]).endswith(f"bytes per block, {kind} index)")
+        key = BlockKey(bytes(range(16)))
+        assert node.put(key, memoryview(b"v" * 100))
+        assert node.get(key) == b"v" * 100
+    finally:
+        node.close()
