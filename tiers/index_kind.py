@@ -2,7 +2,9 @@
 
 The index is the TierManager's block table (``tiers.block_table``) and the allocators'
 live tables (``tiers.live_table``). ``KVSTORE_NATIVE_INDEX=1`` selects the native one
-wherever a caller does not name a kind, ``0`` the Python one; unset, ``DEFAULT_INDEX``.
+wherever a caller does not name a kind, ``0`` the Python one; unset, ``DEFAULT_INDEX``,
+except for a node planned for ``AUTO_NATIVE_BLOCKS`` blocks or more, which names the
+native one itself (``for_planned_blocks``).
 Without the built extension (``python -m cffi_build.block_index_build``) an unnamed
 request falls back to the Python index; a caller that names ``"native"`` gets
 ``IndexUnavailable``.
