@@ -132,10 +132,15 @@ class IndexBudget:
                 f"{self.bytes_per_block} bytes per block, {self.kind} index)")
 
 
+def planned_blocks(tier_bytes: dict[str, int], block_bytes: int) -> dict[str, int]:
+    """The blocks each tier of ``tier_bytes`` (name -> size; 0: absent) holds when full."""
+    return {name: blocks_at_full_occupancy(n, block_bytes)
+            for name, n in tier_bytes.items() if n}
+
+
 def index_budget(tier_bytes: dict[str, int], block_bytes: int, *, kind: str) -> IndexBudget:
     """The index's metadata for tiers of ``tier_bytes`` (name -> size) when full."""
-    blocks = {name: blocks_at_full_occupancy(n, block_bytes)
-              for name, n in tier_bytes.items() if n}
+    blocks = planned_blocks(tier_bytes, block_bytes)
     total = sum(blocks.values())
     per_block = index_bytes_per_block(total, kind=kind)
     return IndexBudget(kind=kind, block_bytes=block_bytes, blocks=blocks,

@@ -49,13 +49,12 @@ from kvstore.core.prefetch import (
     PrefetchOutcome,
 )
 from kvstore.core.retention import MAX_RETAIN_KEYS, RetainOutcome
-from kvstore.node.fit import check_fits, index_budget
+from kvstore.node.fit import check_fits, index_budget, planned_blocks
 from kvstore.node.room import PutRoom, RoomTries
 from tiers.base import DurableCopy, Tier
 from tiers.dram import DramTier
 from tiers.errors import BlockTooLarge, OutOfSpace
 from tiers.index_budget import DEFAULT_BLOCK_BYTES
-from tiers.index_kind import DEFAULT_INDEX
 from tiers.index_kind import for_planned_blocks as index_for
 from tiers.manager import BlockEntry, NeedsRoom, Reservation, TierManager, Watermarks
 from tiers.mover import TierMover, leased_block_view, leased_block_views
@@ -189,8 +188,8 @@ class Node:
     def _open_tiers(self, s: NodeSettings) -> list[Tier]:
         tier_bytes = {"hbm": s.hbm_bytes, "dram": s.dram_bytes,
                       "ssd": s.ssd_bytes if s.ssd_path else 0}
-        planned = index_budget(tier_bytes, s.block_bytes, kind=DEFAULT_INDEX).total_blocks
-        self._index = index_for(planned)  # what every tier's allocator and the manager run
+        # What every tier's allocator and the manager run:
+        self._index = index_for(sum(planned_blocks(tier_bytes, s.block_bytes).values()))
         budget = index_budget(tier_bytes, s.block_bytes, kind=self._index)
         # Reported once the node serves (``kvstore serve``): a CLI error before that stays
         # one line.
